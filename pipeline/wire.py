@@ -1,0 +1,157 @@
+"""The wire protocol between stages: message kinds, schema version, encode/decode, validation.
+
+Every ZeroMQ message is a multipart message whose first frame is one msgpack-encoded `Msg` (tagged by
+`kind`) and whose optional further frames are raw payloads (an Arrow IPC stream for `FetchReply`).
+Each message carries `schema`; a peer speaking another schema, garbage bytes, wrong field types,
+oversized frames and unknown kinds all become `ProtocolError` with a reason that names the problem —
+servers answer those with `Error` and count them, they never crash on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline.sample import Sample
+
+SCHEMA_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # a single frame above this is refused (raise `max_message_mb` to change)
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; str(e) is the reason sent back to the peer."""
+
+
+class Msg(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=False):
+    schema: int = SCHEMA_VERSION
+
+
+# -- ingest: generator -> buffer ----------------------------------------------------------------------
+class Ingest(Msg, tag="ingest"):
+    """A batch of samples. Acked only after the buffer made them durable; resent until acked."""
+
+    producer: str  # stable id of the sending generator
+    seq: int  # producer-local sequence number; the ack echoes it
+    samples: list[Sample]
+
+
+class IngestAck(Msg, tag="ingest_ack"):
+    seq: int
+    accepted: int  # newly stored
+    duplicates: int  # uid already present (or already consumed): dropped, still acked
+    rejected: int  # invalid samples (see errors); acked so they are not resent forever
+    trainer_version: int  # the trainer's current policy version, for generator admission control
+    errors: list[str] = []
+
+
+# -- fetch: trainer -> buffer -------------------------------------------------------------------------
+class Fetch(Msg, tag="fetch"):
+    """Ask for `num_groups` complete groups trainable at `version` within `max_staleness`."""
+
+    consumer: str
+    num_groups: int
+    version: int  # the trainer's current policy version (also announces it)
+    max_staleness: int  # serve only groups with version - min_token_version <= max_staleness
+    timeout_s: float  # the server replies with FetchReply(num_groups=0) if not enough data by then
+
+
+class FetchReply(Msg, tag="fetch_reply"):
+    """Frame 2 (when num_samples > 0) is one Arrow IPC stream holding one record batch."""
+
+    num_groups: int
+    num_samples: int
+    evicted_stale: int = 0  # samples evicted as too stale while serving this request
+    waited_s: float = 0.0
+    reason: str = ""  # why the reply is short (timeout, ...)
+
+
+# -- control ------------------------------------------------------------------------------------------
+class SetVersion(Msg, tag="set_version"):
+    """The trainer announces its policy version (generators see it in acks)."""
+
+    version: int
+
+
+class StatsRequest(Msg, tag="stats"):
+    pass
+
+
+class StatsReply(Msg, tag="stats_reply"):
+    stats: dict[str, Any]
+
+
+class Ok(Msg, tag="ok"):
+    pass
+
+
+class Error(Msg, tag="error"):
+    reason: str
+
+
+AnyMsg = Ingest | IngestAck | Fetch | FetchReply | SetVersion | StatsRequest | StatsReply | Ok | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMsg)
+_peek = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> AnyMsg:
+    """Decode and validate one header frame; raise ProtocolError with a reason on anything wrong."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(
+            f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes; "
+            "send smaller batches or raise the server's max_message_mb"
+        )
+    try:
+        msg = _decoder.decode(frame)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(_explain(frame, e)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"not a slipstream message (undecodable msgpack: {e})") from None
+    if msg.schema != SCHEMA_VERSION:
+        raise ProtocolError(
+            f"schema version {msg.schema} is not supported (this peer speaks {SCHEMA_VERSION}); "
+            "run the same slipstream version on both ends"
+        )
+    if isinstance(msg, Ingest):
+        for s in msg.samples:
+            try:
+                s.validate()
+            except ValueError as e:
+                raise ProtocolError(f"invalid sample in ingest seq {msg.seq}: {e}") from None
+    return msg
+
+
+def _explain(frame: bytes | memoryview, e: Exception) -> str:
+    """A reason that names the schema or kind problem before the field-level one."""
+    try:
+        head = _peek.decode(frame)
+    except Exception:
+        return f"invalid message: {e}"
+    if head.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
+        return (
+            f"schema version {head.get('schema')!r} is not supported (this peer speaks {SCHEMA_VERSION}); "
+            "run the same slipstream version on both ends"
+        )
+    kind = head.get("kind")
+    if kind not in _KINDS:
+        return f"unknown message kind {kind!r}; expected one of {sorted(_KINDS)}"
+    return f"invalid {kind} message: {e}"
+
+
+_KINDS = {
+    "ingest",
+    "ingest_ack",
+    "fetch",
+    "fetch_reply",
+    "set_version",
+    "stats",
+    "stats_reply",
+    "ok",
+    "error",
+}

@@ -1,0 +1,1 @@
+"""Pipeline stages: rollout generators, reward functions, the megatron trainer, weight transports."""

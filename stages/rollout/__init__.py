@@ -1,0 +1,1 @@
+"""Rollout generators: data sources, inference engines (torch, SGLang) and the streaming generator loop."""

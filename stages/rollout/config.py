@@ -1,0 +1,72 @@
+"""Rollout sub-config (`rollout:` section): data source, sampling, groups, rewards, engine."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class DataConfig(_Base):
+    # "digit_repeat" (built-in procedural task), "reasoning_gym:<task>" (e.g. reasoning_gym:basic_arithmetic),
+    # or a path to a .jsonl / .parquet file in slime's schema.
+    source: str = "digit_repeat"
+    prompt_key: str = "prompt"  # text, or a list of chat messages
+    label_key: str = "label"
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = True
+    system_prompt: str = ""
+    shuffle: bool = True
+    seed: int = 0
+    num_examples: int = 10000  # procedural tasks: examples per epoch
+    task_kwargs: dict[str, Any] = {}  # passed to the procedural task / reasoning-gym dataset
+    max_prompt_tokens: int = 512
+    overlong: Literal["truncate", "skip"] = "skip"  # what to do with a longer prompt (counted either way)
+    on_bad_line: Literal["error", "skip"] = "error"  # a malformed dataset line: fail naming it, or skip+count
+
+
+class SamplingConfig(_Base):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = []  # empty = the tokenizer's eos
+
+
+class RewardConfig(_Base):
+    # built-in name ("exact_match", "math", "reasoning_gym", "digit_repeat") or "module:function"
+    fn: str = "digit_repeat"
+    kwargs: dict[str, Any] = {}
+
+
+class SGLangConfig(_Base):
+    tp_size: int = 1
+    mem_fraction_static: float = 0.5
+    base_gpu_id: int = 0
+    pause_mode: Literal["in_place", "retract"] = "in_place"
+    startup_timeout_s: float = 300.0
+    disable_cuda_graph: bool = False
+    extra_args: list[str] = []
+
+
+class RolloutConfig(_Base):
+    num_generators: int = 1
+    engine: Literal["torch", "sglang"] = "torch"
+    device: str = "cpu"  # torch engine: "cpu" or "cuda[:N]"
+    engines_per_generator: int = 1
+    group_size: int = 8  # samples per prompt (GRPO group)
+    max_inflight_groups: int = 8  # groups being generated at once per generator
+    max_batch_size: int = 64  # sequences decoded together by the torch engine
+    chunk_tokens: int = 8  # torch engine: decode steps between checks for a weight update
+    filter: Literal["none", "nonzero_std"] = (
+        "none"  # dynamic sampling: drop groups whose rewards are all equal
+    )
+    engine_retries: int = 1  # an engine error fails the group; retry it this many times
+    delay_model: str = ""  # bench only: "longtail:<mean_s>" adds a per-sequence engine delay
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)

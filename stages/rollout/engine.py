@@ -1,0 +1,66 @@
+"""The inference-engine interface every generator drives (torch engine on CPU, SGLang on GPUs).
+
+An engine turns token-id prompts into sampled responses with the per-token logprobs of the sampling
+distribution and the policy version that produced each token. Weight updates are versioned and applied
+between decode steps without dropping in-flight sequences: tokens produced after the update carry the
+new version.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(kw_only=True)
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = ""  # caller's id, echoed back
+
+
+@dataclass(kw_only=True)
+class GenResult:
+    rid: str
+    response_ids: list[int]
+    logprobs: list[float]  # log p(token) under the sampling distribution (after temperature / top-p)
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop" | "length" | "abort"
+    meta: dict = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """A batched generator with versioned weights. Implementations must be safe to call from asyncio."""
+
+    @abstractmethod
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Generate for a batch of prompts; results in request order. Raises on engine failure."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Apply HF-named weights as `version`. Blocks until applied (between decode steps)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights currently in use."""
+
+    def pause(self) -> None:  # noqa: B027 - optional hook
+        """Stop starting new decode steps (in-flight sequences are kept)."""
+
+    def resume(self) -> None:  # noqa: B027 - optional hook
+        """Undo pause()."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources (processes, memory)."""

@@ -1,0 +1,51 @@
+"""Trainer sub-config (`trainer:` section): parallelism, optimizer, loss and off-policy correction."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class LossConfig(_Base):
+    advantage: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = "grpo"
+    grpo_std_norm: bool = True  # divide group-centred rewards by the group std
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28  # asymmetric upper clip (DAPO clip-higher); = eps_clip for symmetric
+    aggregation: Literal["token", "sample"] = "token"  # token-mean over the batch, or mean of sample means
+    kl_coef: float = 0.0  # KL to the reference policy (the initial weights); 0 = off, no reference kept
+    kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = 0.0
+    # off-policy correction between the rollout policy and the trainer's old policy:
+    # tis = token truncated IS, mis = token masked IS (IcePop), seq_tis / seq_mis = sequence-level,
+    # decoupled = AReaL's decoupled PPO (behaviour weight on top of the proximal-policy clip)
+    correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis", "decoupled"] = "tis"
+    tis_cap: float = 2.0  # C in w = min(exp(logp_old - logp_rollout), C)
+    tis_low: float = 0.0  # optional lower clip on w
+    mis_low: float = 0.5  # masked IS: weights outside [mis_low, mis_high] are zeroed
+    mis_high: float = 2.0
+
+
+class TrainerConfig(_Base):
+    batch_groups: int = 8  # groups per optimizer step
+    micro_batch_tokens: int = 4096  # token budget per packed micro-batch
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
+    checkpoint_every: int = 0  # steps; 0 = only at the end of the run
+    threads: int = 0  # torch CPU threads; 0 = torch default
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)

@@ -1,0 +1,15 @@
+"""Weight-push sub-config (`weights:` section)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    push_every: int = 1  # push after every K optimizer steps
+    # auto: cpu for the torch engine, nccl for disaggregated SGLang, cuda_ipc for colocated SGLang
+    transport: Literal["auto", "cpu", "nccl", "cuda_ipc", "disk"] = "auto"
+    bucket_mb: int = 64  # tensors are sent in buckets of about this size
+    timeout_s: float = 120.0  # a push not applied by every engine within this long raises in the trainer

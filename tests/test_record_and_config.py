@@ -1,0 +1,83 @@
+"""The Sample record, its Arrow form, the wire codec and the config loader."""
+
+import msgspec
+import numpy as np
+import pytest
+
+from pipeline import wire
+from pipeline.config import ConfigError, load_config, write_resolved
+from pipeline.sample import Sample, Status, batch_to_samples, list_values, samples_to_batch
+
+
+def make(uid="u0", n=5, group="g0", idx=0, size=1, v0=3):
+    return Sample.build(
+        uid=uid,
+        group_id=group,
+        group_index=idx,
+        group_size=size,
+        prompt_ids=[1, 2, 3],
+        response_ids=list(range(10, 10 + n)),
+        rollout_logprobs=np.linspace(-1, 0, n),
+        versions=[v0] * (n - 1) + [v0 + 1],
+        reward=0.5,
+        reward_parts={"fmt": 1.0},
+        prompt="p",
+        label="l",
+        metadata={"k": [1]},
+    )
+
+
+def test_arrow_roundtrip_preserves_every_field():
+    samples = [make(f"u{i}", n=i + 1, idx=i, size=4) for i in range(4)]
+    batch = samples_to_batch(samples)
+    assert batch.num_rows == 4
+    back = batch_to_samples(batch)
+    for a, b in zip(samples, back):
+        assert msgspec.structs.asdict(a) == msgspec.structs.asdict(b)
+    vals, offs = list_values(batch, "response_ids")
+    assert list(offs) == [0, 1, 3, 6, 10]
+    assert batch.column("min_version").to_pylist() == [4, 3, 3, 3]  # one token: only v0+1
+
+
+def test_validate_names_the_misaligned_field():
+    s = make()
+    bad = msgspec.structs.replace(s, versions=s.versions[:-4])
+    with pytest.raises(ValueError, match="versions has 4 entries but response_ids has 5"):
+        bad.validate()
+
+
+def test_wire_roundtrip_and_rejections():
+    msg = wire.Ingest(producer="g", seq=7, samples=[make()])
+    back = wire.decode(wire.encode(msg))
+    assert back == msg and back.samples[0].status is Status.COMPLETED
+    with pytest.raises(wire.ProtocolError, match="undecodable"):
+        wire.decode(b"\xc1garbage")
+    with pytest.raises(wire.ProtocolError, match="schema version 99"):
+        wire.decode(msgspec.msgpack.encode({"kind": "stats", "schema": 99}))
+    with pytest.raises(wire.ProtocolError, match="unknown message kind 'nope'"):
+        wire.decode(msgspec.msgpack.encode({"kind": "nope", "schema": 1}))
+    with pytest.raises(wire.ProtocolError, match="invalid fetch"):
+        wire.decode(msgspec.msgpack.encode({"kind": "fetch", "schema": 1, "consumer": 3}))
+    with pytest.raises(wire.ProtocolError, match="exceeds the limit"):
+        wire.decode(b"x" * 100, max_bytes=10)
+    bad = msgspec.structs.replace(make(), loss_mask=b"\x01")
+    with pytest.raises(wire.ProtocolError, match="invalid sample"):
+        wire.decode(wire.encode(wire.Ingest(producer="g", seq=1, samples=[bad])))
+
+
+def test_config_overrides_and_unknown_keys(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  lr: 0.01\n")
+    cfg = load_config(p, ["trainer.loss.tis_cap=3", "run.steps=5", "rollout.sampling.temperature=0.7"])
+    assert cfg.trainer.lr == 0.01 and cfg.trainer.loss.tis_cap == 3 and cfg.run.steps == 5
+    with pytest.raises(
+        ConfigError, match=r"unknown key trainer\.loss\.tis_capp; did you mean trainer\.loss\.tis_cap"
+    ):
+        load_config(p, ["trainer.loss.tis_capp=3"])
+    with pytest.raises(ConfigError, match=r"trainer\.lr: Expected `float`"):
+        load_config(p, ["trainer.lr=fast"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(p, ["trainer.lr"])
+    out = write_resolved(cfg, tmp_path / "run")
+    again = load_config(out)
+    assert again == cfg
