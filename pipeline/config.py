@@ -60,6 +60,8 @@ class ClusterConfig(Base):
 
 class EvalConfig(Base):
     every_steps: int = 0  # 0 disables evaluation
+    source: str = ""  # held-out prompts; empty = the training source with another seed
+    correct_threshold: float = 1.0  # a sample counts as correct when its reward is at least this
     num_prompts: int = 32
     samples_per_prompt: int = 4  # pass@k uses k = samples_per_prompt
     temperature: float = 1.0

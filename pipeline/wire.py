@@ -20,11 +20,20 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024  # a single frame above this is refused (rai
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be accepted; str(e) is the reason sent back to the peer."""
+    """A message that cannot be accepted; str(e) is the reason sent back to the peer.
+
+    `category` is a short stable name for counting rejects (undecodable, schema_version, unknown_kind,
+    invalid_fields, invalid_sample, oversized, frame_count, invalid_arrow, unexpected_kind, ...).
+    """
+
+    def __init__(self, reason: str, category: str = "invalid"):
+        super().__init__(reason)
+        self.category = category
 
 
 class Msg(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=False):
     schema: int = SCHEMA_VERSION
+    req: int = 0  # request id, echoed in the reply so a client can match replies to requests
 
 
 # -- ingest: generator -> buffer ----------------------------------------------------------------------
@@ -34,6 +43,18 @@ class Ingest(Msg, tag="ingest"):
     producer: str  # stable id of the sending generator
     seq: int  # producer-local sequence number; the ack echoes it
     samples: list[Sample]
+
+
+class IngestBatch(Msg, tag="ingest_batch"):
+    """Columnar ingest: frame 2 is one Arrow IPC stream holding one record batch in ARROW_SCHEMA.
+
+    The fast path (buffer.client sends this): samples are converted to Arrow by the producer, so the
+    buffer validates and stores whole columns without touching each token. Acked like `Ingest`.
+    """
+
+    producer: str
+    seq: int
+    num_samples: int  # rows in the batch; must match frame 2
 
 
 class IngestAck(Msg, tag="ingest_ack"):
@@ -81,6 +102,12 @@ class StatsReply(Msg, tag="stats_reply"):
     stats: dict[str, Any]
 
 
+class Peek(Msg, tag="peek"):
+    """Inspection: up to `limit` live samples, NOT consumed; answered with FetchReply."""
+
+    limit: int
+
+
 class Ok(Msg, tag="ok"):
     pass
 
@@ -89,7 +116,19 @@ class Error(Msg, tag="error"):
     reason: str
 
 
-AnyMsg = Ingest | IngestAck | Fetch | FetchReply | SetVersion | StatsRequest | StatsReply | Ok | Error
+AnyMsg = (
+    Ingest
+    | IngestBatch
+    | IngestAck
+    | Fetch
+    | FetchReply
+    | SetVersion
+    | StatsRequest
+    | StatsReply
+    | Peek
+    | Ok
+    | Error
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
@@ -105,53 +144,60 @@ def decode(frame: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> AnyMs
     if len(frame) > max_bytes:
         raise ProtocolError(
             f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes; "
-            "send smaller batches or raise the server's max_message_mb"
+            "send smaller batches or raise the server's max_message_mb",
+            "oversized",
         )
     try:
         msg = _decoder.decode(frame)
     except msgspec.ValidationError as e:
-        raise ProtocolError(_explain(frame, e)) from None
+        raise ProtocolError(*_explain(frame, e)) from None
     except msgspec.DecodeError as e:
-        raise ProtocolError(f"not a slipstream message (undecodable msgpack: {e})") from None
+        raise ProtocolError(f"not a slipstream message (undecodable msgpack: {e})", "undecodable") from None
     if msg.schema != SCHEMA_VERSION:
         raise ProtocolError(
             f"schema version {msg.schema} is not supported (this peer speaks {SCHEMA_VERSION}); "
-            "run the same slipstream version on both ends"
+            "run the same slipstream version on both ends",
+            "schema_version",
         )
     if isinstance(msg, Ingest):
         for s in msg.samples:
             try:
                 s.validate()
             except ValueError as e:
-                raise ProtocolError(f"invalid sample in ingest seq {msg.seq}: {e}") from None
+                raise ProtocolError(
+                    f"invalid sample in ingest seq {msg.seq}: {e}", "invalid_sample"
+                ) from None
     return msg
 
 
-def _explain(frame: bytes | memoryview, e: Exception) -> str:
-    """A reason that names the schema or kind problem before the field-level one."""
+def _explain(frame: bytes | memoryview, e: Exception) -> tuple[str, str]:
+    """(reason, category): names the schema or kind problem before the field-level one."""
     try:
         head = _peek.decode(frame)
     except Exception:
-        return f"invalid message: {e}"
+        return f"invalid message: {e}", "invalid_fields"
     if head.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
         return (
             f"schema version {head.get('schema')!r} is not supported (this peer speaks {SCHEMA_VERSION}); "
-            "run the same slipstream version on both ends"
+            "run the same slipstream version on both ends",
+            "schema_version",
         )
     kind = head.get("kind")
-    if kind not in _KINDS:
-        return f"unknown message kind {kind!r}; expected one of {sorted(_KINDS)}"
-    return f"invalid {kind} message: {e}"
+    if not isinstance(kind, str) or kind not in _KINDS:
+        return f"unknown message kind {str(kind)[:60]!r}; expected one of {sorted(_KINDS)}", "unknown_kind"
+    return f"invalid {kind} message: {e}", "invalid_fields"
 
 
 _KINDS = {
     "ingest",
+    "ingest_batch",
     "ingest_ack",
     "fetch",
     "fetch_reply",
     "set_version",
     "stats",
     "stats_reply",
+    "peek",
     "ok",
     "error",
 }

@@ -39,7 +39,8 @@ class SamplingConfig(_Base):
 class RewardConfig(_Base):
     # built-in name ("exact_match", "math", "reasoning_gym", "digit_repeat") or "module:function"
     fn: str = "digit_repeat"
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}  # passed to the function as keyword arguments
+    batched: bool = False  # fn(samples, responses) -> list, instead of fn(sample, response) -> value
 
 
 class SGLangConfig(_Base):
@@ -49,7 +50,19 @@ class SGLangConfig(_Base):
     pause_mode: Literal["in_place", "retract"] = "in_place"
     startup_timeout_s: float = 300.0
     disable_cuda_graph: bool = False
-    extra_args: list[str] = []
+    extra_args: list[str] = []  # appended to `python -m sglang.launch_server ...` as given
+    host: str = "127.0.0.1"  # the server binds here (loopback: the engine is reached only from this host)
+    port: int = 0  # first engine's HTTP port (engine i uses port + 10 i); 0 = a free port per engine
+    # tokens per streamed chunk; a chunk that straddles a weight update is tagged with the older version,
+    # so a larger interval means fewer HTTP chunks but more tokens counted one version staler than they are
+    stream_interval: int = 4
+    request_timeout_s: float = 3600.0  # one generate request that takes longer than this fails
+    control_timeout_s: float = 300.0  # pause / weight load / version / NCCL group calls
+    health_timeout_s: float = 5.0  # check_health(): /health must answer within this
+    # keep a host copy of the last weights pushed from tensors, so that restart() can bring a relaunched
+    # server back to the current version by itself (costs the model's size in host memory)
+    keep_weights_copy: bool = True
+    log_dir: str = ""  # server logs and re-sync checkpoints; empty = a fresh temporary folder
 
 
 class RolloutConfig(_Base):

@@ -20,7 +20,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos token(s)
+    ignore_eos: bool = False  # never stop early (benchmarks); stop_token_ids are then ignored too
 
 
 @dataclass(kw_only=True)
@@ -64,3 +65,7 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources (processes, memory)."""
+
+    def stats(self) -> dict:
+        """Engine counters (tokens, busy/idle seconds, weight updates); empty if it keeps none."""
+        return {}

@@ -31,6 +31,8 @@ class LossConfig(_Base):
 
 
 class TrainerConfig(_Base):
+    """Megatron trainer. Parallel sizes multiply to the number of processes (torchrun)."""
+
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_tokens: int = 4096  # token budget per packed micro-batch
     lr: float = 1e-3
@@ -48,4 +50,9 @@ class TrainerConfig(_Base):
     fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
     checkpoint_every: int = 0  # steps; 0 = only at the end of the run
     threads: int = 0  # torch CPU threads; 0 = torch default
+    layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
+    recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
+    resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
+    keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
+    save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)

@@ -1,0 +1,109 @@
+"""Benchmark SGLangEngine on one GPU: startup, generation tokens/s with per-token logprobs, and the phases
+of a CUDA-IPC weight update made while requests are in flight. Prints one JSON line last.
+
+    PYTHONPATH=. python bench/gpu_sglang.py [--model PATH] [--batch 64] [--max-new 256] [--updates 5]
+
+Without --model it builds a random-init Qwen2 (4 layers, hidden 512) in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+
+
+def build_tiny() -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="tiny-qwen2-")
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--cuda-graph", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    from stages.rollout.config import SGLangConfig
+    from stages.rollout.engine import GenRequest, SamplingParams
+    from stages.rollout.sglang_engine import SGLangEngine
+
+    path = args.model or build_tiny()
+    cfg = SGLangConfig(
+        mem_fraction_static=0.3, disable_cuda_graph=not args.cuda_graph, keep_weights_copy=False
+    )
+    t0 = time.perf_counter()
+    eng = SGLangEngine(path, cfg, dtype="bfloat16")
+    startup = time.perf_counter() - t0
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, ignore_eos=True)
+    reqs = [GenRequest(prompt_ids=list(range(3, 19)), params=params, rid=str(i)) for i in range(args.batch)]
+    try:
+        asyncio.run(eng.generate(reqs[:4]))  # warm-up
+        t0 = time.perf_counter()
+        res = asyncio.run(eng.generate(reqs))
+        gen_s = time.perf_counter() - t0
+        ntok = sum(len(r.response_ids) for r in res)
+        weights = {}
+        for f in __import__("pathlib").Path(path).glob("*.safetensors"):
+            weights.update({k: v.cuda() for k, v in load_file(f).items()})
+        named = list(weights.items())
+        mb = sum(v.numel() * v.element_size() for v in weights.values()) / 2**20
+
+        async def with_updates():
+            task = asyncio.create_task(eng.generate(reqs))
+            times = []
+            for v in range(1, args.updates + 1):
+                await asyncio.sleep(0.2)
+                times.append(await asyncio.to_thread(eng.update_weights, named, v))
+            out = await task
+            return times, out
+
+        times, res2 = asyncio.run(with_updates())
+        kept = all(len(r.response_ids) == args.max_new for r in res2)
+    finally:
+        eng.close()
+    med = {k: round(statistics.median(t[k] for t in times) * 1e3, 2) for k in times[0]}
+    print(
+        json.dumps(
+            {
+                "bench": "gpu_sglang",
+                "device": torch.cuda.get_device_name(0),
+                "startup_s": round(startup, 1),
+                "batch": args.batch,
+                "tokens": ntok,
+                "tokens_per_s": round(ntok / gen_s),
+                "weights_mb": round(mb, 1),
+                "update_ms_median": med,
+                "inflight_requests_kept": kept,
+                "cuda_graph": args.cuda_graph,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""`BufferClient`: the ZeroMQ client of the buffer, for generators (SampleSink) and trainers (BatchSource).
+
+One DEALER socket. Ingest is pipelined: `submit` sends a batch and returns at once while up to
+`window` messages are unacked; every unacked message is resent after `resend_s` (the server drops
+duplicates by uid and answers a resend with the original ack), so a restart of the buffer costs
+nothing but a resend. `put` = submit + wait for that ack. Each request carries a request id that the
+reply echoes, so a late reply to an abandoned request is never taken for the answer to a new one.
+
+Fetches are NOT resent: a fetch consumes data, and a resend after a lost reply would consume a second
+batch. A client is not thread-safe: give each thread its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import zmq
+
+from buffer.transport import BatchSource, BufferUnavailable, SampleSink
+from pipeline import wire
+from pipeline.sample import Sample, samples_to_batch
+
+
+@dataclass
+class _InFlight:
+    frames: list
+    sent_at: float
+    resends: int = 0
+
+
+def _ipc(batch: pa.RecordBatch) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue()
+
+
+class BufferClient(SampleSink, BatchSource):
+    """Client of a `BufferServer` at `address` (e.g. "tcp://127.0.0.1:5555").
+
+    producer: stable id of this producer (dedup of resends is by uid; this names it in logs/acks).
+    window: unacked ingest messages allowed in flight before `submit` waits.
+    resend_s: resend an unacked ingest after this long.
+    timeout_s: default for how long any call waits before raising BufferUnavailable.
+    max_batch_samples: `put` splits larger lists into messages of this many samples.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        producer: str | None = None,
+        window: int = 8,
+        resend_s: float = 2.0,
+        timeout_s: float = 60.0,
+        max_batch_samples: int = 1024,
+        context: zmq.Context | None = None,
+    ):
+        if window < 1:
+            raise ValueError(f"window={window}: no message could be sent; use window >= 1")
+        self.address = address
+        self.producer = producer or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.window, self.resend_s, self.timeout_s = window, resend_s, timeout_s
+        self.max_batch_samples = max_batch_samples
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._sock.connect(address)
+        self._seq = itertools.count(1)
+        self._req = itertools.count(1)
+        self._inflight: dict[int, _InFlight] = {}
+        self._acks: dict[int, wire.IngestAck] = {}  # acked but not yet collected by put()
+        self._errors: dict[int, str] = {}
+        self.trainer_version = 0  # from the latest ack
+        self.last_fetch: wire.FetchReply | None = None
+
+    # -- ingest (SampleSink) -----------------------------------------------------------------------
+    def submit(self, samples: list[Sample] | pa.RecordBatch, timeout_s: float | None = None) -> int:
+        """Send one ingest message without waiting for its ack (waits only while the window is full).
+        Returns its seq; `wait(seq)` or `flush()` collect acks."""
+        batch = samples if isinstance(samples, pa.RecordBatch) else samples_to_batch(samples)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while len(self._inflight) >= self.window:
+            self._pump(
+                deadline, f"a free slot in the window of {self.window} unacked messages", waited=timeout_s
+            )
+        seq = next(self._seq)
+        head = wire.encode(
+            wire.IngestBatch(req=seq, producer=self.producer, seq=seq, num_samples=batch.num_rows)
+        )
+        frames = [head, _ipc(batch)]
+        self._inflight[seq] = _InFlight(frames, time.monotonic())
+        self._send(frames)
+        return seq
+
+    def wait(self, seq: int, timeout_s: float | None = None) -> wire.IngestAck:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while seq not in self._acks and seq not in self._errors:
+            self._pump(deadline, f"the ack of ingest seq {seq}", waited=timeout_s)
+        if seq in self._errors:
+            raise wire.ProtocolError(
+                f"buffer at {self.address} rejected ingest seq {seq}: {self._errors.pop(seq)}"
+            )
+        return self._acks.pop(seq)
+
+    def flush(self, timeout_s: float | None = None) -> list[wire.IngestAck]:
+        """Wait until every submitted message is acked; returns the acks not yet collected."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while self._inflight:
+            self._pump(
+                deadline, f"the acks of {len(self._inflight)} unacked ingest messages", waited=timeout_s
+            )
+        out = [self.wait(s, 0) for s in sorted(set(self._acks) | set(self._errors))]
+        return out
+
+    def put(self, samples: list[Sample] | pa.RecordBatch, timeout_s: float | None = None) -> wire.IngestAck:
+        """Send samples (split into messages of max_batch_samples, pipelined) and return once all are
+        acked, i.e. durable in the buffer. The returned ack sums the counts of the messages."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        batch = samples if isinstance(samples, pa.RecordBatch) else samples_to_batch(samples)
+        step = max(1, self.max_batch_samples)
+        seqs = [self.submit(batch.slice(i, step), timeout_s) for i in range(0, max(batch.num_rows, 1), step)]
+        acks = [self.wait(s, timeout_s) for s in seqs]
+        return wire.IngestAck(
+            seq=seqs[-1],
+            accepted=sum(a.accepted for a in acks),
+            duplicates=sum(a.duplicates for a in acks),
+            rejected=sum(a.rejected for a in acks),
+            trainer_version=acks[-1].trainer_version,
+            errors=[e for a in acks for e in a.errors],
+        )
+
+    # -- trainer side (BatchSource) ------------------------------------------------------------------
+    def fetch(
+        self,
+        num_groups: int,
+        version: int,
+        max_staleness: int,
+        timeout_s: float = 60.0,
+        *,
+        grace_s: float = 10.0,
+    ) -> pa.RecordBatch | None:
+        """Complete groups as one record batch, or None if the buffer had fewer within timeout_s.
+        Raises BufferUnavailable if the server does not answer within timeout_s + grace_s."""
+        reply, frames = self._request(
+            wire.Fetch(
+                consumer=self.producer,
+                num_groups=num_groups,
+                version=version,
+                max_staleness=max_staleness,
+                timeout_s=timeout_s,
+            ),
+            timeout_s + grace_s,
+            resend=False,
+        )
+        self.last_fetch = reply
+        if reply.num_samples == 0:
+            return None
+        return pa.ipc.open_stream(pa.py_buffer(frames[1].buffer)).read_next_batch()
+
+    def set_version(self, version: int) -> None:
+        self._request(wire.SetVersion(version=version), self.timeout_s)
+
+    def stats(self) -> dict:
+        return self._request(wire.StatsRequest(), self.timeout_s)[0].stats
+
+    def peek(self, limit: int = 100) -> pa.RecordBatch | None:
+        """Up to `limit` live samples, without consuming them (for inspection)."""
+        reply, frames = self._request(wire.Peek(limit=limit), self.timeout_s)
+        return (
+            pa.ipc.open_stream(pa.py_buffer(frames[1].buffer)).read_next_batch()
+            if reply.num_samples
+            else None
+        )
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def _send(self, frames: list) -> bool:
+        try:
+            self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected yet / queue full: the resend timer retries
+            return False
+
+    def _unavailable(self, what: str, waited: float) -> BufferUnavailable:
+        return BufferUnavailable(
+            f"buffer at {self.address} did not send {what} within {waited:.1f}s; check that the buffer "
+            f"server is running and reachable there (python -m buffer serve --bind {self.address}), and "
+            "whether it is full (back-pressure holds acks until the trainer fetches: see its stats)"
+        )
+
+    def _pump(
+        self, deadline: float, what: str, until: float | None = None, waited: float = 0.0
+    ) -> list | None:
+        """Wait for one reply until `until` (default: deadline), resending overdue ingests. Acks and
+        ingest errors are filed; any other reply is returned as [msg, frames]. Raises
+        BufferUnavailable once `deadline` has passed."""
+        now = time.monotonic()
+        if now >= deadline:
+            raise self._unavailable(what, waited or self.timeout_s)
+        until = deadline if until is None else min(until, deadline)
+        next_resend = min((f.sent_at + self.resend_s for f in self._inflight.values()), default=until)
+        if self._sock.poll(max(0.0, min(until, next_resend) - now) * 1000, zmq.POLLIN):
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                msg = wire.decode(frames[0].buffer)
+            except wire.ProtocolError:
+                return None  # not from a slipstream buffer; ignore
+            if isinstance(msg, wire.IngestAck):
+                if self._inflight.pop(msg.seq, None) is not None:
+                    self._acks[msg.seq] = msg
+                    self.trainer_version = msg.trainer_version
+                return None
+            if isinstance(msg, wire.Error) and msg.req in self._inflight:
+                del self._inflight[msg.req]
+                self._errors[msg.req] = msg.reason
+                return None
+            return [msg, frames]
+        now = time.monotonic()
+        for f in self._inflight.values():
+            if now - f.sent_at >= self.resend_s:
+                f.sent_at, f.resends = now, f.resends + 1
+                self._send(f.frames)
+        return None
+
+    def _request(self, msg: wire.Msg, timeout_s: float, resend: bool = True):
+        """Send a request and wait for the reply carrying its request id (resending if idempotent)."""
+        msg.req = next(self._req) + (1 << 40)  # disjoint from ingest seqs, which use req = seq
+        kind = msg.__struct_config__.tag
+        head = [wire.encode(msg)]
+        deadline = time.monotonic() + timeout_s
+        next_send = 0.0
+        while True:
+            if time.monotonic() >= next_send:
+                self._send(head)
+                next_send = time.monotonic() + (self.resend_s if resend else float("inf"))
+            got = self._pump(deadline, f"a reply to {kind}", until=next_send, waited=timeout_s)
+            if got is None:
+                continue
+            reply, frames = got
+            if reply.req != msg.req:
+                continue  # a late reply to an abandoned request
+            if isinstance(reply, wire.Error):
+                raise wire.ProtocolError(f"buffer at {self.address} rejected {kind}: {reply.reason}")
+            return reply, frames

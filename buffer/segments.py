@@ -1,0 +1,253 @@
+"""Durable storage on disk: Arrow IPC segment files and the consumption log.
+
+A buffer directory holds
+  seg-000001.arrow, seg-000002.arrow, ...  Arrow IPC *stream* files (readable with
+      `pyarrow.ipc.open_stream`), schema `pipeline.sample.ARROW_SCHEMA`, one record batch per accepted
+      ingest. Each batch carries custom metadata `crc32` = a checksum of its logical content, so a torn
+      or bit-flipped tail is detected on restart instead of being served.
+  consumed.log  append-only records `[u32 length][u32 crc32][msgpack {op, v, uids}]`: which uids were
+      served to the trainer (op "served", at trainer version v), evicted as too stale ("evicted"), and
+      version announcements ("version").
+
+Invariants: a segment batch is fsynced before its producer is acked; a "served" record is fsynced
+before the batch leaves the buffer. So after any crash, everything acked is in a segment and
+everything handed out is in the log. A new process never appends to an old segment: it starts the
+next file, which keeps recovery of the old ones simple (their tail is torn at most once).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from pipeline.sample import ARROW_SCHEMA
+
+SEGMENT_GLOB = "seg-*.arrow"
+LOG_NAME = "consumed.log"
+_LOG_HEAD = struct.Struct("<II")
+_MAX_LOG_RECORD = 1 << 30  # a length above this can only be corruption
+
+
+def segment_name(index: int) -> str:
+    return f"seg-{index:06d}.arrow"
+
+
+def _crc_array(arr: pa.Array, crc: int) -> int:
+    """Fold an array's *logical* content into crc: independent of slicing and buffer padding, so the
+    digest computed before writing equals the one computed after reading back."""
+    t = arr.type
+    if pa.types.is_list(t) or pa.types.is_string(t):
+        bufs = arr.buffers()
+        width = 4
+        offs = np.frombuffer(bufs[1], dtype="<i4", count=len(arr) + 1 + arr.offset)[arr.offset :]
+        crc = zlib.crc32((offs - offs[0]).astype("<i4").tobytes(), crc)
+        if pa.types.is_string(t):
+            return zlib.crc32(memoryview(bufs[2])[offs[0] : offs[-1]], crc)
+        child = arr.values
+        width = child.type.byte_width
+        lo, hi = (child.offset + int(offs[0])) * width, (child.offset + int(offs[-1])) * width
+        return zlib.crc32(memoryview(child.buffers()[1])[lo:hi], crc)
+    width = t.byte_width
+    return zlib.crc32(memoryview(arr.buffers()[1])[arr.offset * width : (arr.offset + len(arr)) * width], crc)
+
+
+def batch_crc(batch: pa.RecordBatch) -> int:
+    crc = zlib.crc32(struct.pack("<q", batch.num_rows))
+    for col in batch.columns:
+        crc = _crc_array(col, crc)
+    return crc
+
+
+# -- segments ----------------------------------------------------------------------------------------
+class SegmentWriter:
+    """Appends record batches to numbered segment files; `sync()` makes them durable."""
+
+    def __init__(self, directory: Path, first_index: int, max_bytes: int):
+        self.dir = directory
+        self.index = first_index
+        self.max_bytes = max_bytes
+        self._sink: pa.OSFile | None = None
+        self._writer = None
+        self._dirty = False
+        self.bytes_written = 0
+
+    def _open(self) -> None:
+        path = self.dir / segment_name(self.index)
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, ARROW_SCHEMA)
+        # The new file's directory entry must be durable too, or an fsynced segment can vanish.
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def append(self, batch: pa.RecordBatch) -> str:
+        """Write one batch (not yet durable); returns the segment file name it went to."""
+        if self._sink is not None and self._sink.tell() >= self.max_bytes:
+            self.close()
+            self.index += 1
+        if self._sink is None:
+            self._open()
+        before = self._sink.tell()
+        self._writer.write_batch(batch, custom_metadata={"crc32": str(batch_crc(batch))})
+        self.bytes_written += self._sink.tell() - before
+        self._dirty = True
+        return segment_name(self.index)
+
+    def sync(self) -> None:
+        if self._dirty and self._sink is not None:
+            self._sink.flush()
+            os.fsync(self._sink.fileno())
+            self._dirty = False
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self.sync()
+            # No end-of-stream marker: readers treat EOF at a message boundary as the end, and a
+            # segment therefore looks the same whether it was closed cleanly or not.
+            self._sink.close()
+            self._sink = self._writer = None
+
+
+@dataclass
+class SegmentReport:
+    """What recovery found in one segment file."""
+
+    name: str
+    batches: int = 0
+    rows: int = 0
+    intact_bytes: int = 0
+    torn_bytes: int = 0  # bytes after the last intact batch (0 for a clean file)
+    problem: str = ""  # why reading stopped early ("" = clean)
+
+
+@dataclass
+class Recovered:
+    batches: list[tuple[str, pa.RecordBatch]] = field(default_factory=list)
+    reports: list[SegmentReport] = field(default_factory=list)
+    next_index: int = 1
+
+
+def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
+    """Read the intact prefix of one segment (memory-mapped, zero-copy) and report any torn tail."""
+    rep = SegmentReport(path.name)
+    size = path.stat().st_size
+    out: list[pa.RecordBatch] = []
+    if size == 0:
+        rep.problem = "empty file (crashed right after creating it)"
+        return out, rep
+    src = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(src)
+        if not reader.schema.equals(ARROW_SCHEMA):
+            raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA")
+        rep.intact_bytes = src.tell()
+        while True:
+            try:
+                batch, meta = reader.read_next_batch_with_custom_metadata()
+            except StopIteration:
+                break
+            want = (meta or {}).get(b"crc32")
+            if want is None or int(want) != batch_crc(batch):
+                raise ValueError(f"checksum mismatch in batch {rep.batches}")
+            batch.validate(full=True)
+            out.append(batch)
+            rep.batches += 1
+            rep.rows += batch.num_rows
+            rep.intact_bytes = src.tell()
+    except (pa.ArrowException, ValueError, OSError) as e:
+        rep.problem = str(e).splitlines()[0][:200] or type(e).__name__
+    rep.torn_bytes = size - rep.intact_bytes
+    if rep.torn_bytes and not rep.problem:
+        rep.problem = "trailing bytes after the last batch"
+    return out, rep
+
+
+def recover_segments(directory: Path) -> Recovered:
+    """Read every segment in order. A torn tail is cut off (moved aside as *.torn) so that later
+    restarts see a clean file; what was intact is kept and what was cut is reported."""
+    rec = Recovered()
+    paths = sorted(directory.glob(SEGMENT_GLOB))
+    for path in paths:
+        batches, rep = read_segment(path)
+        rec.batches.extend((path.name, b) for b in batches)
+        rec.reports.append(rep)
+        if rep.torn_bytes:
+            data = path.read_bytes()[rep.intact_bytes :]
+            (directory / f"{path.name}.{rep.intact_bytes}.torn").write_bytes(data)
+            if rep.intact_bytes == 0 or not batches:
+                path.unlink()
+            else:
+                os.truncate(path, rep.intact_bytes)
+    if paths:
+        rec.next_index = int(paths[-1].stem.split("-")[1]) + 1
+    return rec
+
+
+# -- consumption log ------------------------------------------------------------------------------------
+class LogRecord(msgspec.Struct, array_like=True):
+    op: str  # "served" | "evicted" | "version"
+    v: int  # trainer version at the time
+    uids: list[str] = []
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(LogRecord)
+
+
+class ConsumptionLog:
+    """Append-only, checksummed record of what left the buffer (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records, good, self.torn_bytes = self._read(path)
+        if self.torn_bytes:
+            os.truncate(path, good)  # later appends must follow the last intact record
+        self._f = open(path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the buffer
+        self._dirty = False
+
+    @staticmethod
+    def _read(path: Path) -> tuple[list[LogRecord], int, int]:
+        if not path.exists():
+            return [], 0, 0
+        data = path.read_bytes()
+        out, pos = [], 0
+        while pos + _LOG_HEAD.size <= len(data):
+            n, crc = _LOG_HEAD.unpack_from(data, pos)
+            body = data[pos + _LOG_HEAD.size : pos + _LOG_HEAD.size + n]
+            if n > _MAX_LOG_RECORD or len(body) < n or zlib.crc32(body) != crc:
+                break
+            try:
+                out.append(_dec.decode(body))
+            except msgspec.DecodeError:
+                break
+            pos += _LOG_HEAD.size + n
+        return out, pos, len(data) - pos
+
+    def append(self, op: str, version: int, uids: list[str]) -> None:
+        body = _enc.encode(LogRecord(op, version, uids))
+        self._f.write(_LOG_HEAD.pack(len(body), zlib.crc32(body)) + body)
+        self._dirty = True
+
+    def sync(self) -> None:
+        if self._dirty:
+            os.fsync(self._f.fileno())
+            self._dirty = False
+
+    def close(self) -> None:
+        self.sync()
+        self._f.close()
+
+
+def iter_log(directory: Path) -> Iterator[LogRecord]:
+    """Read-only view of a directory's consumption log (for inspection)."""
+    yield from ConsumptionLog._read(directory / LOG_NAME)[0]

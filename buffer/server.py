@@ -1,0 +1,394 @@
+"""The buffer's ZeroMQ server: one ROUTER socket, one thread, one `Buffer`.
+
+Each loop iteration drains every message already queued (up to a bound), commits all ingests, does
+ONE fsync for all of them (group commit), then sends their acks — so a producer keeping a window of
+unacked messages in flight keeps the disk and the socket busy. Fetches that cannot be answered yet
+wait in `_fetches` and are retried whenever data arrives or the version changes; their deadlines
+bound the poll timeout, so a waiting trainer never blocks other clients. Ingests that do not fit
+(`capacity_samples`) are parked unacked in `_parked` until a fetch or an eviction makes room: the
+producer's resends of a parked message are recognized by (producer, seq) and not parked twice.
+
+Anything malformed becomes an `Error(reason)` reply and a count in stats()["rejects"]; the loop
+catches every exception per message, so no input can stop the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pyarrow as pa
+import zmq
+
+from buffer.config import BufferConfig
+from buffer.storage import Buffer, Plan
+from buffer.validate import check_batch, read_ipc_batch
+from pipeline import wire
+from pipeline.sample import samples_to_batch
+
+log = logging.getLogger("buffer.server")
+
+_DRAIN_MAX = 256  # messages handled per iteration before acking (bounds ack latency)
+_ACK_MEMORY = 8192  # recent (producer, seq) -> ack, to answer resends with the original ack
+
+
+@dataclass
+class _PendingFetch:
+    envelope: list
+    msg: wire.Fetch
+    deadline: float
+    started: float
+
+
+@dataclass
+class _ParkedIngest:
+    envelope: list
+    msg: wire.Ingest | wire.IngestBatch
+    batch: pa.RecordBatch
+
+
+def ipc_bytes(batch: pa.RecordBatch) -> pa.Buffer:
+    """One record batch as an Arrow IPC stream (the FetchReply payload)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue()
+
+
+class BufferServer:
+    """Serve a `Buffer` over ZeroMQ.
+
+    In a background thread:  srv = BufferServer(cfg, "runs/x/buffer").start(); srv.address; srv.stop()
+    In the foreground:       BufferServer(cfg, dir).serve_forever()   (returns after stop())
+    """
+
+    def __init__(
+        self,
+        cfg: BufferConfig | None = None,
+        directory: str | Path | None = None,
+        *,
+        bind: str | None = None,
+        buffer: Buffer | None = None,
+        context: zmq.Context | None = None,
+    ):
+        self.cfg = cfg or BufferConfig()
+        self.bind_address = bind or self.cfg.bind
+        directory = directory if directory is not None else (self.cfg.dir or None)
+        self.buffer = buffer if buffer is not None else Buffer(self.cfg, directory)
+        self.max_bytes = self.cfg.max_message_mb << 20
+        self._ctx = context or zmq.Context.instance()
+        self._address: str | None = None
+        self._bound = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.rejects: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._fetches: list[_PendingFetch] = []
+        self._parked: list[_ParkedIngest] = []
+        self._parked_keys: set[tuple[str, int]] = set()
+        self._acks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The bound endpoint (with the real port when bind used port 0)."""
+        if self._address is None:
+            raise RuntimeError("BufferServer is not bound yet; call start() (or serve_forever()) first")
+        return self._address
+
+    def start(self, timeout_s: float = 30.0) -> BufferServer:
+        self._thread = threading.Thread(target=self._run_thread, name="buffer-server", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(timeout_s):
+            raise TimeoutError(f"buffer server did not bind {self.bind_address} within {timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError(f"buffer server failed to start on {self.bind_address}: {self._error}")
+        return self
+
+    def _run_thread(self) -> None:
+        try:
+            self.serve_forever()
+        except BaseException as e:  # surfaced by start()/stop()
+            self._error = e
+            self._bound.set()
+            log.exception("buffer server stopped with an error")
+
+    def request_stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler); `stop()` also waits for it."""
+        self._stop.set()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background thread to end; True if it has."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"buffer server thread did not stop within {timeout_s}s")
+            self._thread = None
+
+    def __enter__(self) -> BufferServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def serve_forever(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Frames far beyond the limit are dropped by ZeroMQ itself (the peer is disconnected), so a
+        # rogue peer cannot make us allocate gigabytes; moderately oversized ones get an Error reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_bytes + (1 << 20))
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        try:
+            sock.bind(self.bind_address)
+            self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bound.set()
+            self._loop(sock)
+        finally:
+            sock.close(0)
+            self.buffer.close()
+
+    # -- loop ----------------------------------------------------------------------------------------
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            wait = min([f.deadline for f in self._fetches], default=now + 0.1) - now
+            changed = True  # an idle tick re-checks waiting fetches (versions, evictions)
+            if poller.poll(max(0.0, min(wait, 0.1)) * 1000):
+                acks: list[tuple[list, bytes]] = []
+                changed = self._drain(sock, acks)
+                if acks:
+                    self.buffer.sync()  # group commit: one fsync, then every ack
+                    for env, ack in acks:
+                        self._send(sock, env, [ack])
+            if self._fetches:
+                self._serve_fetches(sock, only_expired=not changed)
+
+    def _drain(self, sock: zmq.Socket, acks: list) -> bool:
+        """Handle the queued messages; True if the data or the version changed."""
+        changed = False
+        for _ in range(_DRAIN_MAX):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.counters["messages"] += 1
+            try:
+                changed |= self._handle(sock, frames, acks)
+            except wire.ProtocolError as e:
+                self._reject(sock, frames, str(e), e.category)
+            except Exception as e:  # a bug, not the peer's fault: report it and keep serving
+                log.exception("error handling a message")
+                self._reject(sock, frames, f"internal error: {type(e).__name__}: {e}", "internal")
+        return changed
+
+    def _split(self, frames: list) -> tuple[list, list]:
+        """[identity, (b"" if REQ), header, payload...] -> (envelope, body)."""
+        if len(frames) > 2 and len(frames[1]) == 0:
+            return [frames[0].bytes, b""], frames[2:]
+        return [frames[0].bytes], frames[1:]
+
+    def _handle(self, sock: zmq.Socket, frames: list, acks: list) -> bool:
+        env, body = self._split(frames)
+        if not body:
+            raise wire.ProtocolError("empty message (no header frame)", "frame_count")
+        total = sum(len(f) for f in body)
+        if total > self.max_bytes:
+            raise wire.ProtocolError(
+                f"message of {total} bytes exceeds max_message_mb={self.cfg.max_message_mb}; send "
+                "smaller batches or raise buffer.max_message_mb",
+                "oversized",
+            )
+        msg = wire.decode(body[0].buffer, self.max_bytes)
+        want = 2 if isinstance(msg, wire.IngestBatch) else 1
+        if len(body) != want:
+            raise wire.ProtocolError(
+                f"{type(msg).__name__} takes {want} frame(s) after the envelope, got {len(body)}",
+                "frame_count",
+            )
+        if isinstance(msg, wire.Ingest | wire.IngestBatch):
+            return self._ingest(sock, env, msg, body, acks)
+        if isinstance(msg, wire.Fetch):
+            self._fetch(sock, env, msg)
+            return True
+        if isinstance(msg, wire.SetVersion):
+            self.buffer.set_version(msg.version)
+            self.buffer.sync()
+            self._send(sock, env, [wire.encode(wire.Ok(req=msg.req))])
+            return True
+        if isinstance(msg, wire.StatsRequest):
+            self._send(sock, env, [wire.encode(wire.StatsReply(req=msg.req, stats=self.stats()))])
+            return False
+        if isinstance(msg, wire.Peek):
+            batch = self.buffer.peek(max(0, msg.limit))
+            self._reply_batch(sock, env, msg.req, batch)
+            return False
+        raise wire.ProtocolError(
+            f"{type(msg).__name__} is a reply kind; the buffer only accepts requests", "unexpected_kind"
+        )
+
+    # -- ingest --------------------------------------------------------------------------------------
+    def _ingest(self, sock, env, msg, body, acks: list) -> bool:
+        key = (msg.producer, msg.seq)
+        if key in self._acks:  # a resend whose ack got lost: answer with the original ack
+            self.counters["resends_answered"] += 1
+            acks.append((env, self._acks[key]))
+            return False
+        if key in self._parked_keys:
+            self.counters["resends_while_parked"] += 1
+            return False
+        if isinstance(msg, wire.IngestBatch):
+            batch = read_ipc_batch(body[1].buffer)
+            if batch.num_rows != msg.num_samples:
+                raise wire.ProtocolError(
+                    f"ingest_batch says num_samples={msg.num_samples} but the batch has {batch.num_rows} rows",
+                    "invalid_arrow",
+                )
+            check_batch(batch)
+        else:
+            batch = samples_to_batch(msg.samples)
+        if batch.num_rows > self.cfg.capacity_samples:
+            raise wire.ProtocolError(
+                f"ingest of {batch.num_rows} samples can never fit capacity_samples="
+                f"{self.cfg.capacity_samples}; send smaller batches or raise buffer.capacity_samples",
+                "too_large_for_capacity",
+            )
+        if self._parked:  # keep arrival order: nobody overtakes a parked message
+            self._park(env, msg, batch)
+            return False
+        return self._try_commit(env, msg, batch, acks)
+
+    def _try_commit(self, env, msg, batch: pa.RecordBatch, acks: list) -> bool:
+        plan: Plan = self.buffer.plan(batch, checked=True)
+        if not self.buffer.has_room(plan.n_new):
+            self._park(env, msg, batch)
+            return False
+        self.buffer.commit(plan)
+        ack = wire.encode(
+            wire.IngestAck(
+                req=msg.req,
+                seq=msg.seq,
+                accepted=plan.n_new,
+                duplicates=plan.duplicates,
+                rejected=plan.rejected,
+                trainer_version=self.buffer.version,
+                errors=plan.errors,
+            )
+        )
+        self._acks[(msg.producer, msg.seq)] = ack
+        while len(self._acks) > _ACK_MEMORY:
+            self._acks.popitem(last=False)
+        acks.append((env, ack))
+        return plan.n_new > 0
+
+    def _park(self, env, msg, batch) -> None:
+        self.counters["backpressure_parked"] += 1
+        self._parked.append(_ParkedIngest(env, msg, batch))
+        self._parked_keys.add((msg.producer, msg.seq))
+
+    def _unpark(self, sock) -> None:
+        acks: list = []
+        while self._parked:
+            p = self._parked[0]
+            before = len(self._parked)
+            self._parked.pop(0)
+            self._parked_keys.discard((p.msg.producer, p.msg.seq))
+            self._try_commit(p.envelope, p.msg, p.batch, acks)
+            if len(self._parked) == before:  # it was parked again: still no room
+                self._parked.insert(0, self._parked.pop())
+                break
+        if acks:
+            self.buffer.sync()
+            for env, ack in acks:
+                self._send(sock, env, [ack])
+
+    # -- fetch ---------------------------------------------------------------------------------------
+    def _fetch(self, sock, env, msg: wire.Fetch) -> None:
+        if msg.num_groups < 1 or msg.max_staleness < 0 or not msg.timeout_s >= 0:
+            raise wire.ProtocolError(
+                "fetch needs num_groups >= 1, max_staleness >= 0 and timeout_s >= 0", "invalid_fields"
+            )
+        now = time.monotonic()
+        self._fetches.append(_PendingFetch(env, msg, now + min(msg.timeout_s, 86400.0), now))
+
+    def _serve_fetches(self, sock, only_expired: bool = False) -> None:
+        now = time.monotonic()
+        freed = False
+        for f in list(self._fetches):
+            if only_expired and now < f.deadline:
+                continue
+            res = self.buffer.fetch(f.msg.num_groups, f.msg.version, f.msg.max_staleness)
+            freed |= res.batch is not None or res.evicted > 0
+            if res.batch is None and now < f.deadline:
+                continue
+            self._fetches.remove(f)
+            reason = ""
+            if res.batch is None:
+                reason = (
+                    f"timeout: {self.buffer.ready_groups()} complete groups ready, {f.msg.num_groups} asked"
+                )
+            self._reply_batch(
+                sock, f.envelope, f.msg.req, res.batch, res.num_groups, res.evicted, now - f.started, reason
+            )
+        if freed and self._parked:
+            self._unpark(sock)
+
+    def _reply_batch(self, sock, env, req, batch, num_groups=0, evicted=0, waited=0.0, reason="") -> None:
+        n = 0 if batch is None else batch.num_rows
+        head = wire.encode(
+            wire.FetchReply(
+                req=req,
+                num_groups=num_groups,
+                num_samples=n,
+                evicted_stale=evicted,
+                waited_s=waited,
+                reason=reason,
+            )
+        )
+        self._send(sock, env, [head] if batch is None else [head, ipc_bytes(batch)])
+
+    # -- replies -------------------------------------------------------------------------------------
+    def _send(self, sock, env: list, frames: list) -> None:
+        try:
+            sock.send_multipart(env + frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer is gone or not reading; it will resend if it cares
+            self.counters["replies_dropped"] += 1
+
+    def _reject(self, sock, frames, reason: str, category: str) -> None:
+        self.rejects[category] += 1
+        try:
+            env, body = self._split(frames)
+            req = 0
+            try:
+                req = int(msgspec.msgpack.decode(body[0].bytes).get("req", 0)) if body else 0
+            except Exception:
+                req = 0
+            self._send(sock, env, [wire.encode(wire.Error(req=req, reason=reason[:2000]))])
+        except Exception:
+            pass
+
+    def stats(self) -> dict:
+        s = self.buffer.stats()
+        s["rejects"] = dict(self.rejects)
+        s["rejected_messages"] = sum(self.rejects.values())
+        s["pending_fetches"] = len(self._fetches)
+        s["parked_ingests"] = len(self._parked)
+        s["address"] = self._address
+        s.update(self.counters)
+        return s

@@ -1,0 +1,346 @@
+"""The replay buffer itself (`Buffer`): Arrow record batches in memory, optionally backed by durable
+segments, indexed by GRPO group, served by a policy. Single-threaded by design: the ZeroMQ server
+and `InProcBuffer` serialize access to it.
+
+Ingest is split in two so the server can apply back-pressure and group-commit:
+  plan = buf.plan(batch)      dedup by uid, per-group checks; changes nothing
+  buf.has_room(plan.n_new)    capacity check (the server parks the message if False)
+  buf.commit(plan)            append to the segment (not yet durable) and index
+  buf.sync()                  one fsync for everything committed since the last sync; ack after this
+
+Invariants: every uid ever accepted or named in the consumption log is in `_seen` (inserts are
+idempotent, across restarts and for consumed uids); a live row belongs to exactly one live group;
+`live_rows` counts live rows, which is what `capacity_samples` bounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from buffer.config import BufferConfig
+from buffer.policy import Policy, make_policy
+from buffer.segments import ConsumptionLog, SegmentWriter, recover_segments
+from buffer.validate import check_batch
+from pipeline.sample import ARROW_SCHEMA, Sample, samples_to_batch
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    gid: str
+    size: int
+    min_version: int | None = None  # oldest token version; None = no tokens (never stale)
+    times_sampled: int = 0
+    rows: list[tuple[int, int, int]] = field(default_factory=list)  # (group_index, chunk, row)
+    uids: list[str] = field(default_factory=list)
+
+    def staleness(self, version: int) -> int:
+        return 0 if self.min_version is None else version - self.min_version
+
+
+@dataclass
+class Plan:
+    """The outcome of `Buffer.plan`: what committing a batch would store."""
+
+    batch: pa.RecordBatch | None  # the rows to store (None: nothing new)
+    n_new: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FetchResult:
+    batch: pa.RecordBatch | None
+    num_groups: int = 0
+    evicted: int = 0
+
+
+class Buffer:
+    """See the module docstring. `directory` (with cfg.durable) makes it durable and recovers it."""
+
+    def __init__(
+        self, cfg: BufferConfig, directory: str | Path | None = None, *, policy: Policy | None = None
+    ):
+        if cfg.capacity_samples < 1:
+            raise ValueError(
+                f"buffer.capacity_samples={cfg.capacity_samples}: no ingest could ever be acked; set it >= 1"
+            )
+        self.cfg = cfg
+        self.policy = policy or make_policy(cfg)
+        self.directory = Path(directory) if directory else None
+        self.durable = bool(cfg.durable and self.directory)
+        self.version = 0
+        self.live_rows = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._chunks: dict[int, pa.RecordBatch] = {}
+        self._live_mask: dict[int, np.ndarray] = {}
+        self._chunk_live: dict[int, int] = {}
+        self._next_chunk = 0
+        self._seen: set[str] = set()
+        self._groups: dict[str, _Group] = {}  # every live group
+        self._complete: dict[str, _Group] = {}  # complete live groups, in completion order
+        self._writer: SegmentWriter | None = None
+        self._log: ConsumptionLog | None = None
+        self.recovery: dict = {}
+        if self.durable:
+            self._recover()
+
+    # -- ingest ------------------------------------------------------------------------------------
+    def plan(self, batch: pa.RecordBatch, *, checked: bool = False) -> Plan:
+        """Dedup and check `batch` against the current state without changing it."""
+        if not checked:
+            check_batch(batch)
+        uids = batch.column("uid").to_pylist()
+        gids = batch.column("group_id").to_pylist()
+        sizes = batch.column("group_size").to_pylist()
+        idxs = batch.column("group_index").to_pylist()
+        keep = np.ones(len(uids), dtype=bool)
+        plan = Plan(batch)
+        local: set[str] = set()
+        claimed: dict[str, tuple[int, set[int]]] = {}  # gid -> (size, indices) as of this batch
+        for i, uid in enumerate(uids):
+            if uid in self._seen or uid in local:
+                keep[i] = False
+                plan.duplicates += 1
+                continue
+            gid = gids[i]
+            if gid not in claimed:
+                g = self._groups.get(gid)
+                claimed[gid] = (g.size, {r[0] for r in g.rows}) if g else (sizes[i], set())
+            size, taken = claimed[gid]
+            err = ""
+            if sizes[i] != size:
+                err = f"sample {uid}: group {gid} has group_size {size}, this sample says {sizes[i]}"
+            elif idxs[i] in taken:
+                err = f"sample {uid}: group {gid} already has a sample at group_index {idxs[i]}"
+            if err:
+                keep[i] = False
+                plan.rejected += 1
+                if len(plan.errors) < 8:
+                    plan.errors.append(err)
+                continue
+            taken.add(idxs[i])
+            local.add(uid)
+        plan.n_new = int(keep.sum())
+        if plan.n_new == 0:
+            plan.batch = None
+        elif plan.n_new < len(uids):
+            plan.batch = batch.filter(pa.array(keep))
+        return plan
+
+    def has_room(self, n_new: int) -> bool:
+        return self.live_rows + n_new <= self.cfg.capacity_samples
+
+    def commit(self, plan: Plan) -> None:
+        self.counters["duplicates"] += plan.duplicates
+        self.counters["rejected_samples"] += plan.rejected
+        if plan.batch is None:
+            return
+        if self._writer is not None:
+            self._writer.append(plan.batch)
+        self._add_chunk(plan.batch, None)
+        self.counters["accepted"] += plan.n_new
+
+    def sync(self) -> None:
+        """Make every commit and log record so far durable (no-op in memory mode)."""
+        if self._writer is not None:
+            self._writer.sync()
+        if self._log is not None:
+            self._log.sync()
+
+    def insert(self, samples: list[Sample] | pa.RecordBatch) -> Plan:
+        """plan + commit + sync in one call, ignoring capacity (for tools, tests and replays)."""
+        batch = samples if isinstance(samples, pa.RecordBatch) else samples_to_batch(samples)
+        plan = self.plan(batch)
+        self.commit(plan)
+        self.sync()
+        return plan
+
+    def _add_chunk(self, batch: pa.RecordBatch, live: np.ndarray | None) -> None:
+        """Index `batch` (rows where `live`, default all) into groups."""
+        cid = self._next_chunk
+        self._next_chunk += 1
+        mask = np.ones(batch.num_rows, dtype=bool) if live is None else live.copy()
+        n = int(mask.sum())
+        if n == 0:
+            return
+        self._chunks[cid], self._live_mask[cid], self._chunk_live[cid] = batch, mask, n
+        self.live_rows += n
+        uids = batch.column("uid").to_pylist()
+        gids = batch.column("group_id").to_pylist()
+        sizes = batch.column("group_size").to_pylist()
+        idxs = batch.column("group_index").to_pylist()
+        minv = batch.column("min_version").to_pylist()
+        for row in np.flatnonzero(mask).tolist():
+            gid = gids[row]
+            g = self._groups.get(gid)
+            if g is None:
+                g = self._groups[gid] = _Group(gid, sizes[row])
+            g.rows.append((idxs[row], cid, row))
+            g.uids.append(uids[row])
+            if minv[row] >= 0 and (g.min_version is None or minv[row] < g.min_version):
+                g.min_version = minv[row]
+            if len(g.rows) == g.size:
+                self._complete[gid] = g
+        self._seen.update(uids)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        if version != self.version:
+            self.version = version
+            if self._log is not None:
+                self._log.append("version", version, [])  # durable with the next sync
+
+    def fetch(self, num_groups: int, version: int, max_staleness: int) -> FetchResult:
+        """Serve `num_groups` complete groups trainable at `version`, or batch=None if there are fewer.
+
+        The served rows are logged and fsynced before this returns (so they are never served again
+        after a crash); evicted ones are counted in `evicted`.
+        """
+        self.set_version(version)
+        evicted = self.evict_stale(version, max_staleness) if self.policy.enforces_staleness else 0
+        if len(self._complete) < num_groups:
+            self.sync()
+            return FetchResult(None, 0, evicted)
+        chosen = self.policy.select(self._complete.values(), num_groups)
+        batch = self._gather(chosen)
+        uids = []
+        for g in chosen:
+            g.times_sampled += 1
+            uids.extend(g.uids)
+            if g.times_sampled >= self.policy.max_times_sampled:
+                self._retire(g)
+        self.counters["served_samples"] += len(uids)
+        self.counters["served_groups"] += len(chosen)
+        if self._log is not None:
+            self._log.append("served", version, uids)
+        self.sync()
+        return FetchResult(batch, len(chosen), evicted)
+
+    def ready_groups(self) -> int:
+        return len(self._complete)
+
+    def evict_stale(self, version: int, max_staleness: int) -> int:
+        """Evict every group too stale to be trained at `version` (staleness only grows, so these can
+        never be served). Returns the number of samples evicted."""
+        pool = self._groups if self.policy.evicts_incomplete else self._complete
+        stale = [g for g in pool.values() if g.staleness(version) > max_staleness]
+        if not stale:
+            return 0
+        uids = [u for g in stale for u in g.uids]
+        for g in stale:
+            self._retire(g)
+        self.counters["evicted_stale"] += len(uids)
+        self.counters["evicted_groups"] += len(stale)
+        if self._log is not None:
+            self._log.append("evicted", version, uids)
+        return len(uids)
+
+    def peek(self, limit: int) -> pa.RecordBatch | None:
+        """Up to `limit` live rows (oldest chunks first), without consuming them."""
+        pieces, n = [], 0
+        for cid, batch in self._chunks.items():
+            rows = np.flatnonzero(self._live_mask[cid])[: limit - n]
+            if len(rows):
+                pieces.append(batch.take(pa.array(rows)))
+                n += len(rows)
+            if n >= limit:
+                break
+        return pa.concat_batches(pieces) if pieces else None
+
+    def _gather(self, groups: list[_Group]) -> pa.RecordBatch:
+        """Rows of `groups` (group by group, by group_index) as one batch: contiguous runs of a chunk
+        become zero-copy slices, so a FIFO fetch of whole ingest batches copies nothing here."""
+        pieces: list[pa.RecordBatch] = []
+        run_cid, run_start, run_end = -1, 0, 0
+        for g in groups:
+            for _, cid, row in sorted(g.rows):
+                if cid == run_cid and row == run_end:
+                    run_end += 1
+                    continue
+                if run_cid >= 0:
+                    pieces.append(self._chunks[run_cid].slice(run_start, run_end - run_start))
+                run_cid, run_start, run_end = cid, row, row + 1
+        pieces.append(self._chunks[run_cid].slice(run_start, run_end - run_start))
+        return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
+
+    def _retire(self, g: _Group) -> None:
+        self._groups.pop(g.gid, None)
+        self._complete.pop(g.gid, None)
+        for _, cid, row in g.rows:
+            self._live_mask[cid][row] = False
+            self._chunk_live[cid] -= 1
+            if self._chunk_live[cid] == 0:  # free the memory of fully consumed batches
+                del self._chunks[cid], self._live_mask[cid], self._chunk_live[cid]
+        self.live_rows -= len(g.rows)
+
+    # -- durability --------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Rebuild state from the segments and the consumption log (see buffer.segments)."""
+        t0 = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        rec = recover_segments(self.directory)
+        self._log = ConsumptionLog(self.directory / "consumed.log")
+        served: collections.Counter[str] = collections.Counter()
+        gone: set[str] = set()
+        for r in self._log.records:
+            if r.op == "served":
+                served.update(r.uids)
+            elif r.op == "evicted":
+                gone.update(r.uids)
+            self.version = max(self.version, r.v)
+        limit = self.policy.max_times_sampled
+        for _, batch in rec.batches:
+            uids = batch.column("uid").to_pylist()
+            live = np.fromiter((u not in gone and served[u] < limit for u in uids), bool, len(uids))
+            self._add_chunk(batch, live)
+            self._seen.update(uids)
+        self._seen.update(served)
+        self._seen.update(gone)
+        for g in self._groups.values():
+            g.times_sampled = max(served[u] for u in g.uids)
+        self._writer = SegmentWriter(self.directory, rec.next_index, self.cfg.segment_max_mb << 20)
+        torn = [vars(r) for r in rec.reports if r.problem]
+        self.recovery = {
+            "segments": len(rec.reports),
+            "rows": sum(r.rows for r in rec.reports),
+            "live_rows": self.live_rows,
+            "consumed_uids": len(served) + len(gone),
+            "log_torn_bytes": self._log.torn_bytes,
+            "torn_segments": torn,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._log is not None:
+            self._log.close()
+        self._writer = self._log = None
+
+    # -- introspection -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "rows": self.live_rows,
+            "groups": len(self._groups),
+            "complete_groups": len(self._complete),
+            "capacity_samples": self.cfg.capacity_samples,
+            "version": self.version,
+            "policy": self.policy.name,
+            "durable": self.durable,
+            "seen_uids": len(self._seen),
+            "segment_bytes": self._writer.bytes_written if self._writer else 0,
+            **{k: v for k, v in sorted(self.counters.items())},
+            "recovery": self.recovery,
+        }
+
+    def live_table(self) -> pa.Table:
+        """Every live row, for inspection (copies)."""
+        parts = [b.filter(pa.array(self._live_mask[c])) for c, b in self._chunks.items()]
+        return pa.Table.from_batches(parts, schema=ARROW_SCHEMA)

@@ -1,0 +1,111 @@
+"""Columnar checks of an incoming Arrow batch: the buffer's equivalent of `Sample.validate`.
+
+Everything here works on whole columns (pyarrow compute / numpy), so validating a batch of thousands
+of long responses costs no per-token Python work. Problems raise `ProtocolError` naming the column.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status
+from pipeline.wire import ProtocolError
+
+_STATUSES = pa.array([str(s) for s in Status])
+_json_any = msgspec.json.Decoder(dict)
+
+
+def read_ipc_batch(payload) -> pa.RecordBatch:
+    """One Arrow IPC stream holding exactly one record batch in ARROW_SCHEMA (zero-copy)."""
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(payload))
+        if not reader.schema.equals(ARROW_SCHEMA):
+            raise ProtocolError(
+                "Arrow payload schema differs from pipeline.sample.ARROW_SCHEMA; build batches with "
+                "pipeline.sample.samples_to_batch and run the same slipstream version on both ends",
+                "invalid_arrow",
+            )
+        batches = list(reader)
+    except ProtocolError:
+        raise
+    except (pa.ArrowException, ValueError, OSError) as e:
+        raise ProtocolError(
+            f"payload is not a valid Arrow IPC stream: {str(e)[:200]}", "invalid_arrow"
+        ) from None
+    if len(batches) != 1:
+        raise ProtocolError(
+            f"Arrow payload holds {len(batches)} record batches; expected exactly 1", "invalid_arrow"
+        )
+    return batches[0]
+
+
+def _offsets(col: pa.Array) -> np.ndarray:
+    offs = col.offsets.to_numpy()
+    return offs - offs[0]
+
+
+def recompute_min_version(batch: pa.RecordBatch) -> np.ndarray:
+    """Oldest response-token version per row (-1 for empty responses), from the versions column."""
+    col = batch.column("versions")
+    offs = _offsets(col)
+    vals = col.flatten().to_numpy()
+    out = np.full(batch.num_rows, -1, dtype=np.int32)
+    nonempty = np.flatnonzero(np.diff(offs) > 0)
+    if len(nonempty):
+        # reduceat over only the non-empty rows' starts: empty rows in between add no values.
+        out[nonempty] = np.minimum.reduceat(vals, offs[nonempty])
+    return out
+
+
+def check_batch(batch: pa.RecordBatch) -> None:
+    """Raise ProtocolError if any row of `batch` would not pass Sample.validate (and then some)."""
+    if not batch.schema.equals(ARROW_SCHEMA):
+        raise ProtocolError("batch schema differs from pipeline.sample.ARROW_SCHEMA", "invalid_sample")
+    try:
+        batch.validate(full=True)
+    except pa.ArrowException as e:
+        raise ProtocolError(f"malformed Arrow batch: {str(e)[:200]}", "invalid_sample") from None
+    for name, col in zip(batch.schema.names, batch.columns):
+        if col.null_count:
+            raise ProtocolError(
+                f"column {name} has {col.null_count} nulls; every field must be set", "invalid_sample"
+            )
+    if batch.num_rows == 0:
+        return
+    if not pc.all(pc.greater(pc.utf8_length(batch.column("uid")), 0)).as_py():
+        raise ProtocolError("a sample has an empty uid: every sample needs a unique id", "invalid_sample")
+    if not pc.all(pc.greater(pc.utf8_length(batch.column("group_id")), 0)).as_py():
+        raise ProtocolError("a sample has an empty group_id", "invalid_sample")
+    gi = batch.column("group_index").to_numpy()
+    gs = batch.column("group_size").to_numpy()
+    if np.any(gi < 0) or np.any(gi >= gs):
+        bad = int(np.flatnonzero((gi < 0) | (gi >= gs))[0])
+        raise ProtocolError(
+            f"sample {batch.column('uid')[bad].as_py()}: group_index {gi[bad]} outside [0, group_size={gs[bad]})",
+            "invalid_sample",
+        )
+    ref = _offsets(batch.column("response_ids"))
+    for name in RESPONSE_ALIGNED[1:]:
+        if not np.array_equal(_offsets(batch.column(name)), ref):
+            raise ProtocolError(
+                f"column {name} is not aligned with response_ids: every response token needs a "
+                "logprob, a version and a mask entry",
+                "invalid_sample",
+            )
+    if not pc.all(pc.is_in(batch.column("status"), value_set=_STATUSES)).as_py():
+        raise ProtocolError(
+            f"unknown status value; expected one of {[str(s) for s in Status]}", "invalid_sample"
+        )
+    if not np.array_equal(batch.column("min_version").to_numpy(), recompute_min_version(batch)):
+        raise ProtocolError("column min_version does not match the versions column", "invalid_sample")
+    for name in ("reward_parts", "metadata"):
+        for text in batch.column(name).to_pylist():
+            try:
+                _json_any.decode(text)
+            except msgspec.DecodeError:
+                raise ProtocolError(
+                    f"column {name} holds {text[:40]!r}, not a JSON object", "invalid_sample"
+                ) from None

@@ -1,0 +1,159 @@
+"""The Ray actors that host each stage: buffer, generators, trainer, evaluator.
+
+Each actor is a thin shell around a stage object that also runs alone (BufferServer, Generator,
+Trainer), so what runs under Ray is the same code the standalone entry points and tests run. Heavy
+imports happen inside the actors, never in the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+
+
+def _threads(n: int) -> None:
+    """Pin torch's intra-op threads to the CPUs this actor was given (oversubscription on a small
+    machine costs more than it gains: two stages each spinning 2 threads on 2 cores halves both)."""
+    import torch
+
+    torch.set_num_threads(max(1, n))
+
+
+@ray.remote(num_cpus=0)
+class BufferActor:
+    """Hosts the ZeroMQ buffer server in a thread; its data lives in the run directory."""
+
+    def __init__(self, cfg, directory: str):
+        from buffer.server import BufferServer
+
+        self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None).start()
+
+    def address(self) -> str:
+        return self.server.address
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote
+class GeneratorActor:
+    """An engine, the receiving end of the weight transport, and the generator loop (asyncio)."""
+
+    def __init__(self, cfg, generator_id: str, buffer_address: str, weights_address: str, batch_groups: int,
+                 cpus: int = 1):
+        _threads(cpus)
+        from buffer.client import BufferClient
+        from stages.rollout.build import build_engine
+        from stages.rollout.generator import Generator
+        from stages.weights.zmq_transport import WeightReceiver
+
+        self.id = generator_id
+        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + int(generator_id.rsplit("-", 1)[-1]))
+        self.receiver = WeightReceiver(weights_address, self.engine, name=generator_id)
+        self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
+        self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
+        self._busy_s = 0.0
+
+    async def run(self) -> dict:
+        return await self.gen.run()
+
+    async def stats(self) -> dict:
+        out = dict(self.gen.stats())
+        out["engine_version"] = self.engine.version
+        if self.receiver.error:
+            raise RuntimeError(f"{self.id}: weight receiver failed: {self.receiver.error}")
+        return out
+
+    async def stop(self) -> None:
+        self.gen.stop()
+
+    async def close(self) -> None:
+        self.receiver.close()
+        self.engine.close()
+        self.sink.close()
+
+
+@ray.remote
+class TrainerActor:
+    """The megatron trainer (rank 0 of a world of 1 here) with its weight sender bound for the engines."""
+
+    def __init__(self, cfg, buffer_address: str, model_path: str, run_dir: str, num_engines: int,
+                 cpus: int = 1):
+        _threads(cfg.trainer.threads or cpus)
+        from buffer.client import BufferClient
+        from stages.trainer.trainer import Trainer
+        from stages.weights.base import make_sender
+
+        self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
+        self.sender = make_sender(cfg.weights, min_engines=num_engines)
+        self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
+        self.sync = cfg.run.mode == "sync"
+        self._idle_s = 0.0
+        self._t0 = time.perf_counter()
+
+    def weights_address(self) -> str:
+        return self.sender.address
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def step(self) -> dict:
+        m = self.trainer.step()
+        if self.sync:
+            # sync mode: the next batch is generated only with the weights this step produced
+            t0 = time.perf_counter()
+            res = self.trainer.wait_push() or {}
+            m["push/wait_s"] = time.perf_counter() - t0
+            m["push/seconds"] = res.get("seconds", 0.0)
+        self._idle_s += m.get("time/data_wait_s", 0.0)
+        m["version"] = self.trainer.version
+        m["trainer/idle_share"] = self._idle_s / max(time.perf_counter() - self._t0, 1e-9)
+        return m
+
+    def finish(self, export_hf: bool = True) -> dict:
+        """Wait for the last push, save the final checkpoint and an HF export of the policy."""
+        self.trainer.close(save=True)
+        out = {"version": self.trainer.version}
+        if export_hf:
+            out["hf_export"] = self.trainer.save_hf()
+        self.sender.close()
+        self.source.close()
+        return out
+
+
+@ray.remote
+class EvalActor:
+    """Generates a held-out prompt set with the current weights, beside training (never blocking it)."""
+
+    def __init__(self, cfg, weights_address: str, cpus: int = 1):
+        _threads(cpus)
+        from pipeline.evaluation import Evaluator
+        from stages.rollout.build import build_engine
+        from stages.weights.zmq_transport import WeightReceiver
+
+        self.engine = build_engine(cfg, seed=cfg.run.seed + 99991)
+        self.receiver = WeightReceiver(weights_address, self.engine, name="eval")
+        self.evaluator = Evaluator(cfg, self.engine)
+
+    async def evaluate(self, step: int) -> dict:
+        out = await self.evaluator.evaluate()
+        out["eval/step"] = step
+        return out
+
+    async def close(self) -> None:
+        self.receiver.close()
+        self.engine.close()
+
+
+def actor_env() -> dict:
+    """runtime_env for the actors: the repo on sys.path (for runs without `pip install -e`)."""
+    from pipeline.config import REPO_ROOT
+
+    path = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
+                         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}

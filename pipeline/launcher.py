@@ -1,0 +1,269 @@
+"""Start the stages as Ray actors, drive training, and shut everything down cleanly.
+
+The driver owns the run: it creates the run directory, starts the buffer, the trainer (which binds the
+weight transport) and the generators (which connect to it) inside one placement group, then pulls one
+trainer step at a time while the generators stream on their own. Any stage that fails stops the run
+with that stage's error; Ctrl-C stops it too; in every case the buffer's segments stay on disk.
+
+`mode=async`: generators run continuously, bounded by run.max_staleness (admission control).
+`mode=sync`:  the same actors with max_staleness=0 and the trainer waiting for each push to land, so
+              each batch is generated entirely by the weights of the previous step — generate, train,
+              push, repeat — and the speedup of async is measured by switching one key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from pipeline.config import RunConfig, write_resolved
+from pipeline.metrics import MetricsWriter
+from pipeline.progress import Progress, summary
+
+log = logging.getLogger("slipstream")
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; the message names the stage and carries its error."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    status: str  # "completed" | "failed" | "interrupted"
+    steps: int
+    elapsed_s: float
+    history: list[dict] = field(default_factory=list)
+    plot: Path | None = None
+    error: str = ""
+
+
+def make_run_dir(cfg: RunConfig) -> Path:
+    if cfg.run.dir:
+        d = Path(cfg.run.dir)
+    else:
+        d = Path(cfg.run.root) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        n = 1
+        while d.exists():
+            d = d.with_name(f"{d.name.rsplit('.', 1)[0]}.{n}")
+            n += 1
+    d.mkdir(parents=True, exist_ok=True)
+    return d.resolve()
+
+
+def effective(cfg: RunConfig) -> RunConfig:
+    """The config the stages run with: sync mode is async with staleness 0 (see module docstring)."""
+    if cfg.run.mode == "sync" and cfg.run.max_staleness != 0:
+        return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, max_staleness=0))
+    return cfg
+
+
+def start_ray(cfg: RunConfig) -> None:
+    import ray
+
+    from pipeline.actors import actor_env
+
+    if ray.is_initialized():
+        return
+    kw: dict = {"runtime_env": actor_env(), "include_dashboard": False, "log_to_driver": True,
+                "configure_logging": True, "logging_level": logging.WARNING}
+    if cfg.cluster.address == "local":
+        if cfg.cluster.num_cpus:
+            kw["num_cpus"] = cfg.cluster.num_cpus
+        if cfg.cluster.num_gpus:
+            kw["num_gpus"] = cfg.cluster.num_gpus
+        ray.init(**kw)
+    else:
+        ray.init(address=cfg.cluster.address, **kw)
+
+
+class Pipeline:
+    """One run: actors, the training loop and the shutdown. Use run_pipeline() unless embedding."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg, self.run_dir = effective(cfg), run_dir
+        self.buffer = self.trainer = self.evaluator = None
+        self.generators: list = []
+        self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
+        self.pg = None
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pipeline.actors import BufferActor, EvalActor, GeneratorActor, TrainerActor
+        from pipeline.models import resolve_model
+
+        cfg, r = self.cfg, self.cfg.rollout
+        model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
+        n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
+        bundles = [{"CPU": 1}] + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
+        self.pg = placement_group(bundles, strategy="PACK")
+        self._wait(self.pg.ready(), "placement group",
+                   f"the cluster has no room for {len(bundles)} one-CPU bundles (trainer, {n_gen} generator(s)"
+                   f"{', eval' if use_eval else ''}); lower rollout.num_generators or set cluster.num_cpus")
+
+        def on(i: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i)}
+
+        self.buffer = BufferActor.options(**on(0)).remote(cfg, str(self.run_dir / "buffer"))
+        buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
+        n_engines = n_gen + int(use_eval)
+        self.trainer = TrainerActor.options(**on(0)).remote(cfg, buffer_addr, model_path, str(self.run_dir),
+                                                            n_engines)
+        weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
+        share = max(1, cfg.trainer.batch_groups // n_gen)
+        self.generators = [
+            GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
+            for i in range(n_gen)
+        ]
+        if use_eval:
+            self.evaluator = EvalActor.options(**on(1 + n_gen)).remote(cfg, weights_addr)
+        for i, g in enumerate(self.generators):
+            self.gen_runs[g.run.remote()] = f"generator gen-{i}"
+
+    def _wait(self, ref, what: str, hint: str = ""):
+        """ray.get with the run's timeout and an error that names the stage."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.cfg.run.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StageFailed(f"{what} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
+                              + (f": {hint}" if hint else "")) from None
+        except ray.exceptions.RayError as e:
+            raise StageFailed(f"{what} failed: {_root_error(e)}") from None
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def train(self, metrics: MetricsWriter, progress: Progress) -> int:
+        """Run cfg.run.steps trainer steps; returns the number of steps done."""
+        import ray
+
+        cfg = self.cfg
+        eval_ref, step = None, 0
+        for step in range(1, cfg.run.steps + 1):
+            step_ref = self.trainer.step.remote()
+            while True:  # wait for the step, but notice at once when a generator dies
+                ready, _ = ray.wait([step_ref, *self.gen_runs], num_returns=1, timeout=cfg.run.timeout_s)
+                if not ready:
+                    raise StageFailed(f"trainer step {step} did not finish within run.timeout_s="
+                                      f"{cfg.run.timeout_s:.0f}s; see the trainer's log above")
+                if ready[0] is step_ref:
+                    break
+                name = self.gen_runs.pop(ready[0])
+                self._wait(ready[0], name)  # raises the generator's error
+                raise StageFailed(f"{name} stopped before the run ended")
+            m = self._wait(step_ref, "trainer")
+            m.update(self._generator_metrics())
+            if eval_ref is not None and ray.wait([eval_ref], timeout=0)[0]:
+                m.update(self._wait(eval_ref, "evaluator"))
+                eval_ref = None
+            if self.evaluator is not None and eval_ref is None and step % cfg.eval.every_steps == 0:
+                eval_ref = self.evaluator.evaluate.remote(step)  # runs beside training
+            metrics.log(step, m)
+            progress.update(step, m)
+        if eval_ref is not None:
+            m = self._wait(eval_ref, "evaluator")
+            metrics.log(step, m)
+        return step
+
+    def _generator_metrics(self) -> dict:
+        stats = [self._wait(g.stats.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
+        out: dict = {}
+        for key in ("samples", "tokens", "groups_finished", "groups_filtered", "groups_failed", "samples_failed"):
+            out[f"generator/{key}"] = sum(s.get(key, 0) for s in stats)
+        busy = sum(s.get("engine_busy_s", 0.0) for s in stats)
+        idle = sum(s.get("engine_idle_s", 0.0) for s in stats)
+        if busy + idle > 0:
+            out["generator/idle_share"] = idle / (busy + idle)
+        out["generator/engine_version_min"] = min(s.get("engine_version", 0) for s in stats)
+        return out
+
+    # -- shutdown ----------------------------------------------------------------------------------
+    def shutdown(self, failed: bool) -> dict:
+        """Stop generators, finish the trainer (final checkpoint + HF export), stop the buffer."""
+        import ray
+
+        out: dict = {}
+        grace = min(60.0, self.cfg.run.timeout_s)
+        for g in self.generators:
+            g.stop.remote()
+        if self.gen_runs and not failed:
+            ray.wait(list(self.gen_runs), num_returns=len(self.gen_runs), timeout=grace)
+        if self.trainer is not None and not failed:
+            try:
+                out = ray.get(self.trainer.finish.remote(), timeout=max(grace, self.cfg.weights.timeout_s))
+            except Exception as e:  # noqa: BLE001 - reported, the rest still shuts down
+                out["finish_error"] = _root_error(e)
+        closers = [g.close.remote() for g in self.generators]
+        if self.evaluator is not None:
+            closers.append(self.evaluator.close.remote())
+        ray.wait(closers, num_returns=len(closers), timeout=grace)
+        if self.buffer is not None:
+            try:  # the buffer flushes and closes its segments: its data stays in the run directory
+                ray.get(self.buffer.stop.remote(), timeout=grace)
+            except Exception as e:  # noqa: BLE001
+                out["buffer_error"] = _root_error(e)
+        for a in [*self.generators, self.trainer, self.evaluator, self.buffer]:
+            if a is not None:
+                ray.kill(a)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        return out
+
+
+def _root_error(e: BaseException) -> str:
+    """The innermost error of a Ray task failure, without Ray's wrapping."""
+    cause = getattr(e, "cause", None)
+    if cause is not None and cause is not e:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool = True) -> RunResult:
+    """Run one training run end to end; never leaves actors behind."""
+    import ray
+
+    run_dir = run_dir or make_run_dir(cfg)
+    write_resolved(cfg, run_dir)
+    t0 = time.time()
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
+                            run_name=run_dir.name, config=msgspec.to_builtins(cfg))
+    progress = Progress(cfg.run.steps, enabled=cfg.metrics.progress)
+    pipe, status, error, steps = None, "completed", "", 0
+    try:
+        start_ray(cfg)
+        pipe = Pipeline(cfg, run_dir)
+        pipe.start()
+        steps = pipe.train(metrics, progress)
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by Ctrl-C"
+    except StageFailed as e:
+        status, error = "failed", str(e)
+    finally:
+        progress.finish()
+        if pipe is not None:
+            extra = pipe.shutdown(failed=status != "completed")
+            if extra.get("finish_error") and status == "completed":
+                status, error = "failed", f"trainer failed at the end of the run: {extra['finish_error']}"
+        plot = metrics.close()
+        if stop_ray and ray.is_initialized():
+            ray.shutdown()
+    steps = len({h["step"] for h in metrics.history})
+    return RunResult(run_dir, status, steps, time.time() - t0, metrics.history, plot, error)
+
+
+def print_summary(res: RunResult) -> None:
+    if res.error:
+        print(f"\nerror: {res.error}")
+    print(summary(str(res.run_dir), res.history, res.elapsed_s, str(res.plot) if res.plot else None, res.status))

@@ -1,0 +1,104 @@
+"""Run metrics: one JSONL line per step (always), TensorBoard events, W&B when configured, and a PNG of
+reward and staleness over steps at the end of the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Append-only metrics sink for the driver. Values that are not finite numbers go to JSONL only."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb_project: str = "",
+                 run_name: str = "", config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)  # line-buffered: a crash loses at most one line
+        self._tb = None
+        self._wandb = None
+        self.history: list[dict[str, Any]] = []
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("metrics.wandb_project is set but wandb is not installed; "
+                                   "pip install wandb, or leave metrics.wandb_project empty") from None
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(self.run_dir))
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        row = {"step": step, "time": time.time(), **values}
+        self.history.append(row)
+        self._file.write(json.dumps(row, default=_jsonable) + "\n")
+        scalars = {k: float(v) for k, v in values.items() if _is_number(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> Path | None:
+        """Flush everything; write reward_staleness.png; return its path (None if nothing was logged)."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        return plot_history(self.history, self.run_dir / "reward_staleness.png") if self.history else None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+def read_history(path: str | Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_history(history: list[dict[str, Any]], out: str | Path) -> Path:
+    """Reward (and eval accuracy) and staleness over steps, two panels sharing the step axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    steps = [h["step"] for h in history]
+
+    def series(key):
+        pts = [(h["step"], h[key]) for h in history if _is_number(h.get(key))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    ax1.plot(*series("reward/mean"), label="train reward (mean)")
+    if any("eval/accuracy" in h for h in history):
+        ax1.plot(*series("eval/accuracy"), "o-", label="eval accuracy")
+    ax1.set_ylabel("reward")
+    ax1.legend(loc="lower right")
+    ax1.grid(alpha=0.3)
+    ax2.plot(*series("staleness/mean"), label="mean")
+    ax2.plot(*series("staleness/max"), label="max", alpha=0.6)
+    ax2.set_ylabel("staleness (versions)")
+    ax2.set_xlabel("trainer step")
+    ax2.legend(loc="upper right")
+    ax2.grid(alpha=0.3)
+    if steps:
+        ax2.set_xlim(min(steps), max(max(steps), min(steps) + 1))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

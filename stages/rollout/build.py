@@ -1,0 +1,42 @@
+"""Builders from a RunConfig: the engine (`build_engine`) and the prompt source (`load_source`)."""
+
+from __future__ import annotations
+
+from stages.rollout.engine import Engine
+
+
+def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
+    """The inference engine that cfg.rollout.engine names, loaded with cfg.model's weights.
+
+    version: the policy version of the initial weights (0 for a fresh run; the checkpoint's step when
+    resuming). seed: sampling seed (default cfg.run.seed).
+    """
+    from pipeline.models import resolve_model
+
+    r = cfg.rollout
+    path = resolve_model(cfg.model)
+    if r.engine == "torch":
+        from stages.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(
+            path,
+            device=r.device,
+            dtype=cfg.model.dtype,
+            max_batch_size=r.max_batch_size,
+            chunk_tokens=r.chunk_tokens,
+            seed=cfg.run.seed if seed is None else seed,
+            version=version,
+        )
+    raise NotImplementedError(
+        f"rollout.engine={r.engine!r} has no engine in this build yet; use rollout.engine=torch"
+    )
+
+
+def load_source(cfg, tokenizer=None):
+    """(PromptSource, tokenizer) for cfg.rollout.data and cfg.model."""
+    from pipeline.models import load_tokenizer, resolve_model
+    from stages.rollout.data import PromptSource
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(resolve_model(cfg.model))
+    return PromptSource(cfg.rollout.data, tokenizer), tokenizer

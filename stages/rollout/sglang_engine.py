@@ -1,0 +1,641 @@
+"""SGLang engines on GPUs: one `sglang.launch_server` process per engine, driven over HTTP.
+
+`SGLangEngine` owns its server process (launched in its own process group, logged to a file, killed by
+that group on close), streams `/generate` with `return_logprob` and turns the output into `GenResult`s
+with per-token logprobs and per-token policy versions. Weight updates follow one protocol whatever the
+source: pause_generation (in_place or retract) -> load (CUDA IPC tensors, NCCL broadcast, or disk) ->
+/update_weight_version -> continue_generation, each phase timed. `EnginePool` spreads requests over
+several engines by least outstanding requests.
+
+SGLang is imported lazily (only the IPC push needs it in this process), so this module imports on
+machines without SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+import weakref
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from stages.rollout.config import SGLangConfig
+from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The SGLang server failed, refused a request or did not start; the message says which and why."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End the server and every process it started: they share the process group we created for it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # the leader may be gone while its schedulers still hold the GPU
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _sampling(p: SamplingParams) -> dict:
+    sp = {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "max_new_tokens": p.max_new_tokens,
+        "ignore_eos": bool(getattr(p, "ignore_eos", False)),
+    }
+    if p.stop_token_ids and not sp["ignore_eos"]:
+        sp["stop_token_ids"] = list(p.stop_token_ids)  # in addition to the model's eos
+    return sp
+
+
+def _as_version(stamp, default: int) -> int:
+    try:
+        return int(stamp)
+    except (TypeError, ValueError):  # "default": a server launched without --weight-version
+        return default
+
+
+def _finish(reason) -> str:
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return kind if kind in ("stop", "length") else "abort"
+
+
+class SGLangEngine(Engine):
+    """One SGLang HTTP server on `cfg.tp_size` GPUs starting at `gpu_id`, and the client that drives it.
+
+    Generation is async (call from asyncio); control calls (weight updates, pause, health, restart)
+    are blocking and thread-safe, so a weight transport may call them from its own thread.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: SGLangConfig | None = None,
+        *,
+        dtype: str = "bfloat16",
+        version: int = 0,
+        name: str = "sglang-0",
+        gpu_id: int | None = None,
+        port: int | None = None,
+        start: bool = True,
+    ):
+        self.cfg = cfg or SGLangConfig()
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self.name = name
+        self.gpu_id = self.cfg.base_gpu_id if gpu_id is None else gpu_id
+        self.port = port or self.cfg.port or free_port(self.cfg.host)
+        self.url = f"http://{self.cfg.host}:{self.port}"
+        self.log_dir = Path(self.cfg.log_dir or tempfile.mkdtemp(prefix="slipstream-sglang-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{name}.log"
+        self._version = version
+        # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
+        self._base = (self.model_path, version)
+        self._disk: tuple[str, int] | None = None
+        self._held: dict[str, torch.Tensor] = {}
+        self._held_version: int | None = None
+        self._held_pending = False  # tensors held but their version not yet set (inside `updating`)
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._update_lock = threading.RLock()
+        self.outstanding = 0  # requests sent and not yet answered
+        self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
+        self.last_update: dict[str, float] = {}
+        self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
+        if start:
+            self.start()
+
+    # -- process ---------------------------------------------------------------------------------
+    def _command(self, model_path: str, version: int) -> list[str]:
+        c = self.cfg
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+        cmd += ["--host", c.host, "--port", str(self.port), "--tp-size", str(c.tp_size)]
+        cmd += ["--mem-fraction-static", str(c.mem_fraction_static), "--base-gpu-id", str(self.gpu_id)]
+        cmd += ["--dtype", self.dtype, "--skip-tokenizer-init", "--weight-version", str(version)]
+        # deltas, not the cumulative output, in each streamed chunk (cumulative is O(n^2) bytes)
+        cmd += ["--incremental-streaming-output", "--stream-interval", str(c.stream_interval)]
+        if c.disable_cuda_graph:
+            cmd.append("--disable-cuda-graph")
+        return cmd + list(c.extra_args)
+
+    def start(self, model_path: str | None = None, version: int | None = None) -> float:
+        """Launch the server and wait until /health answers; returns the seconds it took."""
+        t0 = time.perf_counter()
+        path, version = model_path or self.model_path, self._version if version is None else version
+        cmd = self._command(path, version)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n=== {time.strftime('%F %T')} launching: {' '.join(cmd)}\n".encode())
+            logf.flush()
+            self._proc = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        # a forgotten engine must not keep its GPU: end the group when this object goes away
+        self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
+        self._wait_healthy(self.cfg.startup_timeout_s)
+        self._version = version
+        secs = time.perf_counter() - t0
+        log.info("%s: SGLang up at %s (pid %d) in %.1fs", self.name, self.url, self._proc.pid, secs)
+        return secs
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EngineError(
+                    f"{self.name}: the SGLang server exited with code {self._proc.returncode} while "
+                    f"starting; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            if self._get_status("/health", 2.0) == 200:
+                return
+            time.sleep(0.5)
+        _kill_group(self._proc)
+        raise EngineError(
+            f"{self.name}: the SGLang server did not answer /health within {timeout_s:.0f}s and was "
+            f"stopped. Raise rollout.sglang.startup_timeout_s if it was still loading; last lines of "
+            f"{self.log_path}:\n{_tail(self.log_path)}"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            _kill_group(self._proc)
+            self._finalizer.detach()
+            self._proc = None
+
+    def close(self) -> None:
+        self._stop()
+
+    def check_health(self) -> bool:
+        """True when the server process is alive and /health answers 200 in time."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        return self._get_status("/health", self.cfg.health_timeout_s) == 200
+
+    def restart(self) -> float:
+        """Relaunch a dead or hung server and bring it back to the newest weights it can re-sync to.
+
+        Sources, newest first: the host copy of the last tensor push (written out as a checkpoint),
+        the last disk update, the original model. After an NCCL push with keep_weights_copy off the
+        engine comes back older than before: `version` says which, and the transport re-pushes (and
+        re-inits its NCCL group, which died with the server: `restarts` counts these).
+        """
+        with self._update_lock:
+            t0 = time.perf_counter()
+            self._stop()
+            path, version = self._resync_source()
+            self.start(path, version)
+            self.restarts += 1
+            secs = time.perf_counter() - t0
+            log.warning("%s: restarted at version %d from %s in %.1fs", self.name, version, path, secs)
+            return secs
+
+    def _resync_source(self) -> tuple[str, int]:
+        newest = [s for s in (self._base, self._disk) if s is not None]
+        if self._held and self._held_version is not None:
+            newest.append((None, self._held_version))
+        path, version = max(newest, key=lambda s: s[1])
+        return (path or self._write_held_checkpoint()), version
+
+    def _write_held_checkpoint(self) -> str:
+        """The base model's files with the held tensors laid over its weights, as one HF folder."""
+        from safetensors.torch import load_file, save_file
+
+        out, tmp = self.log_dir / f"{self.name}-resync", self.log_dir / f"{self.name}-resync.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(self._base[0]).iterdir()):
+            if f.name.endswith(".safetensors"):
+                state.update(load_file(f))
+            elif f.is_file() and not f.name.endswith(".safetensors.index.json"):
+                shutil.copy(f, tmp / f.name)
+        state.update(self._held)
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", {"format": "pt"})
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return str(out)
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _get_status(self, path: str, timeout: float) -> int:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.cfg.control_timeout_s) as r:
+                text = r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"{self.name}: POST {path} -> HTTP {e.code}: {e.read()[:1000]!r}") from None
+        except OSError as e:
+            alive = self._proc is not None and self._proc.poll() is None
+            raise EngineError(
+                f"{self.name}: POST {path} failed ({e}); server {'alive' if alive else 'dead'}; "
+                f"last lines of {self.log_path}:\n{_tail(self.log_path, 20)}"
+            ) from None
+        out = json.loads(text) if text.strip().startswith("{") else {"text": text}
+        if out.get("success") is False:
+            raise EngineError(f"{self.name}: POST {path} was refused: {out.get('message')}")
+        return out
+
+    # -- generation ------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        import aiohttp
+
+        start_v = self._version
+        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+        self.outstanding += len(requests)
+        t0 = time.perf_counter()
+        try:
+            async with aiohttp.ClientSession(
+                timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            ) as session:
+                out = await asyncio.gather(*(self._generate_one(session, r, start_v) for r in requests))
+        finally:
+            self.outstanding -= len(requests)
+        self._stats["requests"] += len(out)
+        self._stats["tokens"] += sum(len(r.response_ids) for r in out)
+        self._stats["gen_s"] += time.perf_counter() - t0
+        return list(out)
+
+    async def _generate_one(self, session, req: GenRequest, start_v: int) -> GenResult:
+        # Per-token versions. SGLang stamps each streamed chunk with the server's weight_version when the
+        # chunk is built, not per token. Updates bump the version while generation is paused, so every
+        # token first seen in a chunk whose stamp equals the previous chunk's was made by those weights;
+        # a chunk whose stamp changed can hold tokens from before the update (buffered by stream_interval
+        # or by the overlapped last batch of the pause), so its tokens get the older version (staleness
+        # is then over- never under-estimated, by at most one chunk per update).
+        import aiohttp
+
+        payload = {
+            "input_ids": list(req.prompt_ids),
+            "sampling_params": _sampling(req.params),
+            "return_logprob": True,
+            "stream": True,
+            "rid": f"{self.name}-{uuid.uuid4().hex}",
+        }
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        prev, finish, meta = start_v, None, {}
+        try:
+            async with session.post(self.url + "/generate", json=payload) as resp:
+                if resp.status != 200:
+                    raise EngineError(
+                        f"{self.name}: /generate -> HTTP {resp.status}: {(await resp.text())[:500]}"
+                    )
+                async for out in _sse(resp):
+                    if "error" in out:
+                        finish = finish or {"type": "abort", "message": str(out["error"])[:200]}
+                        break
+                    meta = out.get("meta_info", {})
+                    stamp = _as_version(meta.get("weight_version"), prev)
+                    v = stamp if stamp == prev else min(prev, stamp)
+                    for lp, tid, *_ in meta.get("output_token_logprobs") or ():
+                        ids.append(int(tid))
+                        lps.append(float(lp))
+                        vers.append(v)
+                    prev = stamp
+                    finish = meta.get("finish_reason") or finish
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            raise EngineError(
+                f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
+                f"recover a dead server; log: {self.log_path}"
+            ) from None
+        reason = _finish(finish) if finish else "abort"
+        return GenResult(
+            rid=req.rid,
+            response_ids=ids,
+            logprobs=lps,
+            versions=vers,
+            finish_reason=reason,
+            meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)},
+        )
+
+    # -- weight updates --------------------------------------------------------------------------
+    def pause_generation(self, mode: str | None = None) -> None:
+        self._post("/pause_generation", {"mode": mode or self.cfg.pause_mode})
+
+    def continue_generation(self) -> None:
+        self._post("/continue_generation", {})
+
+    pause, resume = pause_generation, continue_generation
+
+    @contextlib.contextmanager
+    def updating(self, version: int):
+        """Pause -> (the caller loads weights) -> set `version` -> continue; timings in last_update.
+
+        For transports that load in several calls (buckets): `with engine.updating(v): load...`.
+        On an error inside, generation continues on the old version and the error propagates.
+        """
+        with self._update_lock:
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            self.pause_generation()
+            t["pause_s"] = time.perf_counter() - t0
+            try:
+                yield t
+                t1 = time.perf_counter()
+                # abort_all_requests defaults to true on this route: in-flight requests must survive
+                self._post(
+                    "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+                )
+                self._version = version
+                if self._held_pending:
+                    self._held_version, self._held_pending = version, False
+                t["version_s"] = time.perf_counter() - t1
+            finally:
+                t2 = time.perf_counter()
+                self.continue_generation()
+                t["continue_s"] = time.perf_counter() - t2
+            t["total_s"] = time.perf_counter() - t0
+            self.last_update = t
+            self._stats["updates"] += 1
+            self._stats["update_s"] += t["total_s"]
+            log.info(
+                "%s: weights v%d applied: %s", self.name, version, {k: round(v, 4) for k, v in t.items()}
+            )
+
+    def _load(self, t: dict, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        t["load_s"] = t.get("load_s", 0.0) + time.perf_counter() - t0
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """The Engine interface: colocated push by CUDA IPC; returns the phase timings."""
+        return self.update_weights_from_tensor(named_tensors, version=version)
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        bucket_mb: int = 512,
+    ) -> dict:
+        """Push HF-named tensors by CUDA IPC (the server maps this process's GPU memory; no copy over
+        the host). CPU tensors are first copied to this engine's GPU. With `version`, runs the whole
+        pause/load/version/continue protocol; without it, only loads (call inside `updating`)."""
+        named = [(n, t.detach()) for n, t in named_tensors]
+        if version is None:
+            t: dict[str, float] = {}
+            self._load(t, self._push_ipc, named, bucket_mb)
+            return t
+        with self.updating(version) as t:
+            self._load(t, self._push_ipc, named, bucket_mb)
+        return t
+
+    def _push_ipc(self, named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> None:
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        monkey_patch_torch_reductions()  # device by UUID, so the server maps the right GPU
+        dev = torch.device("cuda", self.gpu_id)
+        limit, bucket, size = bucket_mb << 20, [], 0
+        buckets = []
+        for n, x in named:
+            bucket.append((n, x if x.is_cuda else x.to(dev)))
+            size += x.numel() * x.element_size()
+            if size >= limit:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        buckets += [bucket] if bucket else []
+        if self.cfg.keep_weights_copy:  # taken before the push, so a failed push leaves it unset
+            self._held.update({n: x.to("cpu", copy=True) for n, x in named})
+            self._held_pending = True
+        for b in buckets:
+            flat = FlattenedTensorBucket(named_tensors=b)  # one IPC handle per bucket, not per tensor
+            data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+            ser = MultiprocessingSerializer.serialize(data, output_str=True)
+            torch.cuda.synchronize(dev)  # the bucket is written before the server maps it
+            # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted);
+            # the prefix cache may keep KV of the old weights, as in-flight sequences do
+            body = {"serialized_named_tensors": [ser] * self.cfg.tp_size, "load_format": "flattened_bucket"}
+            self._post("/update_weights_from_tensor", {**body, "flush_cache": False})
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "slipstream-weights",
+        backend: str = "nccl",
+    ) -> dict:
+        """Join the trainer's NCCL group as ranks rank_offset.. rank_offset+tp_size-1. Blocks until the
+        trainer side (rank 0) joins too, so call it from a thread while rank 0 initialises."""
+        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset)
+        body.update(world_size=world_size, group_name=group_name, backend=backend)
+        return self._post("/init_weights_update_group", body)
+
+    def destroy_weights_update_group(self, group_name: str = "slipstream-weights") -> dict:
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "slipstream-weights",
+        *,
+        version: int | None = None,
+    ) -> dict:
+        """Receive tensors that trainer rank 0 broadcasts (in this order) over the group. Blocks until all
+        arrive: call it from a thread while rank 0 broadcasts. With `version`: the whole protocol."""
+        body = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False)
+        # the host copy is older from now on; restart() falls back to disk / base (and says so)
+        self._held.clear()
+        self._held_version, self._held_pending = None, False
+        if version is None:
+            t: dict[str, float] = {}
+            self._load(t, self._post, "/update_weights_from_distributed", body)
+            return t
+        with self.updating(version) as t:
+            self._load(t, self._post, "/update_weights_from_distributed", body)
+        return t
+
+    def update_weights_from_disk(self, model_path: str | Path, version: int) -> dict:
+        """Fallback transport: load an HF folder the trainer wrote. It is also restart()'s source."""
+        body = {"model_path": str(model_path), "flush_cache": False, "abort_all_requests": False}
+        with self.updating(version) as t:
+            self._load(t, self._post, "/update_weights_from_disk", body)
+        self._disk = (str(model_path), version)
+        return t
+
+    def stats(self) -> dict:
+        s = dict(self._stats, version=self._version, restarts=self.restarts, outstanding=self.outstanding)
+        s["tokens_per_s"] = s["tokens"] / s["gen_s"] if s["gen_s"] else 0.0
+        return s
+
+
+async def _sse(resp):
+    """Parse SGLang's server-sent events (`data: {json}` blocks, ending with `data: [DONE]`). Lines are
+    split here rather than with readline(), which refuses lines above aiohttp's 128 KiB limit."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield json.loads(data)
+
+
+class EnginePool(Engine):
+    """Several engines behind one Engine: each request goes to the engine with the fewest outstanding."""
+
+    def __init__(self, engines: list[SGLangEngine]):
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        self.engines = list(engines)
+
+    @classmethod
+    def launch(
+        cls, model_path: str | Path, cfg: SGLangConfig, n: int, *, dtype: str = "bfloat16", version: int = 0
+    ) -> EnginePool:
+        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free)."""
+
+        def make(i: int) -> SGLangEngine:
+            port = cfg.port + 10 * i if cfg.port else None
+            gpu = cfg.base_gpu_id + i * cfg.tp_size
+            return SGLangEngine(
+                model_path, cfg, dtype=dtype, version=version, name=f"sglang-{i}", gpu_id=gpu, port=port
+            )
+
+        with ThreadPoolExecutor(n) as ex:
+            futs = [ex.submit(make, i) for i in range(n)]
+        started = [f.result() for f in futs if f.exception() is None]
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if errors:
+            for e in started:
+                e.close()
+            raise errors[0]
+        return cls(started)
+
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        load = [e.outstanding for e in self.engines]
+        parts: list[list[int]] = [[] for _ in self.engines]
+        for i in range(len(requests)):
+            k = min(range(len(load)), key=load.__getitem__)
+            parts[k].append(i)
+            load[k] += 1
+        outs = await asyncio.gather(
+            *(e.generate([requests[i] for i in p]) for e, p in zip(self.engines, parts) if p)
+        )
+        results: list[GenResult | None] = [None] * len(requests)
+        for p, out in zip([p for p in parts if p], outs):
+            for i, r in zip(p, out):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    @property
+    def version(self) -> int:
+        return min(e.version for e in self.engines)
+
+    def _each(self, fn) -> list:
+        """Run fn(engine_index, engine) on every engine at once (collectives need all ranks together)."""
+        with ThreadPoolExecutor(len(self.engines)) as ex:
+            return list(ex.map(lambda ie: fn(*ie), enumerate(self.engines)))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list[dict]:
+        named = list(named_tensors)
+        return [e.update_weights(named, version) for e in self.engines]
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> list[dict]:
+        """All engines join one group: engine i takes ranks rank_offset + i*tp_size ...; world_size counts
+        the trainer's rank 0 plus every engine rank."""
+        return self._each(
+            lambda i, e: e.init_weights_update_group(
+                master_address, master_port, rank_offset + i * e.cfg.tp_size, world_size, group_name
+            )
+        )
+
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, *, version=None
+    ) -> list[dict]:
+        return self._each(
+            lambda i, e: e.update_weights_from_distributed(names, dtypes, shapes, group_name, version=version)
+        )
+
+    def pause(self) -> None:
+        self._each(lambda i, e: e.pause())
+
+    def resume(self) -> None:
+        self._each(lambda i, e: e.resume())
+
+    def check_health(self) -> list[bool]:
+        return self._each(lambda i, e: e.check_health())
+
+    def restart_unhealthy(self) -> list[int]:
+        """Restart every engine that fails check_health(); returns their indices."""
+        bad = [i for i, ok in enumerate(self.check_health()) if not ok]
+        for i in bad:
+            self.engines[i].restart()
+        return bad
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def stats(self) -> dict:
+        return {e.name: e.stats() for e in self.engines}

@@ -1,0 +1,108 @@
+"""Trainer checkpoints: megatron distributed checkpoints (model + optimizer state, any TP/PP/DP
+layout) plus a small `trainer_state.json` with the policy version.
+
+Layout: <run dir>/checkpoints/step_<version>/ (megatron dist_checkpointing folder + trainer_state.json)
+and <run dir>/checkpoints/latest (the folder name, replaced atomically only after the save finished,
+so a crash mid-save resumes from the previous one). Resume continues at the next version. The buffer
+remembers what it handed out, so a resumed trainer reuses no sample; samples consumed after the last
+checkpoint are lost to training, never trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch.distributed as dist
+
+from stages.trainer import cpu_shim
+
+log = logging.getLogger(__name__)
+
+
+def _root(trainer) -> str:
+    return os.path.join(trainer.run_dir, "checkpoints")
+
+
+def _sharded(trainer, is_loading: bool):
+    model_sd = trainer.policy.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
+    return {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _same_process_results_queue() -> None:
+    """megatron's torch_dist writer creates its result queue with a *spawn* multiprocessing Manager,
+    which re-imports __main__ (breaking scripts without a main guard, and slow inside Ray actors).
+    With synchronous saves the queue is only written and read in this process, so a plain queue works."""
+    import queue
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
+
+    if fsa._results_queue is None:
+        fsa._results_queue = queue.Queue()
+
+
+def save(trainer) -> str:
+    """Collective. Returns the checkpoint folder."""
+    from megatron.core import dist_checkpointing
+
+    _same_process_results_queue()
+
+    name = f"step_{trainer.version:06d}"
+    path = os.path.join(_root(trainer), name)
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # a half-written folder from a crash at this version
+        os.makedirs(path)
+    dist.barrier()
+    with cpu_shim.device_mode():
+        dist_checkpointing.save(_sharded(trainer, False), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"version": trainer.version, "model_path": trainer.policy.model_path}, f)
+        tmp = os.path.join(_root(trainer), "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(name)
+        os.replace(tmp, os.path.join(_root(trainer), "latest"))
+        _prune(trainer, keep=trainer.tc.keep_checkpoints)
+    dist.barrier()
+    log.info("checkpoint saved: %s", path)
+    return path
+
+
+def _prune(trainer, keep: int) -> None:
+    if keep <= 0:
+        return
+    root = _root(trainer)
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    for d in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def latest_path(run_dir: str) -> str | None:
+    marker = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        path = os.path.join(run_dir, "checkpoints", f.read().strip())
+    if not os.path.exists(os.path.join(path, "trainer_state.json")):
+        raise FileNotFoundError(f"{marker} names {path}, which is incomplete; delete the marker to start fresh")
+    return path
+
+
+def load_latest(trainer) -> dict | None:
+    """Load model + optimizer state from the latest checkpoint of the run dir; None if there is none."""
+    from megatron.core import dist_checkpointing
+
+    path = latest_path(trainer.run_dir)
+    if path is None:
+        return None
+    with cpu_shim.device_mode():
+        loaded = dist_checkpointing.load(_sharded(trainer, True), path)
+        trainer.policy.model.module.load_state_dict(loaded["model"])
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    log.info("resumed from %s at version %s", path, state["version"])
+    return state

@@ -1,0 +1,111 @@
+"""Export the megatron policy as full HF-named tensors on global rank 0 (for weight pushes and HF
+checkpoints), and write a save_pretrained-compatible folder.
+
+Collective: every rank must call `export_hf_state` together. TP shards are gathered inside each TP
+group of data-parallel replica 0; pipeline stages > 0 then send their HF tensors to rank 0 (the
+stage leaders tp=0/dp=0 are exactly the members of rank 0's pipeline group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from stages.trainer import hf_mapping
+from stages.trainer.model import Policy, unwrap
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def _local_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
+    """This stage's parameters, TP-merged and renamed to HF (on every rank of DP replica 0)."""
+    from megatron.core import parallel_state as ps
+
+    m = unwrap(policy.model)
+    tp = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group()
+    out = []
+    for key, p in m.named_parameters():
+        t = p.detach()
+        if tp > 1 and hf_mapping.tp_layout(key) != "replicated":
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+        else:
+            shards = [t]
+        full = hf_mapping.merge_tp(key, shards, policy.hf_config)
+        layer = None
+        if key.startswith("decoder.layers."):
+            layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
+        out.extend(hf_mapping.mcore_to_hf(key, full, policy.hf_config, layer, policy.te))
+    return out
+
+
+def export_hf_state(policy: Policy, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Full HF state dict on global rank 0 (CPU tensors, cloned); None on other ranks."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank() != 0:
+        return None
+    local = _local_hf(policy)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    leader = ps.get_tensor_model_parallel_rank() == 0
+    rank = dist.get_rank()
+
+    def fix(t):
+        t = t.to("cpu", dtype or t.dtype, copy=True)
+        return t.contiguous()
+
+    if pp == 1 or not leader:
+        return {n: fix(t) for n, t in local} if rank == 0 else None
+    stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    if rank != 0:  # a stage leader: metadata first, then the tensors in that order
+        dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in local]], dst=0)
+        for _, t in local:
+            dist.send(t.contiguous(), dst=0)
+        return None
+    state = {n: fix(t) for n, t in local}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for src in stage_ranks[1:]:
+        meta = [None]
+        dist.recv_object_list(meta, src=src)
+        for name, shape, dt in meta[0]:
+            buf = torch.empty(shape, dtype=dt, device=dev)
+            dist.recv(buf, src=src)
+            state[name] = fix(buf)
+    return state
+
+
+def save_hf(state: dict[str, torch.Tensor], source_path: str, out_dir: str, dtype: str | None = None) -> str:
+    """Write config.json + model.safetensors + tokenizer files copied from the source folder."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(source_path, "config.json")) as f:
+        config = json.load(f)
+    if dtype:
+        config["torch_dtype"] = config["dtype"] = dtype
+    tmp = os.path.join(out_dir, "model.safetensors.tmp")
+    # tied embeddings: HF expects only model.embed_tokens.weight (lm_head is re-tied at load)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(source_path, name)
+        if os.path.exists(src):
+            shutil.copy2(src, os.path.join(out_dir, name))
+    return out_dir

@@ -1,0 +1,172 @@
+"""Arrow batch of complete groups -> per-token training tensors and packed micro-batches.
+
+Sequences (prompt + response, minus the last token) are packed first-fit-decreasing into rows as long
+as the longest sequence of the shard, so padding is only the tail of a row; each row carries segment
+ids for a block-diagonal causal mask (see model.causal_block_mask), and a micro-batch holds as many
+rows as fit under `micro_batch_tokens`. Response token j of a sample is predicted at input position
+prompt_len - 1 + j.
+
+Samples that are not trainable (aborted / failed status, or no response tokens) keep their place in
+the group statistics (their reward counts for the advantage baseline) but get a zero loss mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.sample import list_values
+
+TRAINABLE = ("completed", "truncated")
+ROW_ALIGN = 8  # rows are rounded up to a multiple of this many tokens
+
+
+@dataclass
+class TokenBatch:
+    """All response tokens of a batch, flat in sample order ([T]); samples are [n]."""
+
+    n: int
+    prompt_ids: np.ndarray  # flat values + offsets, for building inputs
+    prompt_off: np.ndarray
+    response_ids: np.ndarray
+    response_off: np.ndarray
+    rollout_logprobs: torch.Tensor  # [T] float32
+    versions: torch.Tensor  # [T] int64
+    mask: torch.Tensor  # [T] float32
+    seq: torch.Tensor  # [T] sample index
+    rewards: torch.Tensor  # [n] float32
+    group_ids: list[str]
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # [b, s] input ids
+    targets: torch.Tensor  # [b, s] next-token ids
+    segments: torch.Tensor  # [b, s] segment id per position; padding has its own ids
+    resp_pos: torch.Tensor  # [t] flat positions (in b*s) whose logits predict response tokens
+    tok_index: torch.Tensor  # [t] index of those tokens in the TokenBatch's flat arrays
+    num_tokens: int  # real (non-padding) tokens in the micro-batch
+
+
+def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
+    """Validate and convert. Raises ValueError naming the problem for empty or inconsistent batches."""
+    if batch is None or batch.num_rows == 0:
+        raise ValueError("empty batch: the source returned no samples; nothing to train on")
+    n = batch.num_rows
+    cols = {
+        name: list_values(batch, name)
+        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "versions", "loss_mask")
+    }
+    r_off = cols["response_ids"][1]
+    for name in ("rollout_logprobs", "versions", "loss_mask"):
+        if not np.array_equal(cols[name][1], r_off):
+            bad = int(np.nonzero(np.diff(cols[name][1]) != np.diff(r_off))[0][0])
+            raise ValueError(
+                f"sample {batch.column('uid')[bad]}: {name} has {np.diff(cols[name][1])[bad]} entries but "
+                f"response_ids has {np.diff(r_off)[bad]}; every response token needs one"
+            )
+    status = batch.column("status").to_pylist()
+    lens = np.diff(r_off)
+    empty_prompt = np.nonzero((np.diff(cols["prompt_ids"][1]) == 0) & (lens > 0))[0]
+    if len(empty_prompt):
+        raise ValueError(
+            f"sample {batch.column('uid')[int(empty_prompt[0])]} has an empty prompt: the first "
+            "response token has no position predicting it; every sample needs >= 1 prompt token"
+        )
+    seq = torch.from_numpy(np.repeat(np.arange(n), lens)).long()
+    mask = torch.from_numpy(cols["loss_mask"][0].astype(np.float32))
+    ok = torch.tensor([s in TRAINABLE for s in status], dtype=torch.bool)
+    mask = mask * ok[seq].float() if len(seq) else mask
+    return TokenBatch(
+        n=n,
+        prompt_ids=cols["prompt_ids"][0],
+        prompt_off=cols["prompt_ids"][1],
+        response_ids=cols["response_ids"][0],
+        response_off=r_off,
+        rollout_logprobs=torch.from_numpy(cols["rollout_logprobs"][0].astype(np.float32)),
+        versions=torch.from_numpy(cols["versions"][0].astype(np.int64)),
+        mask=mask,
+        seq=seq,
+        rewards=torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)),
+        group_ids=[str(g) for g in batch.column("group_id").to_pylist()],
+    )
+
+
+def shard_samples(tb: TokenBatch, dp: int) -> list[list[int]]:
+    """Split trainable samples over DP ranks, balancing tokens (longest first to the lightest rank)."""
+    plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
+    train = [i for i in range(tb.n) if rlen[i] > 0]
+    if len(train) < dp:
+        raise ValueError(
+            f"batch has {len(train)} samples with response tokens; data parallel size {dp} needs >= {dp}"
+        )
+    order = sorted(train, key=lambda i: -(plen[i] + rlen[i]))
+    shards: list[list[int]] = [[] for _ in range(dp)]
+    load = [0] * dp
+    for i in order:
+        k = load.index(min(load))
+        shards[k].append(i)
+        load[k] += int(plen[i] + rlen[i])
+    return [sorted(s) for s in shards]
+
+
+def pack(tb: TokenBatch, samples: list[int], micro_batch_tokens: int) -> list[MicroBatch]:
+    """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches."""
+    plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
+    seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
+    if not samples:
+        return []
+    longest = max(seq_len.values())
+    row_len = -(-longest // ROW_ALIGN) * ROW_ALIGN
+    if row_len > micro_batch_tokens:
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit trainer.micro_batch_tokens={micro_batch_tokens}; "
+            "raise micro_batch_tokens (or lower rollout.sampling.max_new_tokens / max_prompt_tokens)"
+        )
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(samples, key=lambda i: -seq_len[i]):
+        k = next((k for k, r in enumerate(room) if r >= seq_len[i]), None)
+        if k is None:
+            rows.append([])
+            room.append(row_len)
+            k = len(rows) - 1
+        rows[k].append(i)
+        room[k] -= seq_len[i]
+    per_mb = max(1, micro_batch_tokens // row_len)
+    return [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
+
+
+def _build(tb: TokenBatch, rows: list[list[int]], row_len: int) -> MicroBatch:
+    b = len(rows)
+    tokens = np.zeros((b, row_len), np.int64)
+    targets = np.zeros((b, row_len), np.int64)
+    # padding positions get ids that no real segment uses, so they only attend among themselves
+    segments = np.full((b, row_len), -1, np.int64)
+    resp_pos, tok_index = [], []
+    real = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for seg, i in enumerate(row):
+            p = tb.prompt_ids[tb.prompt_off[i] : tb.prompt_off[i + 1]]
+            y = tb.response_ids[tb.response_off[i] : tb.response_off[i + 1]]
+            full = np.concatenate([p, y]).astype(np.int64)
+            n = len(full) - 1
+            tokens[r, at : at + n] = full[:-1]
+            targets[r, at : at + n] = full[1:]
+            segments[r, at : at + n] = seg
+            resp_pos.append(r * row_len + at + len(p) - 1 + np.arange(len(y)))
+            tok_index.append(tb.response_off[i] + np.arange(len(y)))
+            at += n
+        real += at
+    return MicroBatch(
+        tokens=torch.from_numpy(tokens),
+        targets=torch.from_numpy(targets),
+        segments=torch.from_numpy(segments),
+        resp_pos=torch.from_numpy(np.concatenate(resp_pos)).long(),
+        tok_index=torch.from_numpy(np.concatenate(tok_index)).long(),
+        num_tokens=real,
+    )

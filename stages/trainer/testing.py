@@ -1,0 +1,109 @@
+"""Helpers for trainer tests and benchmarks: tiny random HF models and synthetic Arrow batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.sample import Sample, samples_to_batch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,
+)
+
+
+def make_tiny_hf(path: str, kind: str = "qwen2", seed: int = 1, **overrides) -> str:
+    """Save a random tiny HF model (qwen2: tied + qkv bias; llama: untied; qwen3: qk-norm) to `path`."""
+    import torch
+    import transformers as tf
+
+    cls = {
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, True),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, False),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, True),
+    }[kind]
+    kw = dict(TINY, tie_word_embeddings=cls[2])
+    if kind == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**kw))
+    if kind == "qwen2":  # qkv biases start at zero; make them matter for the mapping test
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("_proj.bias"):
+                    p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def make_samples(
+    num_groups: int,
+    group_size: int,
+    *,
+    vocab: int = 512,
+    seed: int = 0,
+    version: int = 0,
+    prompt_len=(3, 9),
+    response_len=(2, 12),
+    prefix: str = "",
+) -> list[Sample]:
+    """Random complete groups with random rewards and plausible rollout logprobs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(num_groups):
+        plen = int(rng.integers(*prompt_len))
+        prompt = rng.integers(0, vocab, plen)
+        for i in range(group_size):
+            n = int(rng.integers(*response_len))
+            mask = np.ones(n, np.uint8)
+            if n > 3:
+                mask[-1] = 0
+            out.append(
+                Sample.build(
+                    uid=f"{prefix}g{g}-{i}-s{seed}",
+                    group_id=f"{prefix}g{g}-s{seed}",
+                    group_index=i,
+                    group_size=group_size,
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(0, vocab, n),
+                    rollout_logprobs=-rng.uniform(4.0, 8.0, n),
+                    versions=np.full(n, version),
+                    loss_mask=mask,
+                    reward=float(rng.integers(0, 2)),
+                )
+            )
+    return out
+
+
+def make_batch(num_groups: int, group_size: int, **kw) -> pa.RecordBatch:
+    return samples_to_batch(make_samples(num_groups, group_size, **kw))
+
+
+class ListSource:
+    """A BatchSource over pre-made batches (tests): hands each out once, records what it was asked."""
+
+    address = "list-source (tests)"
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.versions: list[int] = []
+        self.fetches: list[tuple[int, int, int]] = []
+
+    def fetch(self, num_groups, version, max_staleness, timeout_s):
+        self.fetches.append((num_groups, version, max_staleness))
+        return self.batches.pop(0) if self.batches else None
+
+    def set_version(self, version):
+        self.versions.append(version)
+
+    def stats(self):
+        return {"left": len(self.batches)}

@@ -1,0 +1,403 @@
+"""The megatron-core RL trainer: one `step()` = fetch complete groups -> old logprobs -> loss ->
+optimizer step -> version + 1 -> announce -> (maybe) push weights / checkpoint.
+
+API (what the pipeline launcher uses, also from inside a Ray actor):
+    trainer = Trainer(cfg, source, model_path, run_dir)  # source only needed on rank 0
+    trainer.attach_sender(sender)                          # optional WeightSender (rank 0)
+    metrics = trainer.step()                               # one optimizer step; dict of floats
+    trainer.version                                        # policy version = optimizer steps taken
+    trainer.close()                                        # waits for the last push, saves a checkpoint
+
+All ranks call step() together; rank 0 fetches and broadcasts the batch. torch.distributed is
+initialised on demand (gloo world of 1 on a free port when not under torchrun).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from pipeline.config import RunConfig
+from stages.trainer import checkpoint, cpu_shim, losses
+from stages.trainer.model import (
+    build_policy,
+    causal_block_mask,
+    init_distributed,
+    logprobs_and_entropy,
+    unwrap,
+)
+from stages.trainer.packing import MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
+
+log = logging.getLogger(__name__)
+
+
+class SourceExhausted(Exception):
+    """A finite source (a replay directory) has no more complete groups: the run ends normally."""
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, source, model_path: str, run_dir: str, *, sender=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, self.tc = cfg, cfg.trainer
+        self.source, self.sender, self.run_dir = source, sender, str(run_dir)
+        if self.tc.threads:
+            torch.set_num_threads(self.tc.threads)
+        init_distributed(self.tc.tp, self.tc.pp, seed=cfg.run.seed)
+        self.rank = dist.get_rank()
+        self.dp = ps.get_data_parallel_world_size()
+        if self.tc.dp not in (1, self.dp):
+            raise ValueError(f"trainer.dp={self.tc.dp} but the world gives dp={self.dp} (= world / (tp*pp))")
+        if self.rank == 0 and source is None:
+            raise ValueError(
+                "Trainer on rank 0 needs a BatchSource (buffer client, in-process buffer or replay)"
+            )
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        bf16 = self.tc.precision == "bf16"
+        self.policy = build_policy(
+            model_path,
+            tp=self.tc.tp,
+            pp=self.tc.pp,
+            bf16=bf16,
+            layer_spec=self.tc.layer_spec,
+            recompute=self.tc.recompute,
+        )
+        self.ref = None
+        if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
+            self.ref = build_policy(
+                model_path, tp=self.tc.tp, pp=self.tc.pp, bf16=bf16, layer_spec=self.tc.layer_spec, ddp=False
+            )
+            unwrap(self.ref.model).eval().requires_grad_(False)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=self.tc.lr,
+            min_lr=self.tc.min_lr,
+            weight_decay=self.tc.weight_decay,
+            adam_beta1=self.tc.adam_beta1,
+            adam_beta2=self.tc.adam_beta2,
+            clip_grad=self.tc.grad_clip,
+            bf16=bf16,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=self.dp > 1,
+        )
+        with cpu_shim.device_mode():
+            self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
+        self.temperature = cfg.rollout.sampling.temperature
+        self.version = 0
+        self.pending_push = None
+        self.last_checkpoint = -1
+        if self.tc.resume:
+            state = checkpoint.load_latest(self)
+            if state:
+                self.version = int(state["version"])
+                self.last_checkpoint = self.version
+        if self.rank == 0:
+            self.source.set_version(self.version)
+
+    # -- data --------------------------------------------------------------------------------------
+    def attach_sender(self, sender) -> None:
+        self.sender = sender
+
+    def _fetch(self) -> pa.RecordBatch:
+        """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast)."""
+        payload = [None]
+        if self.rank == 0:
+            try:
+                batch = self.source.fetch(
+                    self.tc.batch_groups, self.version, self.cfg.run.max_staleness, self.tc.fetch_timeout_s
+                )
+                payload[0] = ("ok", _to_ipc(batch)) if batch is not None else ("timeout", None)
+            except SourceExhausted:
+                payload[0] = ("exhausted", None)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(
+                payload, src=0, device=self.device if self.device.type == "cuda" else None
+            )
+        kind, raw = payload[0]
+        if kind == "exhausted":
+            raise SourceExhausted("the replay source has no more complete groups")
+        if kind == "timeout":
+            raise TimeoutError(self._fetch_timeout_message())
+        return pa.ipc.open_stream(raw).read_next_batch()
+
+    def _fetch_timeout_message(self) -> str:
+        where = getattr(self.source, "address", None) or type(self.source).__name__
+        try:
+            stats = self.source.stats() if self.rank == 0 else {}
+        except Exception as e:  # noqa: BLE001 - only used to enrich the message
+            stats = {"stats unavailable": str(e)}
+        return (
+            f"trainer at version {self.version}: no {self.tc.batch_groups} complete groups from the buffer at "
+            f"{where} within trainer.fetch_timeout_s={self.tc.fetch_timeout_s:.0f}s. Check that the buffer is "
+            f"running at that address, that generators are connected and producing, and that "
+            f"run.max_staleness={self.cfg.run.max_staleness} is not dropping everything. Buffer stats: {stats}"
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """Fetch one batch and train on it. Raises TimeoutError / WeightPushError / SourceExhausted."""
+        t0 = time.perf_counter()
+        batch = self._fetch()
+        wait = time.perf_counter() - t0
+        metrics = self.train_on_batch(batch)
+        metrics["time/data_wait_s"] = wait
+        metrics["time/step_s"] = time.perf_counter() - t0
+        self.after_step(metrics)
+        return metrics
+
+    def train_on_batch(self, batch: pa.RecordBatch) -> dict:
+        """Optimizer step on one batch of complete groups; version += 1. Collective over all ranks."""
+        from megatron.core import parallel_state as ps
+
+        t0 = time.perf_counter()
+        tb = to_token_batch(batch)
+        adv = losses.advantages(
+            tb.rewards,
+            losses.group_ids_to_index(tb.group_ids),
+            self.tc.loss.advantage,
+            self.tc.loss.grpo_std_norm,
+        )
+        shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
+        mbs = pack(tb, shard, self.tc.micro_batch_tokens)
+        old = self._logprobs(self.policy.model, tb, mbs)  # logp_old: current weights, no grad
+        ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
+        stats = self._train(tb, mbs, adv, old, ref)
+        self.version += 1
+        metrics = self._finish_metrics(tb, adv, stats)
+        metrics["time/train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _set_lr(self) -> float:
+        s, tc = self.version, self.tc
+        if tc.warmup_steps and s < tc.warmup_steps:
+            lr = tc.lr * (s + 1) / tc.warmup_steps
+        else:  # cosine from lr to min_lr over the run
+            frac = min(1.0, (s - tc.warmup_steps) / max(1, self.cfg.run.steps - tc.warmup_steps))
+            lr = tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * frac))
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _run_schedule(self, model, mbs, loss_fn, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(it, m):
+            mb = next(it)
+            seg = mb.segments.to(self.device)
+            pos = torch.arange(seg.shape[1], device=self.device)[None].expand_as(seg)
+            out = m(mb.tokens.to(self.device), pos, causal_block_mask(seg))
+            return out, lambda logits: loss_fn(mb, logits)
+
+        with cpu_shim.device_mode():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=[model],
+                num_microbatches=len(mbs),
+                seq_length=mbs[0].tokens.shape[1],
+                micro_batch_size=mbs[0].tokens.shape[0],
+                forward_only=forward_only,
+            )
+
+    def _mb_logprobs(self, mb: MicroBatch, logits, entropy=False, entropy_grad=False):
+        logp, ent = logprobs_and_entropy(logits, mb.targets.to(logits.device), self.temperature, entropy=entropy,
+                                         entropy_grad=entropy_grad)
+        pick = mb.resp_pos.to(logits.device)
+        return logp.reshape(-1)[pick], (ent.reshape(-1)[pick] if ent is not None else None)
+
+    @torch.no_grad()
+    def _logprobs(self, model, tb: TokenBatch, mbs) -> torch.Tensor:
+        """Per-token logprobs of `model` for this rank's micro-batches (filled on the last PP stage)."""
+        out = torch.zeros_like(tb.rollout_logprobs)
+        model.eval()
+
+        def loss_fn(mb, logits):
+            lp, _ = self._mb_logprobs(mb, logits)
+            out[mb.tok_index] = lp.float().cpu()
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        self._run_schedule(model, mbs, loss_fn, forward_only=True)
+        model.train()
+        return out
+
+    def _train(self, tb: TokenBatch, mbs, adv, old, ref) -> dict:
+        lc = self.tc.loss
+        acc: dict[str, torch.Tensor] = {}
+        adv_tok = adv[tb.seq]
+
+        def loss_fn(mb: MicroBatch, logits):
+            logp, ent = self._mb_logprobs(mb, logits, entropy=True, entropy_grad=lc.entropy_coef > 0)
+            ix, dev = mb.tok_index, logits.device
+            num, den, st = losses.policy_loss(
+                logp,
+                old[ix].to(dev),
+                tb.rollout_logprobs[ix].to(dev),
+                adv_tok[ix].to(dev),
+                tb.mask[ix].to(dev),
+                tb.seq[ix].to(dev),
+                tb.n,
+                lc,
+                logp_ref=ref[ix].to(dev) if ref is not None else None,
+                entropy=ent,
+            )
+            _accumulate(acc, st)
+            return num, den.round().int(), {}
+
+        self.policy.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self._set_lr()
+        self._run_schedule(self.policy.model, mbs, loss_fn, forward_only=False)
+        with cpu_shim.device_mode():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            log.warning("optimizer step skipped (non-finite gradients) at version %d", self.version)
+        acc["sum/grad_norm"] = torch.tensor(float(grad_norm or 0.0))
+        acc["sum/lr"] = torch.tensor(lr)
+        return acc
+
+    def _finish_metrics(self, tb: TokenBatch, adv, stats) -> dict:
+        """Reduce statistics over micro-batches and ranks into one flat dict (same on every rank)."""
+        from megatron.core import parallel_state as ps
+
+        contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        keys = sorted(stats) if contributes else None
+        holder = [keys]
+        if dist.get_world_size() > 1:  # the last stage's keys, known to every rank
+            dist.broadcast_object_list(
+                holder,
+                src=dist.get_world_size() - 1,
+                device=self.device if self.device.type == "cuda" else None,
+            )
+        red = {}
+        for k in holder[0]:
+            op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
+                k.split("/")[0]
+            ]
+            neutral = {"sum": 0.0, "min": math.inf, "max": -math.inf}[k.split("/")[0]]
+            v = torch.tensor(
+                float(stats[k]) if contributes else neutral, dtype=torch.float64, device=self.device
+            )
+            if dist.get_world_size() > 1:
+                dist.all_reduce(v, op=op)
+            red[k] = v.item()
+        dp_div = max(1, self.dp)  # grad_norm / lr were summed over DP replicas of the last stage
+        ntok = max(red.get("sum/tokens", 0.0), 1.0)
+        stale = (self.version - 1) - _min_versions(tb)
+        m = {
+            "version": self.version,
+            "loss": red["sum/loss_num"] / max(red["sum/loss_den"], 1.0),
+            "grad_norm": red["sum/grad_norm"] / dp_div,
+            "lr": red["sum/lr"] / dp_div,
+            "tis/weight_mean": red["sum/tis_weight"] / ntok,
+            "tis/weight_min": red["min/tis_weight"],
+            "tis/weight_max": red["max/tis_weight"],
+            "tis/clip_frac": red["sum/tis_clipped"] / ntok,
+            "ppo/clip_frac": red["sum/ppo_clipped"] / ntok,
+            "logp/abs_diff_train_rollout": red["sum/abs_logp_diff"] / ntok,
+            "entropy": red.get("sum/entropy", 0.0) / ntok,
+            "staleness/mean": float(stale.float().mean()),
+            "staleness/max": float(stale.max()),
+            "reward/mean": float(tb.rewards.mean()),
+            "reward/std": float(tb.rewards.std(correction=0)),
+            "adv/abs_mean": float(adv.abs().mean()),
+            "tokens/trained": red["sum/tokens"],
+            "tokens/total": float(len(tb.prompt_ids) + len(tb.response_ids)),
+            "samples": tb.n,
+        }
+        return m
+
+    # -- after the step: announce, push, checkpoint --------------------------------------------------
+    def after_step(self, metrics: dict) -> None:
+        if self.rank == 0:
+            self.source.set_version(self.version)
+        wc = self.cfg.weights
+        if self.sender is not None and wc.push_every and self.version % wc.push_every == 0:
+            metrics.update(self.push_weights())
+        ce = self.tc.checkpoint_every
+        if ce and self.version % ce == 0:
+            self.save_checkpoint()
+        if self.tc.save_hf_every and self.version % self.tc.save_hf_every == 0:
+            self.save_hf()
+
+    def push_weights(self) -> dict:
+        """Check the previous push, snapshot (collective), start the next push in the background."""
+        from stages.trainer.export import export_hf_state
+
+        out = {}
+        t0 = time.perf_counter()
+        if self.pending_push is not None and self.rank == 0:
+            res = self.pending_push.result()  # raises WeightPushError on failure or timeout
+            out["push/prev_seconds"] = res.get("seconds", 0.0)
+        out["push/wait_prev_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        state = export_hf_state(self.policy)  # collective; full tensors on rank 0 only
+        if self.rank == 0 and self.sender is not None:
+            self.pending_push = self.sender.push(self.version, list(state.items()))
+        out["push/snapshot_s"] = time.perf_counter() - t1
+        return out
+
+    def wait_push(self) -> dict | None:
+        if self.pending_push is None or self.rank != 0:
+            return None
+        res, self.pending_push = self.pending_push.result(), None
+        return res
+
+    def save_checkpoint(self) -> str:
+        path = checkpoint.save(self)
+        self.last_checkpoint = self.version
+        return path
+
+    def save_hf(self, out_dir: str | None = None) -> str | None:
+        from stages.trainer.export import export_hf_state, save_hf
+
+        state = export_hf_state(self.policy)
+        if self.rank != 0:
+            return None
+        out_dir = out_dir or f"{self.run_dir}/hf/step_{self.version:06d}"
+        return save_hf(state, self.policy.model_path, out_dir)
+
+    def close(self, save: bool = True) -> None:
+        """Finish the in-flight push (raising if it failed) and save the final checkpoint."""
+        try:
+            self.wait_push()
+        finally:
+            if save and self.last_checkpoint != self.version:
+                self.save_checkpoint()
+
+
+def _accumulate(acc: dict, st: dict) -> None:
+    for k, v in st.items():
+        v = v.detach().double().cpu()
+        if k not in acc:
+            acc[k] = v
+        elif k.startswith("min/"):
+            acc[k] = torch.minimum(acc[k], v)
+        elif k.startswith("max/"):
+            acc[k] = torch.maximum(acc[k], v)
+        else:
+            acc[k] = acc[k] + v
+
+
+def _min_versions(tb: TokenBatch) -> torch.Tensor:
+    """Oldest token version per sample (samples without response tokens count as fresh)."""
+    big = torch.iinfo(torch.int64).max
+    mins = torch.full((tb.n,), big, dtype=torch.int64).scatter_reduce(0, tb.seq, tb.versions, "amin")
+    return torch.where(mins == big, torch.zeros_like(mins), mins)
+
+
+def _to_ipc(batch: pa.RecordBatch | pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write(batch)
+    return sink.getvalue()

@@ -1,0 +1,105 @@
+"""Weight-push interface: the trainer hands a snapshot of HF-named tensors to a `WeightSender`, which
+delivers it in the background and returns a `PushHandle` the trainer checks before the next push.
+
+Contract (every transport):
+  * `push(version, named_tensors)` returns at once; the tensors must not be modified afterwards
+    (the trainer passes a fresh CPU/GPU copy, so training continues while the push is in flight).
+  * the handle completes when every engine has applied the weights as `version`, or fails with a
+    `WeightPushError` that says which engine / address and what to check.
+  * `PushHandle.result(timeout)` raises on failure or when the push is not done within the timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+class WeightPushError(RuntimeError):
+    """A push failed or timed out; the trainer stops with this message."""
+
+
+class PushHandle:
+    """A push in flight. `result()` returns push statistics or raises WeightPushError."""
+
+    def __init__(self, version: int, future: cf.Future, timeout_s: float, what: str):
+        self.version = version
+        self.future = future
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.what = what
+        self.started = time.monotonic()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Wait at most `timeout` (default: until the push's own deadline) and return its stats."""
+        left = max(0.0, self.deadline - time.monotonic()) if timeout is None else timeout
+        try:
+            return self.future.result(timeout=left)
+        except cf.TimeoutError:
+            raise WeightPushError(
+                f"weight push of version {self.version} to {self.what} not applied within "
+                f"{self.timeout_s:.0f}s (weights.timeout_s); check that the engines are alive and connected"
+            ) from None
+        except WeightPushError:
+            raise
+        except Exception as e:
+            raise WeightPushError(f"weight push of version {self.version} to {self.what} failed: {e}") from e
+
+
+class WeightSender(ABC):
+    """Trainer side of a weight transport (used on trainer rank 0 only)."""
+
+    @abstractmethod
+    def push(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> PushHandle:
+        """Start delivering a snapshot; returns immediately."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into buckets of about `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nb = t.numel() * t.element_size()
+        if cur and size + nb > bucket_bytes:
+            yield cur
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nb
+    if cur:
+        yield cur
+
+
+def make_sender(cfg, *, engine_urls: list[str] | None = None, min_engines: int = 0, bind: str | None = None):
+    """WeightSender for `weights.transport` (cfg: WeightsConfig). auto -> cpu (torch engine) unless
+    SGLang URLs are given: then nccl with 2+ GPUs, cuda_ipc when colocated on one."""
+    kind = cfg.transport
+    if kind == "auto":
+        kind = "cpu"
+        if engine_urls:
+            kind = "nccl" if torch.cuda.device_count() > 1 else "cuda_ipc"
+    if kind == "cpu":
+        from stages.weights.zmq_transport import ZmqWeightSender
+
+        return ZmqWeightSender(
+            bind or cfg.bind, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s, min_engines=min_engines
+        )
+    if kind in ("nccl", "cuda_ipc"):
+        if not engine_urls:
+            raise ValueError(f"weights.transport={kind} needs the SGLang server URLs (engine_urls)")
+        from stages.weights import sglang_transport as sg
+
+        cls = sg.NcclSGLangSender if kind == "nccl" else sg.CudaIpcSGLangSender
+        return cls(engine_urls, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+    raise ValueError(f"weights.transport={kind!r} has no sender yet (cpu, nccl, cuda_ipc)")

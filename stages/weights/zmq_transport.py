@@ -1,0 +1,260 @@
+"""CPU weight transport over ZeroMQ: trainer -> built-in torch engines.
+
+Topology: the trainer BINDS a ROUTER socket (`weights.bind`, port 0 = free port; read
+`ZmqWeightSender.address`); each engine process runs a `WeightReceiver(address, engine)` that CONNECTS
+a DEALER socket and announces itself with a `hello`. A push sends every registered engine the
+snapshot as buckets, each one multipart message: [msgpack header, raw tensor bytes...]; the header
+names version, bucket index, whether it is the last, and names/dtypes/shapes. The receiver applies
+the complete update with `engine.update_weights(named_tensors, version)` and acks. An engine that
+connects after a push gets the latest snapshot at once, so late joiners never run stale weights.
+
+All socket work happens on one I/O thread per side (ZeroMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+
+import msgspec
+import torch
+import zmq
+
+from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
+
+log = logging.getLogger(__name__)
+PROTO = 1
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+def _tensor_frame(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous()
+    # bf16 has no numpy dtype: ship the same bytes as int16 (the header keeps the real dtype)
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return memoryview(raw.numpy()).cast("B")
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+class ZmqWeightSender(WeightSender):
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        bucket_mb: int = 64,
+        timeout_s: float = 120.0,
+        min_engines: int = 0,
+    ):
+        """`min_engines`: a push first waits (within timeout_s) until this many engines said hello."""
+        self.bucket_bytes = bucket_mb << 20
+        self.timeout_s = timeout_s
+        self.min_engines = min_engines
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        # unlimited send queue: a snapshot is one burst of large frames and must never be dropped;
+        # ROUTER_MANDATORY turns a send to a vanished engine into an error instead of a silent drop
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if bind.endswith(":0"):
+            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(bind)
+            self.address = bind
+        self._jobs: queue.Queue = queue.Queue()
+        self.engines: dict[bytes, dict] = {}  # identity -> hello info
+        self._latest: tuple[int, list] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights-sender", daemon=True)
+        self._thread.start()
+
+    # -- trainer-facing -----------------------------------------------------------------------------
+    def push(self, version: int, named_tensors) -> PushHandle:
+        fut: cf.Future = cf.Future()
+        self._jobs.put((version, list(named_tensors), fut))
+        return PushHandle(version, fut, self.timeout_s, f"torch engines via {self.address}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(0)
+
+    # -- I/O thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._poll_once(50)
+            try:
+                version, named, fut = self._jobs.get_nowait()
+            except queue.Empty:
+                continue
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._deliver(version, named))
+                except Exception as e:  # noqa: BLE001 - handed to the trainer through the future
+                    fut.set_exception(e)
+
+    def _poll_once(self, ms: int) -> list[tuple[bytes, dict]]:
+        """Handle hellos; return acks seen."""
+        acks = []
+        while self._sock.poll(ms):
+            ms = 0
+            ident, raw = self._sock.recv_multipart()[:2]
+            try:
+                msg = _dec.decode(raw)
+            except msgspec.DecodeError:
+                log.warning("weights: undecodable message from %r dropped", ident)
+                continue
+            if msg.get("kind") == "hello":
+                self.engines[ident] = msg
+                log.info("weights: engine %s registered (version %s)", msg.get("engine"), msg.get("version"))
+                if self._latest is not None:  # late joiner: bring it up to date right away
+                    self._send_all(ident, *self._latest)
+            elif msg.get("kind") == "ack":
+                acks.append((ident, msg))
+        return acks
+
+    def _send_all(self, ident: bytes, version: int, parts: list) -> None:
+        try:
+            for header, frames in parts:
+                self._sock.send_multipart([ident, header, *frames], copy=False)
+        except zmq.ZMQError as e:
+            self.engines.pop(ident, None)
+            raise WeightPushError(f"engine {ident!r} at {self.address} is gone ({e})") from e
+
+    def _encode(self, version: int, named) -> list:
+        parts = []
+        groups = list(buckets(named, self.bucket_bytes))
+        for i, group in enumerate(groups):
+            header = _enc.encode(
+                {
+                    "kind": "bucket",
+                    "proto": PROTO,
+                    "version": version,
+                    "index": i,
+                    "final": i == len(groups) - 1,
+                    "names": [n for n, _ in group],
+                    "dtypes": [_dtype_name(t.dtype) for _, t in group],
+                    "shapes": [list(t.shape) for _, t in group],
+                }
+            )
+            parts.append((header, [_tensor_frame(t) for _, t in group]))
+        return parts
+
+    def _deliver(self, version: int, named) -> dict:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        while len(self.engines) < self.min_engines:
+            if time.monotonic() > deadline:
+                raise WeightPushError(
+                    f"only {len(self.engines)} of {self.min_engines} engines connected to {self.address} within "
+                    f"{self.timeout_s:.0f}s; start the engines' WeightReceiver with this address"
+                )
+            self._poll_once(50)
+        parts = self._encode(version, named)
+        self._latest = (version, parts)
+        waiting = set(self.engines)
+        for ident in list(waiting):
+            self._send_all(ident, version, parts)
+        nbytes = sum(f.nbytes for _, frames in parts for f in frames)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = [self.engines.get(i, {}).get("engine", i) for i in waiting]
+                raise WeightPushError(
+                    f"engines {names} did not apply version {version} within {self.timeout_s:.0f}s"
+                )
+            for ident, ack in self._poll_once(int(min(left, 0.05) * 1000)):
+                if ack.get("version") != version:
+                    continue
+                if not ack.get("ok"):
+                    raise WeightPushError(
+                        f"engine {ack.get('engine')} failed to apply version {version}: {ack.get('error')}"
+                    )
+                waiting.discard(ident)
+        return {
+            "version": version,
+            "engines": len(self.engines),
+            "bytes": nbytes,
+            "seconds": time.monotonic() - t0,
+        }
+
+
+class WeightReceiver:
+    """Engine side: a thread that connects to the trainer's sender and applies complete updates."""
+
+    def __init__(self, address: str, engine, name: str = ""):
+        self.address = address
+        self.engine = engine
+        self.name = name or f"engine-{id(engine):x}"
+        self.applied: list[int] = []  # versions applied, in order (for tests and logs)
+        self.error: str = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"weights-receiver-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.address)
+        sock.send(
+            _enc.encode(
+                {"kind": "hello", "proto": PROTO, "engine": self.name, "version": self.engine.version}
+            )
+        )
+        pending: dict[str, torch.Tensor] = {}
+        version = None
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                header, *frames = sock.recv_multipart(copy=False)
+                msg = _dec.decode(header.bytes)
+                if msg.get("kind") != "bucket" or msg.get("proto") != PROTO:
+                    continue
+                if msg["version"] != version:  # a newer push supersedes a partial older one
+                    pending, version = {}, msg["version"]
+                pending.update(self._decode(msg, frames))
+                if msg["final"]:
+                    sock.send(_enc.encode(self._apply(version, pending)))
+                    pending, version = {}, None
+        finally:
+            sock.close(0)
+
+    def _decode(self, msg: dict, frames) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, dt, shape, frame in zip(msg["names"], msg["dtypes"], msg["shapes"], frames):
+            dtype = getattr(torch, dt)
+            buf = bytearray(frame.buffer)  # own the bytes: the frame is released after this message
+            out[name] = (
+                torch.frombuffer(buf, dtype=dtype).reshape(shape) if buf else torch.empty(shape, dtype=dtype)
+            )
+        return out
+
+    def _apply(self, version: int, tensors: dict) -> dict:
+        try:
+            self.engine.update_weights(list(tensors.items()), version)
+            self.applied.append(version)
+            return {"kind": "ack", "proto": PROTO, "engine": self.name, "version": version, "ok": True}
+        except Exception as e:  # noqa: BLE001 - reported to the trainer, which fails the run with it
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("weights: applying version %s failed", version)
+            return {
+                "kind": "ack",
+                "proto": PROTO,
+                "engine": self.name,
+                "version": version,
+                "ok": False,
+                "error": self.error,
+            }
