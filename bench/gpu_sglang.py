@@ -86,7 +86,7 @@ def main() -> None:
         kept = all(len(r.response_ids) == args.max_new for r in res2)
     finally:
         eng.close()
-    med = {k: round(statistics.median(t[k] for t in times) * 1e3, 2) for k in times[0]}
+    med = {k[:-2] + "_ms": round(statistics.median(t[k] for t in times) * 1e3, 2) for k in times[0]}
     print(
         json.dumps(
             {

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import zmq
 
+from buffer.convert import samples_to_batch
 from buffer.transport import BatchSource, BufferUnavailable, SampleSink
 from pipeline import wire
-from pipeline.sample import Sample, samples_to_batch
+from pipeline.sample import Sample
 
 
 @dataclass
@@ -111,6 +112,10 @@ class BufferClient(SampleSink, BatchSource):
             )
         return self._acks.pop(seq)
 
+    def collect(self) -> list[wire.IngestAck]:
+        """Acks received so far and not yet collected (non-blocking; errors raise as in `wait`)."""
+        return [self.wait(s, 0) for s in sorted(set(self._acks) | set(self._errors))]
+
     def flush(self, timeout_s: float | None = None) -> list[wire.IngestAck]:
         """Wait until every submitted message is acked; returns the acks not yet collected."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -119,8 +124,7 @@ class BufferClient(SampleSink, BatchSource):
             self._pump(
                 deadline, f"the acks of {len(self._inflight)} unacked ingest messages", waited=timeout_s
             )
-        out = [self.wait(s, 0) for s in sorted(set(self._acks) | set(self._errors))]
-        return out
+        return self.collect()
 
     def put(self, samples: list[Sample] | pa.RecordBatch, timeout_s: float | None = None) -> wire.IngestAck:
         """Send samples (split into messages of max_batch_samples, pipelined) and return once all are

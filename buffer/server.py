@@ -375,13 +375,14 @@ class BufferServer:
         try:
             env, body = self._split(frames)
             req = 0
-            try:
-                req = int(msgspec.msgpack.decode(body[0].bytes).get("req", 0)) if body else 0
+            try:  # echo the request id if there is a sane one, so the client can match the error
+                got = msgspec.msgpack.decode(body[0].bytes).get("req", 0) if body else 0
+                req = got if type(got) is int and 0 <= got < 2**63 else 0
             except Exception:
                 req = 0
             self._send(sock, env, [wire.encode(wire.Error(req=req, reason=reason[:2000]))])
-        except Exception:
-            pass
+        except Exception:  # the reply itself failed; the reject is counted either way
+            log.exception("could not send an error reply")
 
     def stats(self) -> dict:
         s = self.buffer.stats()

@@ -142,7 +142,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def from_dict(tree: dict, where: str = "config") -> RunConfig:
     _check_keys(tree, RunConfig, "", where)
     try:
-        cfg = msgspec.convert(tree, RunConfig)
+        cfg = msgspec.convert(tree, RunConfig, strict=False)  # lets "1e-2" (a YAML string) be a float
     except msgspec.ValidationError as e:
         raise ConfigError(f"{where}: {_dotted(str(e))}") from None
     validate(cfg)

@@ -151,7 +151,7 @@ def decode(frame: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> AnyMs
         msg = _decoder.decode(frame)
     except msgspec.ValidationError as e:
         raise ProtocolError(*_explain(frame, e)) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, OverflowError, RecursionError) as e:
         raise ProtocolError(f"not a slipstream message (undecodable msgpack: {e})", "undecodable") from None
     if msg.schema != SCHEMA_VERSION:
         raise ProtocolError(

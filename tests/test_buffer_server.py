@@ -118,10 +118,18 @@ def test_resend_after_server_restart(tmp_path):
         ([b"\xc1\x00garbage"], "undecodable", "undecodable"),
         ([msgspec.msgpack.encode({"kind": "stats", "schema": 2})], "schema_version", "schema version 2"),
         ([msgspec.msgpack.encode({"kind": "launch", "schema": 1})], "unknown_kind", "unknown message kind"),
-        ([msgspec.msgpack.encode({"kind": "fetch", "schema": 1, "num_groups": "x"})], "invalid_fields", "fetch"),
+        (
+            [msgspec.msgpack.encode({"kind": "fetch", "schema": 1, "num_groups": "x"})],
+            "invalid_fields",
+            "fetch",
+        ),
         ([wire.encode(wire.StatsRequest()), b"extra"], "frame_count", "takes 1 frame"),
         ([wire.encode(wire.IngestBatch(producer="p", seq=1, num_samples=1))], "frame_count", "takes 2"),
-        ([wire.encode(wire.IngestBatch(producer="p", seq=1, num_samples=1)), b"xx"], "invalid_arrow", "Arrow"),
+        (
+            [wire.encode(wire.IngestBatch(producer="p", seq=1, num_samples=1)), b"xx"],
+            "invalid_arrow",
+            "Arrow",
+        ),
         ([wire.encode(wire.Ok())], "unexpected_kind", "reply kind"),
         (
             [wire.encode(wire.Fetch(consumer="t", num_groups=0, version=0, max_staleness=0, timeout_s=1))],

@@ -12,7 +12,7 @@ from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
 from buffer.inproc import InProcBuffer
 from buffer.policy import Fifo, StalenessFifo, Uniform, make_policy
-from buffer.segments import batch_crc, iter_log
+from buffer.segments import iter_log
 from buffer.storage import Buffer
 from buffer.transport import BufferUnavailable
 from buffer.validate import check_batch

@@ -138,6 +138,7 @@ def test_update_weights_from_tensor_follows_new_weights(engine, tiny):
     old_diff = hf_diffs(model, reqs, before)  # old logprobs against the new weights: must differ
     timing = engine.update_weights(named, version=1)
     assert engine.version == 1
+    reqs = requests(8, 48, seed=4)
     after = asyncio.run(engine.generate(reqs))
     assert all(set(r.versions) == {1} for r in after)
     d = hf_diffs(model, reqs, after)

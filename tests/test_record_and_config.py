@@ -76,6 +76,7 @@ def test_config_overrides_and_unknown_keys(tmp_path):
         load_config(p, ["trainer.loss.tis_capp=3"])
     with pytest.raises(ConfigError, match=r"trainer\.lr: Expected `float`"):
         load_config(p, ["trainer.lr=fast"])
+    assert load_config(p, ["trainer.lr=1e-2"]).trainer.lr == 0.01  # YAML 1.1 reads 1e-2 as a string
     with pytest.raises(ConfigError, match="not of the form"):
         load_config(p, ["trainer.lr"])
     out = write_resolved(cfg, tmp_path / "run")

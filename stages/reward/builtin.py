@@ -21,21 +21,22 @@ def exact_match(sample: Sample, response: str, *, ignore_case: bool = False) -> 
 
 
 def digit_repeat(sample: Sample, response: str) -> float:
-    """1.0 for an exact repeat of the label's digits; otherwise partial credit below 0.9:
-    0.6 x (positions that match) + 0.3 x (characters that are digits), both divided by the longer of
-    response and label (so overlong answers are penalised).
+    """1.0 for an exact repeat of the label's digits, else partial credit (below 0.9) from three parts:
+    0.5 x (positions that match the label) + 0.2 x (answer characters that are digits), both out of
+    the label's length, + 0.2 x (how close the answer's length is to the label's).
 
-    The partial credit is what gives a random tiny model a learning signal from the first step: first
-    to answer in digits, then the right digits, then to stop after them."""
+    The partial credit is what gives a random tiny model a learning signal from the first step: it
+    learns to answer in digits, to stop after as many as it was given, then to copy the right ones."""
     target, got = sample.label, response.strip()
     if got == target:
         return 1.0
     if not target or not got:
         return 0.0
-    width = max(len(got), len(target))
+    n = len(target)
     hits = sum(a == b for a, b in zip(got, target))
-    digits = sum(c.isdigit() for c in got)
-    return (0.6 * hits + 0.3 * digits) / width
+    digits = sum(c.isdigit() for c in got[:n])
+    length = 1.0 - abs(len(got) - n) / max(len(got), n)
+    return (0.5 * hits + 0.2 * digits) / n + 0.2 * length
 
 
 # -- math ---------------------------------------------------------------------------------------------

@@ -63,6 +63,10 @@ class SGLangConfig(_Base):
     # server back to the current version by itself (costs the model's size in host memory)
     keep_weights_copy: bool = True
     log_dir: str = ""  # server logs and re-sync checkpoints; empty = a fresh temporary folder
+    # SGLang's prefix (radix) cache across requests. Off by default: a cached prefix keeps the KV of the
+    # weights it was computed with, so after an update new requests on a cached prompt (every GRPO group
+    # member) would decode over old-weight KV, and the cache cannot be flushed while requests are paused.
+    radix_cache: bool = False
 
 
 class RolloutConfig(_Base):

@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.sample import Sample, Status
 from stages.reward.registry import RewardScorer
@@ -106,6 +107,9 @@ class Generator:
         self._running = 0
         self._stopping = False
         self._wake: asyncio.Event | None = None
+        # one thread for every put: sinks (a ZeroMQ DEALER socket) are not thread-safe, and one
+        # thread also keeps groups reaching the buffer in the order they finished
+        self._put_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{generator_id}-put")
         self._error: BaseException | None = None
         self._started_at = time.perf_counter()
 
@@ -126,7 +130,10 @@ class Generator:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def admission_version(self) -> int:
-        return min(self.trainer_version, self.engine.version)
+        # The version a new group's tokens start at is the engine's. The trainer version learnt from acks
+        # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
+        # using it here deadlocks a generator that is waiting for the trainer to catch up.
+        return self.engine.version
 
     def admissible(self) -> bool:
         if self.batch_groups <= 0:
@@ -206,7 +213,7 @@ class Generator:
             if self.group_filter is not None and not self.group_filter(samples):
                 self.counters["groups_filtered"] += 1
                 return
-            ack = await asyncio.to_thread(self.sink.put, samples)
+            ack = await asyncio.get_running_loop().run_in_executor(self._put_thread, self.sink.put, samples)
             self.set_trainer_version(ack.trainer_version)
             self.counters["groups_finished"] += 1
             self.counters["samples"] += len(samples)

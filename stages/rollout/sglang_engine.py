@@ -156,6 +156,8 @@ class SGLangEngine(Engine):
         cmd += ["--incremental-streaming-output", "--stream-interval", str(c.stream_interval)]
         if c.disable_cuda_graph:
             cmd.append("--disable-cuda-graph")
+        if not c.radix_cache:
+            cmd.append("--disable-radix-cache")
         return cmd + list(c.extra_args)
 
     def start(self, model_path: str | None = None, version: int | None = None) -> float:
@@ -351,7 +353,7 @@ class SGLangEngine(Engine):
                         vers.append(v)
                     prev = stamp
                     finish = meta.get("finish_reason") or finish
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise EngineError(
                 f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
                 f"recover a dead server; log: {self.log_path}"
@@ -464,7 +466,7 @@ class SGLangEngine(Engine):
             ser = MultiprocessingSerializer.serialize(data, output_str=True)
             torch.cuda.synchronize(dev)  # the bucket is written before the server maps it
             # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted);
-            # the prefix cache may keep KV of the old weights, as in-flight sequences do
+            # in-flight sequences keep their old-weight KV (in_place) by design; see cfg.radix_cache
             body = {"serialized_named_tensors": [ser] * self.cfg.tp_size, "load_format": "flattened_bucket"}
             self._post("/update_weights_from_tensor", {**body, "flush_cache": False})
 

@@ -1,0 +1,221 @@
+"""Ingest throughput of the buffer over ZeroMQ, against what the transport and the disk can do.
+
+For responses of 512, 2k and 8k tokens, measured in the same run:
+  buffer/memory   BufferClient.submit (Samples -> Arrow on the client, window of unacked messages)
+                  into `python -m buffer serve` without a directory; acked after indexing
+  prebuilt_arrow  the same with Arrow batches built beforehand (a producer that builds Arrow itself)
+  buffer/durable  the same into a durable buffer: acked after write + fsync of the segment
+  raw_zmq         PUSH/PULL of the same Arrow IPC bytes over the same transport (no acks, no work)
+  disk            write + fsync of the same bytes, one fsync per message, on the same filesystem
+  pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
+Prints one JSON line last; ratios (`memory_vs_raw_zmq`, `durable_vs_disk`, `vs_pickle`) are for 2k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _sink(kind: str) -> None:
+    """Child process: PULL until b"END", unpickling if kind == pickle; report counts on stdout."""
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 64)
+    s.bind("tcp://127.0.0.1:0")
+    print(s.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    n = nbytes = 0
+    while True:
+        f = s.recv(copy=False)
+        if f.bytes == b"END" if len(f) == 3 else False:
+            break
+        n += len(pickle.loads(f.buffer)) if kind == "pickle" else 1
+        nbytes += len(f)
+    print(f"{n} {nbytes}", flush=True)
+
+
+def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    line = p.stdout.readline().strip()
+    return p, line.split()[-1]
+
+
+@dataclass
+class PySample:  # the naive record: Python lists, as a first implementation would have it
+    uid: str
+    group_id: str
+    prompt_ids: list = field(default_factory=list)
+    response_ids: list = field(default_factory=list)
+    rollout_logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+    reward: float = 0.0
+
+
+def make_messages(tokens: int, total_mb: float, msg_mb: float, prefix: str):
+    from buffer.demo import synthetic_samples
+    from pipeline.sample import samples_to_batch
+
+    one = samples_to_batch(synthetic_samples(1, 1, tokens, 256)).nbytes
+    per_msg = max(1, int(msg_mb * 2**20 // one))
+    n_msgs = max(4, int(total_mb * 2**20 // (one * per_msg)))
+    groups = max(1, per_msg // 4)
+    return [synthetic_samples(groups, 4, tokens, 256, prefix=f"{prefix}{i}", seed=i) for i in range(n_msgs)]
+
+
+def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, int]:
+    from buffer.client import BufferClient
+
+    args = ["-m", "buffer", "serve", "--capacity", str(10**9)]
+    if durable_dir:
+        args += ["--dir", durable_dir]
+    p, addr = spawn(args)
+    c = BufferClient(addr, window=window, timeout_s=120)
+    c.stats()  # connected
+    n = sum(len(m) if isinstance(m, list) else m.num_rows for m in msgs)
+    t = time.perf_counter()
+    for m in msgs:
+        c.submit(m)
+    acks = c.flush()
+    dt = time.perf_counter() - t
+    assert sum(a.accepted for a in acks) == n, "not every sample was accepted"
+    c.close()
+    p.terminate()
+    p.wait(30)
+    return dt, n
+
+
+def run_raw(payloads: list, kind: str) -> float:
+    import zmq
+
+    p, addr = spawn([__file__, "--_sink", kind])
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 64)
+    s.connect(addr)
+    s.send(b"\0" * 8 if kind == "raw" else pickle.dumps([]))  # warm the connection
+    t = time.perf_counter()
+    for pl in payloads:
+        s.send(pickle.dumps(pl, protocol=5) if kind == "pickle" else pl, copy=False)
+    s.send(b"END")
+    p.stdout.readline()
+    dt = time.perf_counter() - t
+    s.close(0)
+    p.wait(30)
+    return dt
+
+
+def run_disk(payloads: list, directory: str) -> float:
+    path = os.path.join(directory, "disk-baseline.bin")
+    f = open(path, "wb", buffering=0)
+    t = time.perf_counter()
+    for pl in payloads:
+        f.write(pl)
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    f.close()
+    os.unlink(path)
+    return dt
+
+
+def one_size(tokens: int, args, tmp: str) -> dict:
+    from buffer.server import ipc_bytes
+    from pipeline.sample import samples_to_batch
+
+    msgs = make_messages(tokens, args.total_mb, args.msg_mb, f"t{tokens}-")
+    batches = [samples_to_batch(m) for m in msgs]  # for the run that excludes Sample -> Arrow
+    payloads = [ipc_bytes(b) for b in batches]
+    nbytes = sum(p.size for p in payloads)
+    n = sum(len(m) for m in msgs)
+    best = {}
+    for _ in range(args.repeat):
+        r = {
+            "memory": run_buffer(msgs, None, args.window)[0],
+            "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
+            "durable": run_buffer(msgs, tempfile.mkdtemp(dir=tmp), args.window)[0],
+            "raw_zmq": run_raw(payloads, "raw"),
+            "disk": run_disk([p.to_pybytes() for p in payloads[:1]] * len(payloads), tmp),
+        }
+        best = {k: min(v, best.get(k, v)) for k, v in r.items()}
+    out = {"tokens": tokens, "samples": n, "bytes": nbytes, "msg_samples": len(msgs[0])}
+    for k, dt in best.items():
+        out[f"{k}_samples_s"] = round(n / dt)
+        out[f"{k}_GB_s"] = round(nbytes / dt / 1e9, 3)
+    if tokens == 2048:
+        k = max(1, len(msgs) // 8)  # fewer messages: pickling is slow, and a rate needs no more
+        py = [
+            [
+                PySample(
+                    s.uid,
+                    s.group_id,
+                    *(
+                        s.array(f).tolist()
+                        for f in ("prompt_ids", "response_ids", "rollout_logprobs", "versions", "loss_mask")
+                    ),
+                    s.reward,
+                )
+                for s in m
+            ]
+            for m in msgs[:k]
+        ]
+        dt = run_raw(py, "pickle")
+        out["pickle_samples_s"] = round(sum(len(m) for m in py) / dt)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller volumes (under a minute)")
+    ap.add_argument("--window", type=int, default=8, help="unacked ingest messages in flight")
+    ap.add_argument("--msg-mb", type=float, default=4.0, help="target size of one ingest message")
+    ap.add_argument("--_sink", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._sink:
+        return _sink(args._sink)
+    args.total_mb = 96 if args.quick else 512
+    args.repeat = 1 if args.quick else 3
+    # BENCH_DIR: where the durable buffer and the disk baseline write (default: the system temp dir).
+    tmp = tempfile.mkdtemp(prefix="buffer-bench-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        rows = [one_size(t, args, tmp) for t in (512, 2048, 8192)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for r in rows:
+        print(json.dumps(r), file=sys.stderr)
+    r2k = next(r for r in rows if r["tokens"] == 2048)
+    result = {
+        "bench": "buffer_ingest",
+        "quick": args.quick,
+        "memory_vs_raw_zmq": round(r2k["memory_samples_s"] / r2k["raw_zmq_samples_s"], 3),
+        "durable_vs_disk": round(r2k["durable_samples_s"] / r2k["disk_samples_s"], 3),
+        "vs_pickle": round(r2k["memory_samples_s"] / r2k["pickle_samples_s"], 1),
+        "prebuilt_arrow_vs_raw_zmq": round(
+            r2k["memory_prebuilt_arrow_samples_s"] / r2k["raw_zmq_samples_s"], 3
+        ),
+        "by_tokens": {
+            r["tokens"]: {k: v for k, v in r.items() if k.endswith(("_GB_s", "_samples_s"))} for r in rows
+        },
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""`python -m buffer.inspect` (bin/buffer-inspect): look into a buffer directory or a live buffer.
+
+  summary TARGET                 rows, groups, versions, staleness histogram, reward by version, ...
+  samples TARGET [--tokenizer DIR] [--limit N] [--uid U]   samples as text (or token ids)
+  export  TARGET OUT.parquet     every stored row, with its state (live / served / evicted)
+  plot    TARGET OUT.png         staleness and reward by version
+
+TARGET is a buffer directory (read-only: torn tails are reported, not repaired) or a live server
+address (tcp://...; shows the live rows, which inspection does not consume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="buffer-inspect", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, text in [
+        ("summary", "overview tables"),
+        ("samples", "show samples"),
+        ("export", "to Parquet"),
+        ("plot", "PNG of staleness and reward by version"),
+    ]:
+        s = sub.add_parser(name, help=text)
+        s.add_argument("target", help="buffer directory or tcp:// address of a live buffer")
+        s.add_argument(
+            "--version", type=int, default=None, help="trainer version for staleness (default: latest known)"
+        )
+        if name == "samples":
+            s.add_argument("--tokenizer", default="", help="HF tokenizer folder: decode token ids to text")
+            s.add_argument("--limit", type=int, default=5)
+            s.add_argument("--uid", default="", help="only this uid")
+            s.add_argument("--state", default="", choices=["", "live", "served", "evicted"])
+        if name in ("export", "plot"):
+            s.add_argument("out", help="output file")
+    return p.parse_args(argv)
+
+
+def load(target: str):
+    """(pyarrow Table with a `state` column, info dict) for a directory or a live address."""
+    import pyarrow as pa
+
+    from pipeline.sample import ARROW_SCHEMA
+
+    if "://" in target:
+        from buffer.client import BufferClient
+
+        c = BufferClient(target, timeout_s=10)
+        try:
+            stats = c.stats()
+            batch = c.peek(max(1, stats["rows"]))
+        finally:
+            c.close()
+        table = pa.Table.from_batches([batch] if batch is not None else [], schema=ARROW_SCHEMA)
+        table = table.append_column("state", pa.array(["live"] * table.num_rows))
+        return table, {"version": stats["version"], "stats": stats, "torn": []}
+    return _load_dir(target)
+
+
+def _load_dir(target: str):
+    from pathlib import Path
+
+    import pyarrow as pa
+
+    from buffer.segments import SEGMENT_GLOB, iter_log, read_segment
+    from pipeline.sample import ARROW_SCHEMA
+
+    d = Path(target)
+    if not d.is_dir():
+        sys.exit(f"{target} is neither a buffer directory nor a tcp:// address")
+    batches, torn = [], []
+    for path in sorted(d.glob(SEGMENT_GLOB)):
+        got, rep = read_segment(path)
+        batches += got
+        if rep.problem:
+            torn.append(vars(rep))
+    table = pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
+    state: dict[str, str] = {}
+    version = 0
+    for r in iter_log(d):
+        version = max(version, r.v)
+        for u in r.uids:
+            state[u] = "served" if r.op == "served" else "evicted"
+    states = [state.get(u, "live") for u in table.column("uid").to_pylist()]
+    table = table.append_column("state", pa.array(states, pa.string()))
+    return table, {"version": version, "stats": None, "torn": torn}
+
+
+def summary(table, info, version: int | None) -> None:
+    import numpy as np
+    import pyarrow.compute as pc
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    v = info["version"] if version is None else version
+    minv = table.column("min_version").to_numpy()
+    reward = table.column("reward").to_numpy()
+    live = np.array(table.column("state").to_pylist()) == "live" if table.num_rows else np.zeros(0, bool)
+    head = Table(title=f"buffer at trainer version {v}", show_header=False)
+    head.add_row("rows (all / live)", f"{table.num_rows} / {int(live.sum())}")
+    head.add_row("groups", str(len(pc.unique(table.column("group_id")))))
+    states = {s: int(n) for s, n in zip(*np.unique(table.column("state").to_pylist(), return_counts=True))}
+    head.add_row("served (consumed)", str(states.get("served", 0)))
+    head.add_row("evicted as stale", str(states.get("evicted", 0)))
+    statuses = {s: int(n) for s, n in zip(*np.unique(table.column("status").to_pylist(), return_counts=True))}
+    head.add_row("status counts", ", ".join(f"{k}={n}" for k, n in statuses.items()) or "-")
+    if info["stats"]:
+        st = info["stats"]
+        head.add_row("rejected messages", f"{st.get('rejected_messages', 0)} {st.get('rejects', {})}")
+        head.add_row("server evictions", str(st.get("evicted_stale", 0)))
+    for t in info["torn"]:
+        head.add_row(
+            f"[red]torn {t['name']}", f"{t['torn_bytes']} bytes after {t['batches']} batches: {t['problem']}"
+        )
+    con.print(head)
+    if not table.num_rows:
+        return
+    hist = Table(title="staleness of live rows (version - oldest token version)")
+    hist.add_column("staleness", justify="right")
+    hist.add_column("rows", justify="right")
+    for s, n in zip(*np.unique(v - minv[live], return_counts=True)):
+        hist.add_row(str(s), str(n))
+    con.print(hist)
+    by = Table(title="reward by oldest token version")
+    for c in ("version", "rows", "mean", "std", "min", "max"):
+        by.add_column(c, justify="right")
+    for ver in np.unique(minv):
+        r = reward[minv == ver]
+        by.add_row(
+            str(ver), str(len(r)), f"{r.mean():.3f}", f"{r.std():.3f}", f"{r.min():.3f}", f"{r.max():.3f}"
+        )
+    con.print(by)
+
+
+def samples(table, args) -> None:
+    import pyarrow.compute as pc
+    from rich.console import Console
+    from rich.panel import Panel
+
+    from pipeline.sample import batch_to_samples
+
+    con = Console()
+    if args.uid:
+        table = table.filter(pc.equal(table.column("uid"), args.uid))
+    if args.state:
+        table = table.filter(pc.equal(table.column("state"), args.state))
+    table = table.slice(0, args.limit)
+    tok = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    states = table.column("state").to_pylist()
+    for s, state in zip(batch_to_samples(table.drop_columns(["state"])), states):
+        p, r = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
+        body = f"[b]prompt[/b] {tok.decode(p) if tok else p}\n[b]response[/b] {tok.decode(r) if tok else r}"
+        title = (
+            f"{s.uid}  group {s.group_id}[{s.group_index}/{s.group_size}]  reward {s.reward:.3f}  "
+            f"{s.status}  versions {s.min_version()}..{int(s.array('versions').max()) if s.response_len else -1}"
+            f"  {state}"
+        )
+        con.print(Panel(body, title=title, title_align="left"))
+
+
+def plot(table, info, out: str, version: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    v = info["version"] if version is None else version
+    minv = table.column("min_version").to_numpy()
+    reward = table.column("reward").to_numpy()
+    vers = np.unique(minv)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.hist(v - minv, bins=max(1, len(vers)))
+    a.set(title=f"staleness at version {v}", xlabel="version - oldest token version", ylabel="rows")
+    b.errorbar(
+        vers,
+        [reward[minv == x].mean() for x in vers],
+        yerr=[reward[minv == x].std() for x in vers],
+        marker="o",
+    )
+    b.set(title="reward by version", xlabel="oldest token version", ylabel="reward")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    table, info = load(args.target)
+    if args.cmd == "summary":
+        summary(table, info, args.version)
+    elif args.cmd == "samples":
+        samples(table, args)
+    elif args.cmd == "export":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, args.out)
+        print(f"wrote {table.num_rows} rows to {args.out}")
+    elif args.cmd == "plot":
+        plot(table, info, args.out, args.version)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

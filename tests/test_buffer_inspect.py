@@ -1,0 +1,67 @@
+"""The inspection CLI on a buffer directory and on a live server."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from buffer.config import BufferConfig
+from buffer.demo import synthetic_samples
+from buffer.inspect import main
+from buffer.server import BufferServer
+from buffer.storage import Buffer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _fill(d: Path) -> None:
+    buf = Buffer(BufferConfig(), d)
+    buf.insert(synthetic_samples(3, version=0, prefix="a"))
+    buf.insert(synthetic_samples(3, version=2, prefix="b"))
+    buf.fetch(1, version=2, max_staleness=5)
+    buf.fetch(1, version=5, max_staleness=3)  # evicts the version-0 groups
+    buf.close()
+
+
+def test_summary_samples_export_plot_on_a_directory(tmp_path, capsys):
+    _fill(tmp_path / "buf")
+    main(["summary", str(tmp_path / "buf")])
+    out = capsys.readouterr().out
+    assert "rows (all / live)" in out and "24 / 8" in out
+    assert "evicted as stale" in out and "reward by oldest token version" in out
+    main(["samples", str(tmp_path / "buf"), "--limit", "2", "--state", "live"])
+    out = capsys.readouterr().out
+    assert "b-1-0" in out and "response" in out
+    main(["export", str(tmp_path / "buf"), str(tmp_path / "x.parquet")])
+    t = pq.read_table(tmp_path / "x.parquet")
+    assert t.num_rows == 24 and sorted(set(t.column("state").to_pylist())) == ["evicted", "live", "served"]
+    main(["plot", str(tmp_path / "buf"), str(tmp_path / "x.png")])
+    assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_on_a_live_server(tmp_path, capsys):
+    srv = BufferServer(BufferConfig(durable=False)).start()
+    try:
+        srv_buf = srv.buffer
+        srv_buf.insert(synthetic_samples(2, prefix="live"))  # before any client: no race with the loop
+        main(["summary", srv.address])
+        out = capsys.readouterr().out
+        assert "8 / 8" in out and "rejected messages" in out
+    finally:
+        srv.stop()
+
+
+def test_help_is_fast_and_works_via_bin():
+    r = subprocess.run(
+        [str(REPO / "bin" / "buffer-inspect"), "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0 and "summary" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "buffer.inspect", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
+    assert "pyarrow" not in r.stderr  # argparse runs before the heavy imports

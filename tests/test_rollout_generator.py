@@ -1,0 +1,216 @@
+"""The generator loop: streaming groups, staleness admission under a slow trainer, failures, filters,
+and a real BufferServer over ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from pipeline import wire
+from pipeline.config import from_dict
+from pipeline.sample import Sample, Status
+from stages.reward.registry import register_reward
+from stages.rollout.build import build_engine
+from stages.rollout.generator import Generator
+
+torch.set_num_threads(1)
+
+
+def make_cfg(tmp_path_factory, **rollout):
+    cache = str(tmp_path_factory.getbasetemp() / "models")
+    tree = {
+        "model": {"cache_dir": cache},
+        "run": {"max_staleness": 1},
+        "rollout": {
+            "group_size": 4,
+            "max_inflight_groups": 4,
+            "chunk_tokens": 4,
+            "sampling": {"max_new_tokens": 6},
+            **rollout,
+        },
+    }
+    return from_dict(tree)
+
+
+class FakeSink:
+    """Collects groups; acks report `trainer_version`, which a FakeTrainer advances."""
+
+    def __init__(self):
+        self.groups: dict[str, list[Sample]] = {}
+        self.order: list[str] = []
+        self.trainer_version = 0
+        self.lock = threading.Lock()
+
+    def put(self, samples: list[Sample], timeout_s: float = 60.0) -> wire.IngestAck:
+        with self.lock:
+            for s in samples:
+                s.validate()
+                self.groups.setdefault(s.group_id, []).append(s)
+            self.order.append(samples[0].group_id)
+            v = self.trainer_version
+        return wire.IngestAck(seq=0, accepted=len(samples), duplicates=0, rejected=0, trainer_version=v)
+
+    def close(self):
+        pass
+
+
+class FakeTrainer(threading.Thread):
+    """Consumes `batch_groups` groups per step in the order they were started, slowly, records the
+    staleness of every sample it trains on, then pushes (empty) weights to the engine as version+1."""
+
+    def __init__(self, sink: FakeSink, engine, batch_groups: int, gen_id: str, step_s: float):
+        super().__init__(daemon=True)
+        self.sink, self.engine, self.b, self.gen_id, self.step_s = sink, engine, batch_groups, gen_id, step_s
+        self.next_group, self.staleness, self.stop = 0, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            time.sleep(self.step_s)
+            wanted = [f"{self.gen_id}-{k}" for k in range(self.next_group, self.next_group + self.b)]
+            with self.sink.lock:
+                if not all(g in self.sink.groups and len(self.sink.groups[g]) == 4 for g in wanted):
+                    continue
+                t = self.sink.trainer_version
+                self.staleness += [t - s.min_version() for g in wanted for s in self.sink.groups[g]]
+            self.next_group += self.b
+            self.engine.update_weights([], version=t + 1)
+            with self.sink.lock:
+                self.sink.trainer_version = t + 1
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return make_cfg(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(cfg):
+    eng = build_engine(cfg)
+    yield eng
+    eng.close()
+
+
+def test_streams_scored_groups(cfg, engine):
+    sink = FakeSink()
+    gen = Generator(cfg, sink, engine, "g0", batch_groups=0)
+    stats = asyncio.run(gen.run(max_groups=6))
+    assert stats["groups_started"] == stats["groups_finished"] == 6 and stats["samples"] == 24
+    assert len(sink.order) == 6  # one put per group, as each finished
+    for gid, samples in sink.groups.items():
+        assert sorted(s.group_index for s in samples) == [0, 1, 2, 3]
+        assert {s.uid for s in samples} == {f"{gid}-{i}" for i in range(4)}
+        for s in samples:
+            assert s.prompt.startswith("<|im_start|>") and s.label.isdigit()
+            assert 0.0 <= s.reward <= 1.0 and s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert s.response_len == len(s.array("rollout_logprobs")) and (s.array("rollout_logprobs") <= 0).all()
+    assert gen.state_dict()["group_counter"] == 6
+
+
+def test_staleness_admission_under_slow_trainer(cfg, engine):
+    sink = FakeSink()
+    engine.update_weights([], version=0)
+    gen = Generator(cfg, sink, engine, "slow", batch_groups=2)
+    trainer = FakeTrainer(sink, engine, batch_groups=2, gen_id="slow", step_s=0.05)
+    trainer.start()
+    try:
+        stats = asyncio.run(gen.run(max_groups=16))
+        deadline = time.time() + 30
+        while trainer.next_group < 16 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        trainer.stop.set()
+        trainer.join()
+    assert trainer.next_group == 16, "the fake trainer could not consume every group"
+    assert max(trainer.staleness) <= cfg.run.max_staleness, trainer.staleness
+    assert stats["admission_waits"] > 0, "a slow trainer must hold the generator back"
+
+
+def test_raising_reward_fails_sample_and_continues(tmp_path_factory, engine):
+    calls = []
+
+    def flaky(sample, response):
+        calls.append(sample.uid)
+        if sample.group_index == 1:
+            raise RuntimeError("verifier crashed")
+        return {"reward": 0.5, "fmt": 1.0}
+
+    register_reward("test_flaky", flaky)
+    cfg = make_cfg(tmp_path_factory, reward={"fn": "test_flaky"})
+    sink = FakeSink()
+    stats = asyncio.run(Generator(cfg, sink, engine, "flaky", batch_groups=0).run(max_groups=3))
+    assert stats["groups_finished"] == 3 and stats["samples_failed"] == 3 and len(calls) == 12
+    for samples in sink.groups.values():
+        for s in samples:
+            if s.group_index == 1:
+                assert s.status == Status.FAILED and "verifier crashed" in s.error and s.reward == 0.0
+            else:
+                assert s.reward == 0.5 and s.reward_parts == {"reward": 0.5, "fmt": 1.0}
+
+
+def test_custom_async_reward_by_module_path(tmp_path_factory, engine, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "async def length_reward(sample, response):\n    return float(sample.response_len)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(tmp_path_factory, reward={"fn": "my_rewards:length_reward"})
+    sink = FakeSink()
+    asyncio.run(Generator(cfg, sink, engine, "mod", batch_groups=0).run(max_groups=2))
+    for samples in sink.groups.values():
+        assert all(s.reward == s.response_len for s in samples)
+
+
+def test_engine_error_fails_group_and_retries(cfg, engine):
+    class Flaky:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+            self.version, self.stats = inner.version, inner.stats
+
+        async def generate(self, reqs):
+            self.calls += 1
+            if self.calls in (1, 2, 4):  # group 1 fails twice (retry exhausted); group 2 recovers
+                raise RuntimeError("engine down")
+            return await self.inner.generate(reqs)
+
+    cfg1 = msgspec_replace(cfg, engine_retries=1, max_inflight_groups=1)
+    sink = FakeSink()
+    flaky = Flaky(engine)
+    stats = asyncio.run(Generator(cfg1, sink, flaky, "err", batch_groups=0).run(max_groups=3))
+    assert stats["groups_failed"] == 1 and stats["engine_errors"] == 3 and stats["groups_finished"] == 2
+
+
+def test_filter_drops_uniform_groups(cfg, engine):
+    cfg1 = msgspec_replace(cfg, filter="nonzero_std")
+    sink = FakeSink()
+    gen = Generator(cfg1, sink, engine, "flt", batch_groups=0, group_filter=lambda s: s[0].group_id != "flt-0")
+    stats = asyncio.run(gen.run(max_groups=3))
+    assert stats["groups_filtered"] == 1 and "flt-0" not in sink.groups and len(sink.groups) == 2
+
+
+def test_streams_to_real_buffer_server(cfg, engine, tmp_path):
+    buffer_server = pytest.importorskip("buffer.server")
+    from buffer.client import BufferClient
+    from buffer.config import BufferConfig
+
+    server = buffer_server.BufferServer(BufferConfig(durable=False), tmp_path / "buf").start()
+    client = BufferClient(server.address, producer="gen-real", timeout_s=30)
+    try:
+        client.set_version(3)
+        gen = Generator(cfg, client, engine, "real", batch_groups=0)
+        stats = asyncio.run(gen.run(max_groups=4))
+        assert stats["groups_finished"] == 4 and stats["trainer_version"] >= 3
+        batch = client.fetch(num_groups=4, version=0, max_staleness=100, timeout_s=10)
+        assert batch is not None and batch.num_rows == 16
+        assert set(batch.column("generator_id").to_pylist()) == {"real"}
+    finally:
+        client.close()
+        server.stop()
+
+
+def msgspec_replace(cfg, **rollout):
+    import msgspec
+
+    return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, **rollout))
