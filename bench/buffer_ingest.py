@@ -5,9 +5,13 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
                   into `python -m buffer serve` without a directory; acked after indexing
   prebuilt_arrow  the same with Arrow batches built beforehand (a producer that builds Arrow itself)
   buffer/durable  the same into a durable buffer: acked after write + fsync of the segment
-  raw_zmq         PUSH/PULL of the same Arrow IPC bytes over the same transport (no acks, no work)
-  disk            write + fsync of the same bytes, one fsync per message, on the same filesystem
+  raw_zmq         PUSH/PULL of the same bytes, message by message, over the same transport (tcp
+                  loopback, a receiver in its own process; no acks, no work)
+  disk            write + fsync of the same bytes (each message's Arrow IPC form), one write and one
+                  fsync per message, on the same filesystem
   pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
+The machine is shared and noisy, so each of `--runs` rounds measures every variant back to back, a
+ratio is taken within each round, and the median over rounds is reported with its spread (min-max).
 Prints one JSON line last; ratios (`memory_vs_raw_zmq`, `durable_vs_disk`, `vs_pickle`) are for 2k.
 """
 
@@ -18,6 +22,7 @@ import json
 import os
 import pickle
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,7 +87,7 @@ def make_messages(tokens: int, total_mb: float, msg_mb: float, prefix: str):
     return [synthetic_samples(groups, 4, tokens, 256, prefix=f"{prefix}{i}", seed=i) for i in range(n_msgs)]
 
 
-def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, int]:
+def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, dict]:
     from buffer.client import BufferClient
 
     args = ["-m", "buffer", "serve", "--capacity", str(10**9)]
@@ -98,10 +103,13 @@ def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, int]:
     acks = c.flush()
     dt = time.perf_counter() - t
     assert sum(a.accepted for a in acks) == n, "not every sample was accepted"
+    stats = c.stats()
     c.close()
     p.terminate()
     p.wait(30)
-    return dt, n
+    if durable_dir:
+        shutil.rmtree(durable_dir, ignore_errors=True)
+    return dt, stats
 
 
 def run_raw(payloads: list, kind: str) -> float:
@@ -125,7 +133,7 @@ def run_raw(payloads: list, kind: str) -> float:
 
 def run_disk(payloads: list, directory: str) -> float:
     path = os.path.join(directory, "disk-baseline.bin")
-    f = open(path, "wb", buffering=0)
+    f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed below, outside the timing
     t = time.perf_counter()
     for pl in payloads:
         f.write(pl)
@@ -142,23 +150,45 @@ def one_size(tokens: int, args, tmp: str) -> dict:
 
     msgs = make_messages(tokens, args.total_mb, args.msg_mb, f"t{tokens}-")
     batches = [samples_to_batch(m) for m in msgs]  # for the run that excludes Sample -> Arrow
-    payloads = [ipc_bytes(b) for b in batches]
+    payloads = [ipc_bytes(b) for b in batches]  # every message's own bytes, for both baselines
     nbytes = sum(p.size for p in payloads)
     n = sum(len(m) for m in msgs)
-    best = {}
-    for _ in range(args.repeat):
-        r = {
-            "memory": run_buffer(msgs, None, args.window)[0],
-            "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
-            "durable": run_buffer(msgs, tempfile.mkdtemp(dir=tmp), args.window)[0],
-            "raw_zmq": run_raw(payloads, "raw"),
-            "disk": run_disk([p.to_pybytes() for p in payloads[:1]] * len(payloads), tmp),
-        }
-        best = {k: min(v, best.get(k, v)) for k, v in r.items()}
-    out = {"tokens": tokens, "samples": n, "bytes": nbytes, "msg_samples": len(msgs[0])}
-    for k, dt in best.items():
-        out[f"{k}_samples_s"] = round(n / dt)
-        out[f"{k}_GB_s"] = round(nbytes / dt / 1e9, 3)
+    rounds: list[dict] = []
+    fsyncs = []
+    for _ in range(args.runs):
+        dt_durable, st = run_buffer(msgs, tempfile.mkdtemp(dir=tmp), args.window)
+        fsyncs.append(st.get("segment_fsyncs", 0))
+        rounds.append(
+            {
+                "memory": run_buffer(msgs, None, args.window)[0],
+                "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
+                "raw_zmq": run_raw(payloads, "raw"),
+                "durable": dt_durable,
+                "disk": run_disk(payloads, tmp),
+            }
+        )
+    out = {
+        "tokens": tokens,
+        "samples": n,
+        "bytes": nbytes,
+        "msgs": len(msgs),
+        "msg_samples": len(msgs[0]),
+        "runs": args.runs,
+        "segment_fsyncs": fsyncs,
+    }
+    for k in rounds[0]:
+        rates = [n / r[k] for r in rounds]
+        out[f"{k}_samples_s"] = round(statistics.median(rates))
+        out[f"{k}_GB_s"] = round(nbytes / n * statistics.median(rates) / 1e9, 3)
+        out[f"{k}_GB_s_spread"] = [round(nbytes / n * min(rates) / 1e9, 3), round(nbytes / n * max(rates) / 1e9, 3)]
+    for name, a, b in (
+        ("memory_vs_raw_zmq", "memory", "raw_zmq"),
+        ("prebuilt_arrow_vs_raw_zmq", "memory_prebuilt_arrow", "raw_zmq"),
+        ("durable_vs_disk", "durable", "disk"),
+    ):
+        ratios = [r[b] / r[a] for r in rounds]  # a rate ratio = inverse ratio of times
+        out[name] = round(statistics.median(ratios), 3)
+        out[f"{name}_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
     if tokens == 2048:
         k = max(1, len(msgs) // 8)  # fewer messages: pickling is slow, and a rate needs no more
         py = [
@@ -186,33 +216,32 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller volumes (under a minute)")
     ap.add_argument("--window", type=int, default=8, help="unacked ingest messages in flight")
     ap.add_argument("--msg-mb", type=float, default=4.0, help="target size of one ingest message")
+    ap.add_argument("--runs", type=int, default=0, help="rounds (default: 5, or 3 with --quick)")
+    ap.add_argument("--tokens", default="512,2048,8192", help="response lengths to measure")
     ap.add_argument("--_sink", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._sink:
         return _sink(args._sink)
     args.total_mb = 96 if args.quick else 512
-    args.repeat = 1 if args.quick else 3
+    args.runs = args.runs or (3 if args.quick else 5)
+    sizes = [int(t) for t in args.tokens.split(",")]
     # BENCH_DIR: where the durable buffer and the disk baseline write (default: the system temp dir).
     tmp = tempfile.mkdtemp(prefix="buffer-bench-", dir=os.environ.get("BENCH_DIR"))
     try:
-        rows = [one_size(t, args, tmp) for t in (512, 2048, 8192)]
+        rows = [one_size(t, args, tmp) for t in sizes]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for r in rows:
         print(json.dumps(r), file=sys.stderr)
-    r2k = next(r for r in rows if r["tokens"] == 2048)
-    result = {
-        "bench": "buffer_ingest",
-        "quick": args.quick,
-        "memory_vs_raw_zmq": round(r2k["memory_samples_s"] / r2k["raw_zmq_samples_s"], 3),
-        "durable_vs_disk": round(r2k["durable_samples_s"] / r2k["disk_samples_s"], 3),
-        "vs_pickle": round(r2k["memory_samples_s"] / r2k["pickle_samples_s"], 1),
-        "prebuilt_arrow_vs_raw_zmq": round(
-            r2k["memory_prebuilt_arrow_samples_s"] / r2k["raw_zmq_samples_s"], 3
-        ),
-        "by_tokens": {
-            r["tokens"]: {k: v for k, v in r.items() if k.endswith(("_GB_s", "_samples_s"))} for r in rows
-        },
+    r2k = next((r for r in rows if r["tokens"] == 2048), rows[0])
+    result = {"bench": "buffer_ingest", "quick": args.quick, "runs": args.runs, "tokens": r2k["tokens"]}
+    for k in ("memory_vs_raw_zmq", "durable_vs_disk", "prebuilt_arrow_vs_raw_zmq"):
+        result[k], result[f"{k}_spread"] = r2k[k], r2k[f"{k}_spread"]
+    if "pickle_samples_s" in r2k:
+        result["vs_pickle"] = round(r2k["memory_samples_s"] / r2k["pickle_samples_s"], 1)
+    result["by_tokens"] = {
+        r["tokens"]: {k: v for k, v in r.items() if k.endswith(("_GB_s", "_samples_s", "_spread"))}
+        for r in rows
     }
     print(json.dumps(result))
 

@@ -7,13 +7,15 @@ nothing but a resend. `put` = submit + wait for that ack. Each request carries a
 reply echoes, so a late reply to an abandoned request is never taken for the answer to a new one.
 
 Fetches are NOT resent: a fetch consumes data, and a resend after a lost reply would consume a second
-batch. A client is not thread-safe: give each thread its own.
+batch. A client is thread-safe: its public calls are serialised on one lock.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,10 +23,21 @@ from dataclasses import dataclass
 import pyarrow as pa
 import zmq
 
-from buffer.convert import samples_to_batch
+from buffer.frames import batches_to_frames, frames_to_batches
 from buffer.transport import BatchSource, BufferUnavailable, SampleSink
 from pipeline import wire
-from pipeline.sample import Sample
+from pipeline.sample import Sample, samples_to_batch
+
+
+def _locked(method):
+    """Run a public client call under the client's lock (see BufferClient._lock)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 @dataclass
@@ -34,11 +47,11 @@ class _InFlight:
     resends: int = 0
 
 
-def _ipc(batch: pa.RecordBatch) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    return sink.getvalue()
+def _reply_batches(reply: wire.FetchReply, frames: list) -> list[pa.RecordBatch]:
+    """The record batches of a FetchReply (buffer frames, zero-copy; or one IPC stream)."""
+    if reply.layout:
+        return frames_to_batches(reply.layout, frames[1:])
+    return [pa.ipc.open_stream(pa.py_buffer(frames[1].buffer)).read_next_batch()]
 
 
 class BufferClient(SampleSink, BatchSource):
@@ -78,10 +91,14 @@ class BufferClient(SampleSink, BatchSource):
         self._inflight: dict[int, _InFlight] = {}
         self._acks: dict[int, wire.IngestAck] = {}  # acked but not yet collected by put()
         self._errors: dict[int, str] = {}
+        # A ZeroMQ socket must never be touched by two threads at once (that corrupts libzmq's heap);
+        # generators call put() from several asyncio worker threads, so every public call holds this.
+        self._lock = threading.RLock()
         self.trainer_version = 0  # from the latest ack
         self.last_fetch: wire.FetchReply | None = None
 
     # -- ingest (SampleSink) -----------------------------------------------------------------------
+    @_locked
     def submit(self, samples: list[Sample] | pa.RecordBatch, timeout_s: float | None = None) -> int:
         """Send one ingest message without waiting for its ack (waits only while the window is full).
         Returns its seq; `wait(seq)` or `flush()` collect acks."""
@@ -93,14 +110,20 @@ class BufferClient(SampleSink, BatchSource):
                 deadline, f"a free slot in the window of {self.window} unacked messages", waited=timeout_s
             )
         seq = next(self._seq)
+        # The batch's buffers go out as frames straight from its memory (no serialization copy); they
+        # stay referenced by _inflight until acked, for resends.
+        layout, payload = batches_to_frames([batch])
         head = wire.encode(
-            wire.IngestBatch(req=seq, producer=self.producer, seq=seq, num_samples=batch.num_rows)
+            wire.IngestBatch(
+                req=seq, producer=self.producer, seq=seq, num_samples=batch.num_rows, layout=layout
+            )
         )
-        frames = [head, _ipc(batch)]
+        frames = [head, *payload]
         self._inflight[seq] = _InFlight(frames, time.monotonic())
         self._send(frames)
         return seq
 
+    @_locked
     def wait(self, seq: int, timeout_s: float | None = None) -> wire.IngestAck:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -112,10 +135,12 @@ class BufferClient(SampleSink, BatchSource):
             )
         return self._acks.pop(seq)
 
+    @_locked
     def collect(self) -> list[wire.IngestAck]:
         """Acks received so far and not yet collected (non-blocking; errors raise as in `wait`)."""
         return [self.wait(s, 0) for s in sorted(set(self._acks) | set(self._errors))]
 
+    @_locked
     def flush(self, timeout_s: float | None = None) -> list[wire.IngestAck]:
         """Wait until every submitted message is acked; returns the acks not yet collected."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -126,6 +151,7 @@ class BufferClient(SampleSink, BatchSource):
             )
         return self.collect()
 
+    @_locked
     def put(self, samples: list[Sample] | pa.RecordBatch, timeout_s: float | None = None) -> wire.IngestAck:
         """Send samples (split into messages of max_batch_samples, pipelined) and return once all are
         acked, i.e. durable in the buffer. The returned ack sums the counts of the messages."""
@@ -144,6 +170,7 @@ class BufferClient(SampleSink, BatchSource):
         )
 
     # -- trainer side (BatchSource) ------------------------------------------------------------------
+    @_locked
     def fetch(
         self,
         num_groups: int,
@@ -154,7 +181,26 @@ class BufferClient(SampleSink, BatchSource):
         grace_s: float = 10.0,
     ) -> pa.RecordBatch | None:
         """Complete groups as one record batch, or None if the buffer had fewer within timeout_s.
-        Raises BufferUnavailable if the server does not answer within timeout_s + grace_s."""
+        Raises BufferUnavailable if the server does not answer within timeout_s + grace_s.
+        (`fetch_table` returns the same rows without combining them into one batch: no copy.)"""
+        table = self.fetch_table(num_groups, version, max_staleness, timeout_s, grace_s=grace_s)
+        if table is None:
+            return None
+        batches = table.to_batches()
+        return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+
+    @_locked
+    def fetch_table(
+        self,
+        num_groups: int,
+        version: int,
+        max_staleness: int,
+        timeout_s: float = 60.0,
+        *,
+        grace_s: float = 10.0,
+    ) -> pa.Table | None:
+        """Like `fetch`, as a Table whose chunks are the received record batches, zero-copy over the
+        reply's frames (stages/trainer/packing.to_token_batch accepts a Table as it is)."""
         reply, frames = self._request(
             wire.Fetch(
                 consumer=self.producer,
@@ -169,23 +215,26 @@ class BufferClient(SampleSink, BatchSource):
         self.last_fetch = reply
         if reply.num_samples == 0:
             return None
-        return pa.ipc.open_stream(pa.py_buffer(frames[1].buffer)).read_next_batch()
+        return pa.Table.from_batches(_reply_batches(reply, frames))
 
+    @_locked
     def set_version(self, version: int) -> None:
         self._request(wire.SetVersion(version=version), self.timeout_s)
 
+    @_locked
     def stats(self) -> dict:
         return self._request(wire.StatsRequest(), self.timeout_s)[0].stats
 
+    @_locked
     def peek(self, limit: int = 100) -> pa.RecordBatch | None:
         """Up to `limit` live samples, without consuming them (for inspection)."""
         reply, frames = self._request(wire.Peek(limit=limit), self.timeout_s)
-        return (
-            pa.ipc.open_stream(pa.py_buffer(frames[1].buffer)).read_next_batch()
-            if reply.num_samples
-            else None
-        )
+        if not reply.num_samples:
+            return None
+        batches = _reply_batches(reply, frames)
+        return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
 
+    @_locked
     def close(self) -> None:
         self._sock.close(0)
 

@@ -9,7 +9,8 @@ A buffer directory holds
       served to the trainer (op "served", at trainer version v), evicted as too stale ("evicted"), and
       version announcements ("version").
 
-Invariants: a segment batch is fsynced before its producer is acked; a "served" record is fsynced
+Invariants: a segment batch is fsynced before its producer is acked (the writer thread fsyncs, the
+server acks once the batch's ticket is durable); a "served" record is fsynced
 before the batch leaves the buffer. So after any crash, everything acked is in a segment and
 everything handed out is in the log. A new process never appends to an old segment: it starts the
 next file, which keeps recovery of the old ones simple (their tail is torn at most once).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,7 +70,15 @@ def batch_crc(batch: pa.RecordBatch) -> int:
 
 # -- segments ----------------------------------------------------------------------------------------
 class SegmentWriter:
-    """Appends record batches to numbered segment files; `sync()` makes them durable."""
+    """Appends record batches to numbered segment files from a writer thread.
+
+    `append` only queues the batch and returns its ticket (1, 2, ...); the thread computes the checksum,
+    writes every queued batch, and makes them durable with ONE fsync (group commit), then advances
+    `durable` (every ticket <= it is on disk) and calls `on_durable()`. So the caller keeps receiving
+    and validating while the disk works; checksum, write and fsync release the GIL. `sync()` waits
+    for everything queued. If a write fails, `error` is set, `durable` stops advancing and every later
+    call raises it: nothing after the failure is ever reported durable.
+    """
 
     def __init__(self, directory: Path, first_index: int, max_bytes: int):
         self.dir = directory
@@ -76,8 +86,17 @@ class SegmentWriter:
         self.max_bytes = max_bytes
         self._sink: pa.OSFile | None = None
         self._writer = None
-        self._dirty = False
         self.bytes_written = 0
+        self.fsyncs = 0  # group commits so far (each makes every batch queued before it durable)
+        self.on_durable = None  # called from the writer thread after each fsync (keep it short)
+        self.error: BaseException | None = None
+        self.appended = 0  # highest ticket handed out
+        self.durable = 0  # highest ticket fsynced
+        self._queue: list[tuple[int, pa.RecordBatch]] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="segment-writer", daemon=True)
+        self._thread.start()
 
     def _open(self) -> None:
         path = self.dir / segment_name(self.index)
@@ -90,28 +109,74 @@ class SegmentWriter:
         finally:
             os.close(fd)
 
-    def append(self, batch: pa.RecordBatch) -> str:
-        """Write one batch (not yet durable); returns the segment file name it went to."""
+    def append(self, batch: pa.RecordBatch) -> int:
+        """Queue one batch for writing; returns its ticket (durable once `durable >= ticket`)."""
+        with self._cond:
+            self._raise_if_failed()
+            self.appended += 1
+            self._queue.append((self.appended, batch))
+            self._cond.notify_all()
+            return self.appended
+
+    def sync(self) -> None:
+        """Wait until everything appended so far is durable."""
+        with self._cond:
+            want = self.appended
+            while self.durable < want and self.error is None:
+                self._cond.wait()
+            self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise OSError(f"segment writer in {self.dir} failed, nothing is acked since: {self.error}")
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                todo, self._queue = self._queue, []
+            try:
+                for _, batch in todo:
+                    self._write(batch)
+                self._sink.flush()
+                os.fsync(self._sink.fileno())
+                self.fsyncs += 1
+            except BaseException as e:  # surfaced to every caller from now on
+                with self._cond:
+                    self.error = e
+                    self._cond.notify_all()
+                if self.on_durable is not None:
+                    self.on_durable()
+                return
+            with self._cond:
+                self.durable = todo[-1][0]
+                self._cond.notify_all()
+            if self.on_durable is not None:
+                self.on_durable()
+
+    def _write(self, batch: pa.RecordBatch) -> None:
         if self._sink is not None and self._sink.tell() >= self.max_bytes:
-            self.close()
+            self._sink.flush()
+            os.fsync(self._sink.fileno())  # the finished file is durable before the next one starts
+            self._sink.close()
+            self._sink = self._writer = None
             self.index += 1
         if self._sink is None:
             self._open()
         before = self._sink.tell()
         self._writer.write_batch(batch, custom_metadata={"crc32": str(batch_crc(batch))})
         self.bytes_written += self._sink.tell() - before
-        self._dirty = True
-        return segment_name(self.index)
-
-    def sync(self) -> None:
-        if self._dirty and self._sink is not None:
-            self._sink.flush()
-            os.fsync(self._sink.fileno())
-            self._dirty = False
 
     def close(self) -> None:
+        """Write and fsync what is queued, stop the thread, close the file."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
         if self._sink is not None:
-            self.sync()
             # No end-of-stream marker: readers treat EOF at a message boundary as the end, and a
             # segment therefore looks the same whether it was closed cleanly or not.
             self._sink.close()

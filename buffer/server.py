@@ -1,8 +1,11 @@
-"""The buffer's ZeroMQ server: one ROUTER socket, one thread, one `Buffer`.
+"""The buffer's ZeroMQ server: one ROUTER socket, one loop thread, one `Buffer` (plus its segment
+writer thread).
 
-Each loop iteration drains every message already queued (up to a bound), commits all ingests, does
-ONE fsync for all of them (group commit), then sends their acks — so a producer keeping a window of
-unacked messages in flight keeps the disk and the socket busy. Fetches that cannot be answered yet
+Each loop iteration drains every message already queued (up to a bound) and commits the ingests: the
+segment writer thread checksums, writes and fsyncs them in the background, one fsync for whatever
+has queued up meanwhile (group commit), and wakes the loop through a pipe; an ingest's ack is sent
+only once its write ticket is durable. So the loop keeps receiving and validating while the disk
+works, and a producer keeping a window of unacked messages in flight keeps both busy. Fetches that cannot be answered yet
 wait in `_fetches` and are retried whenever data arrives or the version changes; their deadlines
 bound the poll timeout, so a waiting trainer never blocks other clients. Ingests that do not fit
 (`capacity_samples`) are parked unacked in `_parked` until a fetch or an eviction makes room: the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ import pyarrow as pa
 import zmq
 
 from buffer.config import BufferConfig
+from buffer.frames import batches_to_frames, frames_to_batches
 from buffer.storage import Buffer, Plan
 from buffer.validate import check_batch, read_ipc_batch
 from pipeline import wire
@@ -93,6 +98,11 @@ class BufferServer:
         self._parked: list[_ParkedIngest] = []
         self._parked_keys: set[tuple[str, int]] = set()
         self._acks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+        # committed ingests waiting for their segment write: (ticket, key, envelope, ack), in order
+        self._unacked: collections.deque[tuple[int, tuple[str, int] | None, list, bytes]] = (
+            collections.deque()
+        )
+        self._pending_keys: set[tuple[str, int]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
@@ -153,34 +163,75 @@ class BufferServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, 10000)
         sock.setsockopt(zmq.SNDHWM, 10000)
+        # The segment writer thread wakes the loop through this pipe when a write became durable.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+
+        def wake() -> None:
+            try:
+                os.write(wake_w, b"\0")
+            except OSError:  # pipe full (the loop has wake-ups pending anyway) or closed at shutdown
+                pass
+
+        self.buffer.on_durable(wake)
         try:
             sock.bind(self.bind_address)
             self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._bound.set()
-            self._loop(sock)
+            self._loop(sock, wake_r)
         finally:
             sock.close(0)
+            self.buffer.on_durable(None)
             self.buffer.close()
+            os.close(wake_r)
+            os.close(wake_w)
 
     # -- loop ----------------------------------------------------------------------------------------
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, sock: zmq.Socket, wake_r: int) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
             wait = min([f.deadline for f in self._fetches], default=now + 0.1) - now
             changed = True  # an idle tick re-checks waiting fetches (versions, evictions)
-            if poller.poll(max(0.0, min(wait, 0.1)) * 1000):
-                acks: list[tuple[list, bytes]] = []
-                changed = self._drain(sock, acks)
-                if acks:
-                    self.buffer.sync()  # group commit: one fsync, then every ack
-                    for env, ack in acks:
-                        self._send(sock, env, [ack])
+            events = dict(poller.poll(max(0.0, min(wait, 0.1)) * 1000))
+            if wake_r in events:
+                while True:
+                    try:
+                        if not os.read(wake_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+            if sock in events:
+                changed = self._drain(sock)
+            elif events:
+                changed = False
+            if self._unacked:
+                self._send_durable_acks(sock)
             if self._fetches:
                 self._serve_fetches(sock, only_expired=not changed)
 
-    def _drain(self, sock: zmq.Socket, acks: list) -> bool:
+    def _send_durable_acks(self, sock) -> None:
+        """Send the acks whose segment writes are fsynced; fail them all if the writer failed."""
+        durable = self.buffer.durable_ticket
+        while self._unacked and self._unacked[0][0] <= durable:
+            _, key, env, ack = self._unacked.popleft()
+            self._pending_keys.discard(key)
+            self._send(sock, env, [ack])
+        err = self.buffer.write_error
+        if err is not None and self._unacked:
+            log.error("segment write failed, %d ingests are answered with an error: %s", len(self._unacked), err)
+            while self._unacked:
+                _, key, env, ack = self._unacked.popleft()
+                self._pending_keys.discard(key)
+                self._acks.pop(key, None)
+                req = wire.decode(ack).req
+                reason = f"the buffer could not make this ingest durable (segment write failed: {err})"
+                self._send(sock, env, [wire.encode(wire.Error(req=req, reason=reason))])
+
+    def _drain(self, sock: zmq.Socket) -> bool:
         """Handle the queued messages; True if the data or the version changed."""
         changed = False
         for _ in range(_DRAIN_MAX):
@@ -190,7 +241,7 @@ class BufferServer:
                 break
             self.counters["messages"] += 1
             try:
-                changed |= self._handle(sock, frames, acks)
+                changed |= self._handle(sock, frames)
             except wire.ProtocolError as e:
                 self._reject(sock, frames, str(e), e.category)
             except Exception as e:  # a bug, not the peer's fault: report it and keep serving
@@ -204,7 +255,7 @@ class BufferServer:
             return [frames[0].bytes, b""], frames[2:]
         return [frames[0].bytes], frames[1:]
 
-    def _handle(self, sock: zmq.Socket, frames: list, acks: list) -> bool:
+    def _handle(self, sock: zmq.Socket, frames: list) -> bool:
         env, body = self._split(frames)
         if not body:
             raise wire.ProtocolError("empty message (no header frame)", "frame_count")
@@ -216,20 +267,24 @@ class BufferServer:
                 "oversized",
             )
         msg = wire.decode(body[0].buffer, self.max_bytes)
-        want = 2 if isinstance(msg, wire.IngestBatch) else 1
-        if len(body) != want:
-            raise wire.ProtocolError(
-                f"{type(msg).__name__} takes {want} frame(s) after the envelope, got {len(body)}",
-                "frame_count",
-            )
+        if isinstance(msg, wire.IngestBatch) and msg.layout:
+            if len(body) < 2:
+                raise wire.ProtocolError("ingest_batch with a layout has no buffer frames", "frame_count")
+        else:
+            want = 2 if isinstance(msg, wire.IngestBatch) else 1
+            if len(body) != want:
+                raise wire.ProtocolError(
+                    f"{type(msg).__name__} takes {want} frame(s) after the envelope, got {len(body)}",
+                    "frame_count",
+                )
         if isinstance(msg, wire.Ingest | wire.IngestBatch):
-            return self._ingest(sock, env, msg, body, acks)
+            return self._ingest(sock, env, msg, body)
         if isinstance(msg, wire.Fetch):
             self._fetch(sock, env, msg)
             return True
         if isinstance(msg, wire.SetVersion):
             self.buffer.set_version(msg.version)
-            self.buffer.sync()
+            self.buffer.sync_log()
             self._send(sock, env, [wire.encode(wire.Ok(req=msg.req))])
             return True
         if isinstance(msg, wire.StatsRequest):
@@ -237,24 +292,27 @@ class BufferServer:
             return False
         if isinstance(msg, wire.Peek):
             batch = self.buffer.peek(max(0, msg.limit))
-            self._reply_batch(sock, env, msg.req, batch)
+            self._reply_batch(sock, env, msg.req, None if batch is None else [batch])
             return False
         raise wire.ProtocolError(
             f"{type(msg).__name__} is a reply kind; the buffer only accepts requests", "unexpected_kind"
         )
 
     # -- ingest --------------------------------------------------------------------------------------
-    def _ingest(self, sock, env, msg, body, acks: list) -> bool:
+    def _ingest(self, sock, env, msg, body) -> bool:
         key = (msg.producer, msg.seq)
+        if key in self._pending_keys:  # a resend of one still being written: its ack will come
+            self.counters["resends_while_writing"] += 1
+            return False
         if key in self._acks:  # a resend whose ack got lost: answer with the original ack
             self.counters["resends_answered"] += 1
-            acks.append((env, self._acks[key]))
+            self._send(sock, env, [self._acks[key]])
             return False
         if key in self._parked_keys:
             self.counters["resends_while_parked"] += 1
             return False
         if isinstance(msg, wire.IngestBatch):
-            batch = read_ipc_batch(body[1].buffer)
+            batch = self._read_batch(msg, body[1:])
             if batch.num_rows != msg.num_samples:
                 raise wire.ProtocolError(
                     f"ingest_batch says num_samples={msg.num_samples} but the batch has {batch.num_rows} rows",
@@ -272,14 +330,26 @@ class BufferServer:
         if self._parked:  # keep arrival order: nobody overtakes a parked message
             self._park(env, msg, batch)
             return False
-        return self._try_commit(env, msg, batch, acks)
+        return self._try_commit(env, msg, batch)
 
-    def _try_commit(self, env, msg, batch: pa.RecordBatch, acks: list) -> bool:
+    @staticmethod
+    def _read_batch(msg: wire.IngestBatch, payload: list) -> pa.RecordBatch:
+        if not msg.layout:
+            return read_ipc_batch(payload[0].buffer)
+        batches = frames_to_batches(msg.layout, payload)
+        if len(batches) != 1:
+            raise wire.ProtocolError(
+                f"ingest_batch layout describes {len(batches)} record batches; expected exactly 1",
+                "invalid_arrow",
+            )
+        return batches[0]
+
+    def _try_commit(self, env, msg, batch: pa.RecordBatch) -> bool:
         plan: Plan = self.buffer.plan(batch, checked=True)
         if not self.buffer.has_room(plan.n_new):
             self._park(env, msg, batch)
             return False
-        self.buffer.commit(plan)
+        ticket = self.buffer.commit(plan)
         ack = wire.encode(
             wire.IngestAck(
                 req=msg.req,
@@ -291,10 +361,12 @@ class BufferServer:
                 errors=plan.errors,
             )
         )
-        self._acks[(msg.producer, msg.seq)] = ack
+        key = (msg.producer, msg.seq)
+        self._acks[key] = ack
         while len(self._acks) > _ACK_MEMORY:
             self._acks.popitem(last=False)
-        acks.append((env, ack))
+        self._pending_keys.add(key)
+        self._unacked.append((ticket, key, env, ack))
         return plan.n_new > 0
 
     def _park(self, env, msg, batch) -> None:
@@ -303,20 +375,16 @@ class BufferServer:
         self._parked_keys.add((msg.producer, msg.seq))
 
     def _unpark(self, sock) -> None:
-        acks: list = []
         while self._parked:
             p = self._parked[0]
             before = len(self._parked)
             self._parked.pop(0)
             self._parked_keys.discard((p.msg.producer, p.msg.seq))
-            self._try_commit(p.envelope, p.msg, p.batch, acks)
+            self._try_commit(p.envelope, p.msg, p.batch)
             if len(self._parked) == before:  # it was parked again: still no room
                 self._parked.insert(0, self._parked.pop())
                 break
-        if acks:
-            self.buffer.sync()
-            for env, ack in acks:
-                self._send(sock, env, [ack])
+        self._send_durable_acks(sock)
 
     # -- fetch ---------------------------------------------------------------------------------------
     def _fetch(self, sock, env, msg: wire.Fetch) -> None:
@@ -334,34 +402,37 @@ class BufferServer:
             if only_expired and now < f.deadline:
                 continue
             res = self.buffer.fetch(f.msg.num_groups, f.msg.version, f.msg.max_staleness)
-            freed |= res.batch is not None or res.evicted > 0
-            if res.batch is None and now < f.deadline:
+            freed |= res.pieces is not None or res.evicted > 0
+            if res.pieces is None and now < f.deadline:
                 continue
             self._fetches.remove(f)
             reason = ""
-            if res.batch is None:
+            if res.pieces is None:
                 reason = (
                     f"timeout: {self.buffer.ready_groups()} complete groups ready, {f.msg.num_groups} asked"
                 )
             self._reply_batch(
-                sock, f.envelope, f.msg.req, res.batch, res.num_groups, res.evicted, now - f.started, reason
+                sock, f.envelope, f.msg.req, res.pieces, res.num_groups, res.evicted, now - f.started, reason
             )
         if freed and self._parked:
             self._unpark(sock)
 
-    def _reply_batch(self, sock, env, req, batch, num_groups=0, evicted=0, waited=0.0, reason="") -> None:
-        n = 0 if batch is None else batch.num_rows
+    def _reply_batch(self, sock, env, req, pieces, num_groups=0, evicted=0, waited=0.0, reason="") -> None:
+        """Reply with `pieces` (record batches, e.g. zero-copy slices of stored ones) as buffer frames:
+        nothing is concatenated or serialized here; the client combines them if it needs one batch."""
+        layout, frames = batches_to_frames(pieces) if pieces else ([], [])
         head = wire.encode(
             wire.FetchReply(
                 req=req,
                 num_groups=num_groups,
-                num_samples=n,
+                num_samples=sum(b.num_rows for b in pieces) if pieces else 0,
                 evicted_stale=evicted,
                 waited_s=waited,
                 reason=reason,
+                layout=layout,
             )
         )
-        self._send(sock, env, [head] if batch is None else [head, ipc_bytes(batch)])
+        self._send(sock, env, [head, *frames])
 
     # -- replies -------------------------------------------------------------------------------------
     def _send(self, sock, env: list, frames: list) -> None:
@@ -390,6 +461,7 @@ class BufferServer:
         s["rejected_messages"] = sum(self.rejects.values())
         s["pending_fetches"] = len(self._fetches)
         s["parked_ingests"] = len(self._parked)
+        s["unacked_ingests"] = len(self._unacked)  # committed, waiting for their segment fsync
         s["address"] = self._address
         s.update(self.counters)
         return s

@@ -5,8 +5,9 @@ and `InProcBuffer` serialize access to it.
 Ingest is split in two so the server can apply back-pressure and group-commit:
   plan = buf.plan(batch)      dedup by uid, per-group checks; changes nothing
   buf.has_room(plan.n_new)    capacity check (the server parks the message if False)
-  buf.commit(plan)            append to the segment (not yet durable) and index
-  buf.sync()                  one fsync for everything committed since the last sync; ack after this
+  t = buf.commit(plan)        queue the batch for the segment writer thread, and index it
+  buf.durable_ticket >= t     the writer fsynced it (group commit); ack after this. Or, blocking:
+  buf.sync()                  wait until everything committed and logged so far is durable
 
 Invariants: every uid ever accepted or named in the consumption log is in `_seen` (inserts are
 idempotent, across restarts and for consumed uids); a live row belongs to exactly one live group;
@@ -56,9 +57,19 @@ class Plan:
 
 @dataclass
 class FetchResult:
-    batch: pa.RecordBatch | None
+    """`pieces`: the served rows as zero-copy slices of stored batches (None: nothing served).
+    `batch` combines them into one record batch (a copy when there are several pieces)."""
+
+    pieces: list[pa.RecordBatch] | None
     num_groups: int = 0
     evicted: int = 0
+    _batch: pa.RecordBatch | None = field(default=None, repr=False)
+
+    @property
+    def batch(self) -> pa.RecordBatch | None:
+        if self._batch is None and self.pieces:
+            self._batch = self.pieces[0] if len(self.pieces) == 1 else pa.concat_batches(self.pieces)
+        return self._batch
 
 
 class Buffer:
@@ -137,20 +148,41 @@ class Buffer:
     def has_room(self, n_new: int) -> bool:
         return self.live_rows + n_new <= self.cfg.capacity_samples
 
-    def commit(self, plan: Plan) -> None:
+    def commit(self, plan: Plan) -> int:
+        """Store the plan's rows; returns the write ticket to wait for before acking (see
+        `durable_ticket`): the latest one, since a duplicate may be of rows still being written."""
         self.counters["duplicates"] += plan.duplicates
         self.counters["rejected_samples"] += plan.rejected
-        if plan.batch is None:
-            return
+        if plan.batch is not None:
+            if self._writer is not None:
+                self._writer.append(plan.batch)
+            self._add_chunk(plan.batch, None)
+            self.counters["accepted"] += plan.n_new
+        return self._writer.appended if self._writer is not None else 0
+
+    @property
+    def durable_ticket(self) -> int:
+        """Every commit whose ticket is <= this is fsynced (memory mode: everything)."""
+        return self._writer.durable if self._writer is not None else 1 << 62
+
+    @property
+    def write_error(self) -> BaseException | None:
+        """Why the segment writer stopped (then nothing committed after it becomes durable)."""
+        return self._writer.error if self._writer is not None else None
+
+    def on_durable(self, callback) -> None:
+        """Call `callback()` from the writer thread whenever `durable_ticket` advances or writing fails."""
         if self._writer is not None:
-            self._writer.append(plan.batch)
-        self._add_chunk(plan.batch, None)
-        self.counters["accepted"] += plan.n_new
+            self._writer.on_durable = callback
 
     def sync(self) -> None:
         """Make every commit and log record so far durable (no-op in memory mode)."""
         if self._writer is not None:
             self._writer.sync()
+        self.sync_log()
+
+    def sync_log(self) -> None:
+        """Make the consumption log durable (what was served, evicted, the version)."""
         if self._log is not None:
             self._log.sync()
 
@@ -206,10 +238,10 @@ class Buffer:
         self.set_version(version)
         evicted = self.evict_stale(version, max_staleness) if self.policy.enforces_staleness else 0
         if len(self._complete) < num_groups:
-            self.sync()
+            self.sync_log()
             return FetchResult(None, 0, evicted)
         chosen = self.policy.select(self._complete.values(), num_groups)
-        batch = self._gather(chosen)
+        pieces = self._gather(chosen)
         uids = []
         for g in chosen:
             g.times_sampled += 1
@@ -220,8 +252,10 @@ class Buffer:
         self.counters["served_groups"] += len(chosen)
         if self._log is not None:
             self._log.append("served", version, uids)
-        self.sync()
-        return FetchResult(batch, len(chosen), evicted)
+        # Only the log must be durable before the rows leave: a row served before its segment write
+        # is durable is, after a crash, known as served (the log) and never acked, so never lost.
+        self.sync_log()
+        return FetchResult(pieces, len(chosen), evicted)
 
     def ready_groups(self) -> int:
         return len(self._complete)
@@ -254,9 +288,9 @@ class Buffer:
                 break
         return pa.concat_batches(pieces) if pieces else None
 
-    def _gather(self, groups: list[_Group]) -> pa.RecordBatch:
-        """Rows of `groups` (group by group, by group_index) as one batch: contiguous runs of a chunk
-        become zero-copy slices, so a FIFO fetch of whole ingest batches copies nothing here."""
+    def _gather(self, groups: list[_Group]) -> list[pa.RecordBatch]:
+        """Rows of `groups` (group by group, by group_index) as zero-copy slices of stored batches, one
+        per contiguous run of a chunk: nothing is copied here."""
         pieces: list[pa.RecordBatch] = []
         run_cid, run_start, run_end = -1, 0, 0
         for g in groups:
@@ -268,7 +302,7 @@ class Buffer:
                     pieces.append(self._chunks[run_cid].slice(run_start, run_end - run_start))
                 run_cid, run_start, run_end = cid, row, row + 1
         pieces.append(self._chunks[run_cid].slice(run_start, run_end - run_start))
-        return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
+        return pieces
 
     def _retire(self, g: _Group) -> None:
         self._groups.pop(g.gid, None)
@@ -336,6 +370,7 @@ class Buffer:
             "durable": self.durable,
             "seen_uids": len(self._seen),
             "segment_bytes": self._writer.bytes_written if self._writer else 0,
+            "segment_fsyncs": self._writer.fsyncs if self._writer else 0,
             **{k: v for k, v in sorted(self.counters.items())},
             "recovery": self.recovery,
         }

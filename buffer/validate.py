@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status
+from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status, min_versions
 from pipeline.wire import ProtocolError
 
 _STATUSES = pa.array([str(s) for s in Status])
@@ -49,15 +49,7 @@ def _offsets(col: pa.Array) -> np.ndarray:
 
 def recompute_min_version(batch: pa.RecordBatch) -> np.ndarray:
     """Oldest response-token version per row (-1 for empty responses), from the versions column."""
-    col = batch.column("versions")
-    offs = _offsets(col)
-    vals = col.flatten().to_numpy()
-    out = np.full(batch.num_rows, -1, dtype=np.int32)
-    nonempty = np.flatnonzero(np.diff(offs) > 0)
-    if len(nonempty):
-        # reduceat over only the non-empty rows' starts: empty rows in between add no values.
-        out[nonempty] = np.minimum.reduceat(vals, offs[nonempty])
-    return out
+    return min_versions(batch.column("versions"))
 
 
 def check_batch(batch: pa.RecordBatch) -> None:

@@ -93,7 +93,6 @@ class Pipeline:
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
-        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -183,30 +183,42 @@ def _list_column(blobs: list[bytes], name: str) -> pa.Array:
 
 
 def samples_to_batch(samples: list[Sample]) -> pa.RecordBatch:
-    """Samples -> one Arrow record batch with ARROW_SCHEMA."""
-    cols: dict[str, Any] = {
-        "uid": [s.uid for s in samples],
-        "group_id": [s.group_id for s in samples],
+    """Samples -> one Arrow record batch with ARROW_SCHEMA (columnar: no per-token Python work)."""
+    cols: dict[str, pa.Array] = {
+        "uid": pa.array([s.uid for s in samples], pa.string()),
+        "group_id": pa.array([s.group_id for s in samples], pa.string()),
         "group_index": pa.array([s.group_index for s in samples], pa.int32()),
         "group_size": pa.array([s.group_size for s in samples], pa.int32()),
     }
     for name in PACKED_FIELDS:
         cols[name] = _list_column([getattr(s, name) for s in samples], name)
     cols["reward"] = pa.array([s.reward for s in samples], pa.float64())
-    cols["reward_parts"] = [_json.encode(s.reward_parts).decode() for s in samples]
-    cols["status"] = [str(s.status) for s in samples]
-    cols["error"] = [s.error for s in samples]
-    cols["prompt"] = [s.prompt for s in samples]
-    cols["label"] = [s.label for s in samples]
-    cols["metadata"] = [_json.encode(s.metadata).decode() for s in samples]
-    cols["generator_id"] = [s.generator_id for s in samples]
+    # empty dicts are the common case: skip the encoder for them
+    cols["reward_parts"] = pa.array(
+        [_json.encode(s.reward_parts).decode() if s.reward_parts else "{}" for s in samples], pa.string())
+    cols["status"] = pa.array([str(s.status) for s in samples], pa.string())
+    for name in ("error", "prompt", "label"):
+        cols[name] = pa.array([getattr(s, name) for s in samples], pa.string())
+    cols["metadata"] = pa.array(
+        [_json.encode(s.metadata).decode() if s.metadata else "{}" for s in samples], pa.string())
+    cols["generator_id"] = pa.array([s.generator_id for s in samples], pa.string())
     cols["created_at"] = pa.array([s.created_at for s in samples], pa.float64())
     cols["finished_at"] = pa.array([s.finished_at for s in samples], pa.float64())
-    cols["min_version"] = pa.array([s.min_version() for s in samples], pa.int32())
-    arrays = [
-        c if isinstance(c, pa.Array) else pa.array(c, f.type) for c, f in zip(cols.values(), ARROW_SCHEMA)
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+    cols["min_version"] = pa.array(min_versions(cols["versions"]))
+    return pa.RecordBatch.from_arrays(list(cols.values()), schema=ARROW_SCHEMA)
+
+
+def min_versions(versions: pa.ListArray | pa.ChunkedArray) -> np.ndarray:
+    """Oldest response-token version per row (-1 for an empty response), from a `versions` column."""
+    if isinstance(versions, pa.ChunkedArray):
+        versions = versions.combine_chunks()
+    offs = versions.offsets.to_numpy()
+    vals = versions.values.to_numpy()
+    out = np.full(len(versions), -1, dtype=np.int32)
+    nonempty = np.flatnonzero(np.diff(offs) > 0)
+    if len(nonempty):  # reduceat over the non-empty rows' starts: empty rows in between add no values
+        out[nonempty] = np.minimum.reduceat(vals, offs[nonempty])
+    return out
 
 
 def list_values(batch: pa.RecordBatch | pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:

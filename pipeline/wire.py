@@ -1,7 +1,9 @@
 """The wire protocol between stages: message kinds, schema version, encode/decode, validation.
 
 Every ZeroMQ message is a multipart message whose first frame is one msgpack-encoded `Msg` (tagged by
-`kind`) and whose optional further frames are raw payloads (an Arrow IPC stream for `FetchReply`).
+`kind`) and whose optional further frames are raw payloads: Arrow record batches, either as one Arrow
+IPC stream or, when the header has a `layout`, as their raw buffers (see buffer/frames.py: one frame
+per large buffer, sent and received without copying).
 Each message carries `schema`; a peer speaking another schema, garbage bytes, wrong field types,
 oversized frames and unknown kinds all become `ProtocolError` with a reason that names the problem —
 servers answer those with `Error` and count them, they never crash on them.
@@ -46,7 +48,8 @@ class Ingest(Msg, tag="ingest"):
 
 
 class IngestBatch(Msg, tag="ingest_batch"):
-    """Columnar ingest: frame 2 is one Arrow IPC stream holding one record batch in ARROW_SCHEMA.
+    """Columnar ingest of one record batch in ARROW_SCHEMA: with `layout`, the frames after the header
+    are its buffers (buffer/frames.py); without, frame 2 is one Arrow IPC stream holding it.
 
     The fast path (buffer.client sends this): samples are converted to Arrow by the producer, so the
     buffer validates and stores whole columns without touching each token. Acked like `Ingest`.
@@ -54,7 +57,8 @@ class IngestBatch(Msg, tag="ingest_batch"):
 
     producer: str
     seq: int
-    num_samples: int  # rows in the batch; must match frame 2
+    num_samples: int  # rows in the batch; must match the payload
+    layout: list[list[int]] = []  # per batch: [num_rows, buffer sizes...] (buffer/frames.py)
 
 
 class IngestAck(Msg, tag="ingest_ack"):
@@ -78,13 +82,16 @@ class Fetch(Msg, tag="fetch"):
 
 
 class FetchReply(Msg, tag="fetch_reply"):
-    """Frame 2 (when num_samples > 0) is one Arrow IPC stream holding one record batch."""
+    """When num_samples > 0: with `layout`, the frames after the header are the buffers of one or more
+    record batches (buffer/frames.py: zero-copy slices of stored batches); without, frame 2 is one
+    Arrow IPC stream holding one record batch."""
 
     num_groups: int
     num_samples: int
     evicted_stale: int = 0  # samples evicted as too stale while serving this request
     waited_s: float = 0.0
     reason: str = ""  # why the reply is short (timeout, ...)
+    layout: list[list[int]] = []  # per batch: [num_rows, buffer sizes...] (buffer/frames.py)
 
 
 # -- control ------------------------------------------------------------------------------------------

@@ -65,3 +65,38 @@ def test_help_is_fast_and_works_via_bin():
         timeout=30,
     )
     assert "pyarrow" not in r.stderr  # argparse runs before the heavy imports
+
+
+def test_samples_decodes_text_with_a_tokenizer_folder_via_bin(tmp_path, capsys):
+    from pipeline.models import build_byte_tokenizer
+    from pipeline.sample import Sample
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    build_byte_tokenizer(tok_dir)  # token id = byte value: any text round-trips
+    prompt, response = "What is 2+2?", "The answer is 4."
+    buf = Buffer(BufferConfig(), tmp_path / "buf")
+    buf.insert(
+        [
+            Sample.build(
+                uid="u0",
+                group_id="g0",
+                prompt_ids=list(prompt.encode()),
+                response_ids=list(response.encode()),
+                rollout_logprobs=[-0.5] * len(response),
+                versions=[0] * len(response),
+            )
+        ]
+    )
+    buf.close()
+    r = subprocess.run(
+        [str(REPO / "bin" / "buffer-inspect"), "samples", str(tmp_path / "buf"), "--tokenizer", str(tok_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert prompt in r.stdout and response in r.stdout and "u0" in r.stdout
+    main(["samples", str(tmp_path / "buf")])  # without a tokenizer: the ids themselves
+    out = capsys.readouterr().out
+    assert response not in out and str(list(response.encode())[:3])[1:-1] in out

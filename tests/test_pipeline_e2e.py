@@ -50,4 +50,4 @@ def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
     res = run_pipeline(_cfg(tmp_path, f"rollout.data.source={bad}", "rollout.reward.fn=exact_match"),
                        stop_ray=False)
     assert res.status == "failed"
-    assert "generator gen-0" in res.error and "prompts.jsonl" in res.error and "line 2" in res.error
+    assert "generator gen-0" in res.error and "prompts.jsonl:2: not valid JSON" in res.error

@@ -20,7 +20,9 @@ PROMPTS = [[257, 49, 50, 51, 258, 257], [257, 55, 258, 257], [257, 57, 48, 258, 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return resolve_model(SimpleNamespace(name="tiny-qwen2", cache_dir=str(tmp_path_factory.getbasetemp() / "models")))
+    return resolve_model(
+        SimpleNamespace(name="tiny-qwen2", cache_dir=str(tmp_path_factory.getbasetemp() / "models"))
+    )
 
 
 @pytest.fixture
@@ -63,7 +65,10 @@ def test_logprobs_equal_plain_forward(engine, temperature, top_p):
         assert 1 <= len(r.response_ids) <= 12 and len(r.logprobs) == len(r.response_ids) == len(r.versions)
         assert r.finish_reason == ("stop" if r.response_ids[-1] == 258 else "length")
         ref = reference_logprobs(engine.model, q.prompt_ids, r.response_ids, temperature, top_p)
-        assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=1e-5), (r.logprobs, ref)
+        assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=1e-5), (
+            r.logprobs,
+            ref,
+        )
         if temperature == 1.0 and top_p == 1.0:  # then it is plain log_softmax of the logits
             with torch.no_grad():
                 logits = engine.model(torch.tensor([q.prompt_ids + r.response_ids])).logits[0]

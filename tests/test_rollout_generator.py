@@ -106,7 +106,10 @@ def test_streams_scored_groups(cfg, engine):
         for s in samples:
             assert s.prompt.startswith("<|im_start|>") and s.label.isdigit()
             assert 0.0 <= s.reward <= 1.0 and s.status in (Status.COMPLETED, Status.TRUNCATED)
-            assert s.response_len == len(s.array("rollout_logprobs")) and (s.array("rollout_logprobs") <= 0).all()
+            assert (
+                s.response_len == len(s.array("rollout_logprobs"))
+                and (s.array("rollout_logprobs") <= 0).all()
+            )
     assert gen.state_dict()["group_counter"] == 6
 
 
@@ -185,7 +188,9 @@ def test_engine_error_fails_group_and_retries(cfg, engine):
 def test_filter_drops_uniform_groups(cfg, engine):
     cfg1 = msgspec_replace(cfg, filter="nonzero_std")
     sink = FakeSink()
-    gen = Generator(cfg1, sink, engine, "flt", batch_groups=0, group_filter=lambda s: s[0].group_id != "flt-0")
+    gen = Generator(
+        cfg1, sink, engine, "flt", batch_groups=0, group_filter=lambda s: s[0].group_id != "flt-0"
+    )
     stats = asyncio.run(gen.run(max_groups=3))
     assert stats["groups_filtered"] == 1 and "flt-0" not in sink.groups and len(sink.groups) == 2
 

@@ -31,7 +31,7 @@ def _sharded(trainer, is_loading: bool):
     return {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def _same_process_results_queue() -> None:
+def _patch_writer() -> None:
     """megatron's torch_dist writer creates its result queue with a *spawn* multiprocessing Manager,
     which re-imports __main__ (breaking scripts without a main guard, and slow inside Ray actors).
     With synchronous saves the queue is only written and read in this process, so a plain queue works."""
@@ -41,13 +41,15 @@ def _same_process_results_queue() -> None:
 
     if fsa._results_queue is None:
         fsa._results_queue = queue.Queue()
+    if not fsa.HAVE_PSUTIL:  # its writer child raises without psutil and the parent then waits forever
+        fsa._process_memory = lambda: 0
 
 
 def save(trainer) -> str:
     """Collective. Returns the checkpoint folder."""
     from megatron.core import dist_checkpointing
 
-    _same_process_results_queue()
+    _patch_writer()
 
     name = f"step_{trainer.version:06d}"
     path = os.path.join(_root(trainer), name)

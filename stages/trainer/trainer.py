@@ -139,7 +139,7 @@ class Trainer:
             stats = {"stats unavailable": str(e)}
         return (
             f"trainer at version {self.version}: no {self.tc.batch_groups} complete groups from the buffer at "
-            f"{where} within trainer.fetch_timeout_s={self.tc.fetch_timeout_s:.0f}s. Check that the buffer is "
+            f"{where} within trainer.fetch_timeout_s={self.tc.fetch_timeout_s:g}s. Check that the buffer is "
             f"running at that address, that generators are connected and producing, and that "
             f"run.max_staleness={self.cfg.run.max_staleness} is not dropping everything. Buffer stats: {stats}"
         )
@@ -270,27 +270,17 @@ class Trainer:
         """Reduce statistics over micro-batches and ranks into one flat dict (same on every rank)."""
         from megatron.core import parallel_state as ps
 
+        # only the last stage computes the loss; its TP ranks hold identical copies, so count one
         contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        keys = sorted(stats) if contributes else None
-        holder = [keys]
-        if dist.get_world_size() > 1:  # the last stage's keys, known to every rank
-            dist.broadcast_object_list(
-                holder,
-                src=dist.get_world_size() - 1,
-                device=self.device if self.device.type == "cuda" else None,
-            )
         red = {}
-        for k in holder[0]:
-            op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[
-                k.split("/")[0]
-            ]
-            neutral = {"sum": 0.0, "min": math.inf, "max": -math.inf}[k.split("/")[0]]
-            v = torch.tensor(
-                float(stats[k]) if contributes else neutral, dtype=torch.float64, device=self.device
-            )
+        for op, neutral in (("sum", 0.0), ("min", math.inf), ("max", -math.inf)):
+            keys = [k for k in STAT_KEYS if k.startswith(op + "/")]
+            v = torch.tensor([float(stats.get(k, neutral)) if contributes else neutral for k in keys],
+                             dtype=torch.float64, device=self.device)
             if dist.get_world_size() > 1:
-                dist.all_reduce(v, op=op)
-            red[k] = v.item()
+                dist.all_reduce(v, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+                                       "max": dist.ReduceOp.MAX}[op])
+            red.update(zip(keys, v.tolist()))
         dp_div = max(1, self.dp)  # grad_norm / lr were summed over DP replicas of the last stage
         ntok = max(red.get("sum/tokens", 0.0), 1.0)
         stale = (self.version - 1) - _min_versions(tb)
@@ -374,6 +364,12 @@ class Trainer:
         finally:
             if save and self.last_checkpoint != self.version:
                 self.save_checkpoint()
+
+
+STAT_KEYS = (
+    "sum/tokens", "sum/tis_weight", "min/tis_weight", "max/tis_weight", "sum/tis_clipped", "sum/ppo_clipped",
+    "sum/abs_logp_diff", "sum/entropy", "sum/loss_num", "sum/loss_den", "sum/grad_norm", "sum/lr",
+)
 
 
 def _accumulate(acc: dict, st: dict) -> None:

@@ -45,7 +45,7 @@ class PushHandle:
         except cf.TimeoutError:
             raise WeightPushError(
                 f"weight push of version {self.version} to {self.what} not applied within "
-                f"{self.timeout_s:.0f}s (weights.timeout_s); check that the engines are alive and connected"
+                f"{self.timeout_s:.1f}s (weights.timeout_s); check that the engines are alive and connected"
             ) from None
         except WeightPushError:
             raise

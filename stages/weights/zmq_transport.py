@@ -79,7 +79,9 @@ class ZmqWeightSender(WeightSender):
     def push(self, version: int, named_tensors) -> PushHandle:
         fut: cf.Future = cf.Future()
         self._jobs.put((version, list(named_tensors), fut))
-        return PushHandle(version, fut, self.timeout_s, f"torch engines via {self.address}")
+        # the I/O thread enforces timeout_s itself and names the missing engines; the handle's own
+        # deadline is a little later so that more specific error is the one the trainer sees
+        return PushHandle(version, fut, self.timeout_s + 2.0, f"torch engines via {self.address}")
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,147 @@
+"""Trainer steps on CPU: versions, announcements, metrics, logp_old = the trainer's own logprobs,
+clear errors, kill + resume against a real buffer (no sample reused), and the replay CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.sample import samples_to_batch
+from stages.trainer.testing import ListSource, make_batch, make_samples, make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_hf(str(tmp_path_factory.mktemp("m") / "qwen2"), "qwen2")
+
+
+def _cfg(**trainer):
+    cfg = RunConfig()
+    cfg.trainer.batch_groups = 2
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    return cfg
+
+
+def test_steps_versions_and_metrics(model_path, tmp_path):
+    from stages.trainer.trainer import Trainer
+
+    src = ListSource([make_batch(2, 4, seed=i, version=0) for i in range(3)])
+    tr = Trainer(_cfg(micro_batch_tokens=64), src, model_path, str(tmp_path))
+    for want in (1, 2, 3):
+        m = tr.step()
+        assert m["version"] == tr.version == want
+        assert m["staleness/max"] == want - 1  # all tokens were produced at version 0
+    assert src.versions == [0, 1, 2, 3]
+    assert [f[1] for f in src.fetches] == [0, 1, 2]  # fetched with the current version
+    assert all(f[2] == 2 for f in src.fetches)  # and run.max_staleness
+    for k in ("loss", "grad_norm", "tis/weight_mean", "tis/weight_min", "tis/weight_max", "tis/clip_frac",
+              "ppo/clip_frac", "logp/abs_diff_train_rollout", "reward/mean", "reward/std", "tokens/trained",
+              "time/step_s", "time/data_wait_s"):
+        assert math.isfinite(m[k]), k
+    assert m["tis/weight_max"] <= 2.0  # C = 2 default
+
+
+def test_logp_old_is_the_trainers_own(model_path, tmp_path):
+    """With rollout logprobs taken from an HF forward of the same weights, TIS weights are 1."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer.trainer import Trainer
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    samples = make_samples(2, 3, seed=5)
+    for s in samples:
+        p, y = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p + y])).logits[0], -1)
+        s.rollout_logprobs = lp[len(p) - 1 : -1].gather(-1, torch.tensor(y)[:, None]).squeeze(-1).numpy().tobytes()
+    tr = Trainer(_cfg(micro_batch_tokens=32), ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
+    m = tr.step()
+    assert m["logp/abs_diff_train_rollout"] <= 1e-4
+    assert abs(m["tis/weight_mean"] - 1.0) <= 1e-4 and m["tis/clip_frac"] == 0.0
+
+
+def test_errors_are_clear(model_path, tmp_path):
+    from stages.trainer.trainer import Trainer
+
+    tr = Trainer(_cfg(fetch_timeout_s=0.1), ListSource([]), model_path, str(tmp_path))
+    with pytest.raises(TimeoutError, match=r"list-source \(tests\) within trainer.fetch_timeout_s=0.1s"):
+        tr.step()
+    with pytest.raises(ValueError, match="empty batch"):
+        tr.train_on_batch(make_batch(1, 2).slice(0, 0))
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        Trainer(_cfg(micro_batch_tokens=8), ListSource([]), model_path, str(tmp_path / "b")).train_on_batch(
+            make_batch(1, 2))
+
+
+def test_killed_trainer_resumes_at_next_version_without_reusing_samples(model_path, tmp_path):
+    from buffer.config import BufferConfig
+    from buffer.inproc import InProcBuffer
+    from stages.trainer.checkpoint import latest_path
+    from stages.trainer.trainer import Trainer
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.uids, self.address = inner, [], "inproc"
+
+        def fetch(self, *a):
+            b = self.inner.fetch(*a)
+            if b is not None:
+                self.uids += b.column("uid").to_pylist()
+            return b
+
+        def set_version(self, v):
+            self.inner.set_version(v)
+
+        def stats(self):
+            return self.inner.stats()
+
+    bcfg = BufferConfig(policy="fifo")
+    buf = InProcBuffer(cfg=bcfg, directory=tmp_path / "buf")
+    buf.put(make_samples(8, 2, seed=3))
+    cfg = _cfg(checkpoint_every=1)
+    cfg.run.max_staleness = 100
+    first = Recording(buf)
+    tr = Trainer(cfg, first, model_path, str(tmp_path / "run"))
+    tr.step(), tr.step()
+    saved = {n: p.detach().clone() for n, p in tr.policy.model.named_parameters()}
+    del tr  # "killed": no close(), the last checkpoint is the one written after step 2
+    assert latest_path(str(tmp_path / "run")).endswith("step_000002")
+    buf2 = InProcBuffer(cfg=bcfg, directory=tmp_path / "buf")  # the buffer restarts too, from its files
+    second = Recording(buf2)
+    tr2 = Trainer(cfg, second, model_path, str(tmp_path / "run"))
+    assert tr2.version == 2
+    for n, p in tr2.policy.model.named_parameters():
+        assert torch.equal(p, saved[n]), n
+    m = tr2.step()
+    assert m["version"] == 3
+    assert second.uids and not set(second.uids) & set(first.uids)
+
+
+def test_replay_cli(model_path, tmp_path):
+    import pyarrow as pa
+
+    d = tmp_path / "rec"
+    d.mkdir()
+    for i in range(2):  # stream format, as buffer/segments.py writes
+        b = make_batch(2, 2, seed=i)
+        with pa.OSFile(str(d / f"seg-{i:06d}.arrow"), "wb") as f, pa.ipc.new_stream(f, b.schema) as w:
+            w.write(b)
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run(
+        [sys.executable, "-m", "stages.trainer", "--replay", str(d), "--run-dir", str(run_dir),
+         "--model-path", model_path, "run.steps=5", "trainer.batch_groups=2"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in open(run_dir / "trainer_metrics.jsonl")]
+    assert [m["version"] for m in lines] == [1, 2]  # 4 groups / 2 per step, then the replay ends
+    assert (run_dir / "hf" / "final" / "model.safetensors").exists()

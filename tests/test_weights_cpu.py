@@ -1,0 +1,95 @@
+"""CPU weight transport: a push from the trainer lands in a real torch engine, whose sampling logprobs
+then match the trainer's (fp32, <= 1e-4); failures and timeouts raise in the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.sample import Sample, samples_to_batch
+from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
+from stages.weights.base import WeightPushError, buckets
+from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
+
+
+class FakeEngine:
+    def __init__(self, fail=False):
+        self.version, self.fail, self.got = 0, fail, None
+
+    def update_weights(self, named, version):
+        if self.fail:
+            raise RuntimeError("engine out of memory (simulated)")
+        self.got, self.version = dict(named), version
+
+
+def test_buckets_split_by_size():
+    t = [(str(i), torch.zeros(256)) for i in range(5)]  # 1 KiB each
+    sizes = [len(b) for b in buckets(t, 2048)]
+    assert sizes == [2, 2, 1]
+
+
+def test_sender_receiver_roundtrip_bf16_and_late_joiner():
+    sender = ZmqWeightSender(bucket_mb=1, timeout_s=10, min_engines=1)
+    e1 = FakeEngine()
+    r1 = WeightReceiver(sender.address, e1, name="e1")
+    named = [("a", torch.randn(300, 1000)), ("b", torch.randn(7).bfloat16()), ("c", torch.zeros(0))]
+    stats = sender.push(3, named).result()
+    assert stats["engines"] == 1 and e1.version == 3
+    for n, t in named:
+        assert e1.got[n].dtype == t.dtype and torch.equal(e1.got[n], t)
+    e2 = FakeEngine()  # joins after the push: gets the latest snapshot on hello
+    r2 = WeightReceiver(sender.address, e2, name="e2")
+    deadline = time.monotonic() + 10
+    while e2.version != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert e2.version == 3
+    r1.close(), r2.close(), sender.close()
+
+
+def test_push_failure_and_timeout_raise():
+    sender = ZmqWeightSender(timeout_s=5, min_engines=1)
+    r = WeightReceiver(sender.address, FakeEngine(fail=True), name="bad")
+    with pytest.raises(WeightPushError, match="out of memory"):
+        sender.push(1, [("a", torch.ones(3))]).result()
+    r.close(), sender.close()
+    lonely = ZmqWeightSender(timeout_s=0.5, min_engines=1)
+    with pytest.raises(WeightPushError, match="engines connected"):
+        lonely.push(1, [("a", torch.ones(3))]).result()
+    lonely.close()
+
+
+def test_trainer_push_lands_in_torch_engine(tmp_path):
+    from stages.rollout.engine import GenRequest, SamplingParams
+    from stages.rollout.torch_engine import TorchEngine
+    from stages.trainer.packing import pack, to_token_batch
+    from stages.trainer.trainer import Trainer
+
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
+    cfg = RunConfig()
+    cfg.trainer.batch_groups, cfg.trainer.lr = 2, 1e-2
+    cfg.weights.push_every = 1
+    trainer = Trainer(cfg, ListSource([make_batch(2, 4, seed=i) for i in range(2)]), path, str(tmp_path / "run"))
+    sender = ZmqWeightSender(timeout_s=30, min_engines=1)
+    engine = TorchEngine(path, seed=0)
+    receiver = WeightReceiver(sender.address, engine, name="torch")
+    trainer.attach_sender(sender)
+    try:
+        for _ in range(2):
+            m = trainer.step()
+        assert "push/snapshot_s" in m
+        trainer.wait_push()
+        assert engine.version == trainer.version == 2
+        req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
+        res = asyncio.run(engine.generate([req]))[0]
+        assert res.versions == [2] * len(res.response_ids)
+        s = Sample.build(uid="x", group_id="x", prompt_ids=req.prompt_ids, response_ids=res.response_ids,
+                         rollout_logprobs=res.logprobs, versions=res.versions)
+        tb = to_token_batch(samples_to_batch([s]))
+        mine = trainer._logprobs(trainer.policy.model, tb, pack(tb, [0], 4096))
+        assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
+    finally:
+        receiver.close(), sender.close(), engine.close()
