@@ -119,7 +119,9 @@ def main() -> None:
             c = BufferClient(srv.address)
             c.stats()
             t = time.perf_counter()
-            got = c.fetch(groups, 0, 0, timeout_s=30) if combine else c.fetch_table(groups, 0, 0, timeout_s=30)
+            got = (
+                c.fetch(groups, 0, 0, timeout_s=30) if combine else c.fetch_table(groups, 0, 0, timeout_s=30)
+            )
             out.append(time.perf_counter() - t)
             assert got.num_rows == groups * 4
             c.close()

@@ -1,7 +1,7 @@
 """Ingest throughput of the buffer over ZeroMQ, against what the transport and the disk can do.
 
 For responses of 512, 2k and 8k tokens, measured in the same run:
-  buffer/memory   BufferClient.submit (Samples -> Arrow on the client, window of unacked messages)
+  buffer/memory   BufferClient.submit (Samples -> Arrow on the client, the client's default window)
                   into `python -m buffer serve` without a directory; acked after indexing
   prebuilt_arrow  the same with Arrow batches built beforehand (a producer that builds Arrow itself)
   buffer/durable  the same into a durable buffer: acked after write + fsync of the segment
@@ -94,7 +94,7 @@ def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, dict]
     if durable_dir:
         args += ["--dir", durable_dir]
     p, addr = spawn(args)
-    c = BufferClient(addr, window=window, timeout_s=120)
+    c = BufferClient(addr, timeout_s=120, **({"window": window} if window else {}))
     c.stats()  # connected
     n = sum(len(m) if isinstance(m, list) else m.num_rows for m in msgs)
     t = time.perf_counter()
@@ -180,7 +180,10 @@ def one_size(tokens: int, args, tmp: str) -> dict:
         rates = [n / r[k] for r in rounds]
         out[f"{k}_samples_s"] = round(statistics.median(rates))
         out[f"{k}_GB_s"] = round(nbytes / n * statistics.median(rates) / 1e9, 3)
-        out[f"{k}_GB_s_spread"] = [round(nbytes / n * min(rates) / 1e9, 3), round(nbytes / n * max(rates) / 1e9, 3)]
+        out[f"{k}_GB_s_spread"] = [
+            round(nbytes / n * min(rates) / 1e9, 3),
+            round(nbytes / n * max(rates) / 1e9, 3),
+        ]
     for name, a, b in (
         ("memory_vs_raw_zmq", "memory", "raw_zmq"),
         ("prebuilt_arrow_vs_raw_zmq", "memory_prebuilt_arrow", "raw_zmq"),
@@ -214,7 +217,9 @@ def one_size(tokens: int, args, tmp: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller volumes (under a minute)")
-    ap.add_argument("--window", type=int, default=8, help="unacked ingest messages in flight")
+    ap.add_argument(
+        "--window", type=int, default=0, help="unacked ingest messages in flight (default: the client's)"
+    )
     ap.add_argument("--msg-mb", type=float, default=4.0, help="target size of one ingest message")
     ap.add_argument("--runs", type=int, default=0, help="rounds (default: 5, or 3 with --quick)")
     ap.add_argument("--tokens", default="512,2048,8192", help="response lengths to measure")

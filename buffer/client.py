@@ -1,7 +1,7 @@
 """`BufferClient`: the ZeroMQ client of the buffer, for generators (SampleSink) and trainers (BatchSource).
 
 One DEALER socket. Ingest is pipelined: `submit` sends a batch and returns at once while up to
-`window` messages are unacked; every unacked message is resent after `resend_s` (the server drops
+`window` messages and `window_mb` of payload are unacked; every unacked message is resent after `resend_s` (the server drops
 duplicates by uid and answers a resend with the original ack), so a restart of the buffer costs
 nothing but a resend. `put` = submit + wait for that ack. Each request carries a request id that the
 reply echoes, so a late reply to an abandoned request is never taken for the answer to a new one.
@@ -44,6 +44,7 @@ def _locked(method):
 class _InFlight:
     frames: list
     sent_at: float
+    nbytes: int = 0
     resends: int = 0
 
 
@@ -59,6 +60,9 @@ class BufferClient(SampleSink, BatchSource):
 
     producer: stable id of this producer (dedup of resends is by uid; this names it in logs/acks).
     window: unacked ingest messages allowed in flight before `submit` waits.
+    window_mb: unacked payload allowed in flight before `submit` waits (one message always goes).
+        Bytes in flight, not messages, are what keep a link with latency busy: at the default, 4 MB
+        messages keep 16 in flight, which hides the ack round trip (segment fsync included).
     resend_s: resend an unacked ingest after this long.
     timeout_s: default for how long any call waits before raising BufferUnavailable.
     max_batch_samples: `put` splits larger lists into messages of this many samples.
@@ -69,17 +73,22 @@ class BufferClient(SampleSink, BatchSource):
         address: str,
         *,
         producer: str | None = None,
-        window: int = 8,
+        window: int = 32,
+        window_mb: float = 64.0,
         resend_s: float = 2.0,
         timeout_s: float = 60.0,
         max_batch_samples: int = 1024,
         context: zmq.Context | None = None,
     ):
-        if window < 1:
-            raise ValueError(f"window={window}: no message could be sent; use window >= 1")
+        if window < 1 or window_mb <= 0:
+            raise ValueError(
+                f"window={window}, window_mb={window_mb}: no message could be sent; use window >= 1 and "
+                "window_mb > 0"
+            )
         self.address = address
         self.producer = producer or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.window, self.resend_s, self.timeout_s = window, resend_s, timeout_s
+        self.window_bytes = int(window_mb * 2**20)
         self.max_batch_samples = max_batch_samples
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -105,21 +114,27 @@ class BufferClient(SampleSink, BatchSource):
         batch = samples if isinstance(samples, pa.RecordBatch) else samples_to_batch(samples)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        while len(self._inflight) >= self.window:
-            self._pump(
-                deadline, f"a free slot in the window of {self.window} unacked messages", waited=timeout_s
-            )
-        seq = next(self._seq)
         # The batch's buffers go out as frames straight from its memory (no serialization copy); they
         # stay referenced by _inflight until acked, for resends.
         layout, payload = batches_to_frames([batch])
+        nbytes = sum(len(f) for f in payload)
+        while self._inflight and (
+            len(self._inflight) >= self.window
+            or sum(f.nbytes for f in self._inflight.values()) + nbytes > self.window_bytes
+        ):
+            self._pump(
+                deadline,
+                f"a free slot in the window of {self.window} unacked messages / {self.window_bytes >> 20} MB",
+                waited=timeout_s,
+            )
+        seq = next(self._seq)
         head = wire.encode(
             wire.IngestBatch(
                 req=seq, producer=self.producer, seq=seq, num_samples=batch.num_rows, layout=layout
             )
         )
         frames = [head, *payload]
-        self._inflight[seq] = _InFlight(frames, time.monotonic())
+        self._inflight[seq] = _InFlight(frames, time.monotonic(), nbytes)
         self._send(frames)
         return seq
 

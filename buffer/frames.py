@@ -64,14 +64,15 @@ def _array_buffers(arr: pa.Array, kind: str) -> list:
     if arr.null_count and arr.offset % 8:
         arr = pa.concat_arrays([arr])  # a bitmap not starting on a byte: materialize (invalid anyway)
     if len(arr) == 0:  # an empty array may have no buffers at all
-        empty = pa.py_buffer(b"")
-        zero = pa.py_buffer(np.zeros(1, "<i4"))
-        return {"fixed": [None, empty], "string": [None, zero, empty], "list": [None, zero, None, empty]}[kind]
+        empty, zero = pa.py_buffer(b""), pa.py_buffer(np.zeros(1, "<i4"))
+        return [None, empty] if kind == "fixed" else [None, zero, *([None] if kind == "list" else []), empty]
     if kind == "fixed":
         return _fixed(arr)
     offs = np.frombuffer(arr.buffers()[1], dtype="<i4", count=len(arr) + 1, offset=arr.offset * 4)
     lo, hi = int(offs[0]), int(offs[-1])
-    offsets = arr.buffers()[1].slice(arr.offset * 4, (len(arr) + 1) * 4) if lo == 0 else pa.py_buffer(offs - lo)
+    offsets = (
+        arr.buffers()[1].slice(arr.offset * 4, (len(arr) + 1) * 4) if lo == 0 else pa.py_buffer(offs - lo)
+    )
     if kind == "string":
         return [_validity(arr), offsets, arr.buffers()[2].slice(lo, hi - lo)]
     return [_validity(arr), offsets, *_array_buffers(arr.values.slice(lo, hi - lo), "fixed")]

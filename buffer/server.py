@@ -222,7 +222,9 @@ class BufferServer:
             self._send(sock, env, [ack])
         err = self.buffer.write_error
         if err is not None and self._unacked:
-            log.error("segment write failed, %d ingests are answered with an error: %s", len(self._unacked), err)
+            log.error(
+                "segment write failed, %d ingests are answered with an error: %s", len(self._unacked), err
+            )
             while self._unacked:
                 _, key, env, ack = self._unacked.popleft()
                 self._pending_keys.discard(key)

@@ -22,8 +22,10 @@ def test_grpo_advantages():
     adv = L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo")
     s = math.sqrt(2.0)
     close(adv, [1.0, -1.0, -1 / s, -1 / s, 2 / s])
-    close(L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std_norm=False),
-          [0.5, -0.5, -1.0, -1.0, 2.0])
+    close(
+        L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std_norm=False),
+        [0.5, -0.5, -1.0, -1.0, 2.0],
+    )
     close(L.advantages(T([3.0, 3.0]), T([0, 0]), "grpo"), [0.0, 0.0])  # equal rewards: no signal, no NaN
 
 
@@ -33,8 +35,10 @@ def test_reinforce_pp_advantages():
     close(L.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp"), [0, -1 / s, -1 / s, 2 / s])
     # group baseline first: [.5, -.5, -1.5, 1.5] -> mean 0, std sqrt(1.25)
     s = math.sqrt(1.25)
-    close(L.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp_baseline"),
-          [0.5 / s, -0.5 / s, -1.5 / s, 1.5 / s])
+    close(
+        L.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp_baseline"),
+        [0.5 / s, -0.5 / s, -1.5 / s, 1.5 / s],
+    )
 
 
 def test_ppo_surrogate_and_clip():
@@ -53,9 +57,13 @@ def test_token_tis_and_mis():
     w, out = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="tis", tis_cap=2.0))
     close(w[:3], [1.0, 0.25, 2.0])
     assert out.tolist() == [False, False, True, False]
-    w, _ = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="tis", tis_cap=2.0, tis_low=0.5))
+    w, _ = L.correction_weights(
+        old, roll, mask, seq, 2, LossConfig(correction="tis", tis_cap=2.0, tis_low=0.5)
+    )
     close(w[:3], [1.0, 0.5, 2.0])
-    w, out = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="mis", mis_low=0.5, mis_high=2.0))
+    w, out = L.correction_weights(
+        old, roll, mask, seq, 2, LossConfig(correction="mis", mis_low=0.5, mis_high=2.0)
+    )
     close(w[:3], [1.0, 0.0, 0.0])
     assert out.tolist() == [False, True, True, False]
     w, _ = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="decoupled", tis_cap=2.0))
@@ -68,7 +76,9 @@ def test_sequence_level_corrections():
     mask, seq = T([1.0, 1.0, 1.0]), T([0, 0, 1])
     w, _ = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="seq_tis", tis_cap=2.0))
     close(w, [2.0, 2.0, 0.5])  # seq 0 ratio 3 capped at 2
-    w, _ = L.correction_weights(old, roll, mask, seq, 2, LossConfig(correction="seq_mis", mis_low=0.4, mis_high=2.0))
+    w, _ = L.correction_weights(
+        old, roll, mask, seq, 2, LossConfig(correction="seq_mis", mis_low=0.4, mis_high=2.0)
+    )
     close(w, [0.0, 0.0, 0.5])
 
 
@@ -108,7 +118,9 @@ def test_policy_loss_tis_gradient_and_stats():
 def test_gspo_sequence_ratio():
     logp = T([math.log(2.0), 0.0, 0.0]).requires_grad_()
     old = T([0.0, 0.0, 0.0])
-    loss, clipped = L.gspo_surrogate(logp, old, T([1.0, 1.0, 1.0]), T([1.0, 1.0, 1.0]), T([0, 0, 1]), 2, 0.5, 0.5)
+    loss, clipped = L.gspo_surrogate(
+        logp, old, T([1.0, 1.0, 1.0]), T([1.0, 1.0, 1.0]), T([0, 0, 1]), 2, 0.5, 0.5
+    )
     s = math.sqrt(2.0)  # geometric mean of the token ratios (2, 1)
     close(loss, [-s, -s, -1.0])
     assert not clipped.any()

@@ -25,9 +25,20 @@ def _run(model_path: str, out: str, nproc: int, *args: str) -> tuple[list[dict],
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", "-m", "stages.trainer.parallel_check",
-           "--model-path", model_path, "--out", out, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={_free_port()}",
+        "-m",
+        "stages.trainer.parallel_check",
+        "--model-path",
+        model_path,
+        "--out",
+        out,
+        *args,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     from safetensors.torch import load_file

@@ -42,9 +42,21 @@ def test_steps_versions_and_metrics(model_path, tmp_path):
     assert src.versions == [0, 1, 2, 3]
     assert [f[1] for f in src.fetches] == [0, 1, 2]  # fetched with the current version
     assert all(f[2] == 2 for f in src.fetches)  # and run.max_staleness
-    for k in ("loss", "grad_norm", "tis/weight_mean", "tis/weight_min", "tis/weight_max", "tis/clip_frac",
-              "ppo/clip_frac", "logp/abs_diff_train_rollout", "reward/mean", "reward/std", "tokens/trained",
-              "time/step_s", "time/data_wait_s"):
+    for k in (
+        "loss",
+        "grad_norm",
+        "tis/weight_mean",
+        "tis/weight_min",
+        "tis/weight_max",
+        "tis/clip_frac",
+        "ppo/clip_frac",
+        "logp/abs_diff_train_rollout",
+        "reward/mean",
+        "reward/std",
+        "tokens/trained",
+        "time/step_s",
+        "time/data_wait_s",
+    ):
         assert math.isfinite(m[k]), k
     assert m["tis/weight_max"] <= 2.0  # C = 2 default
 
@@ -61,8 +73,12 @@ def test_logp_old_is_the_trainers_own(model_path, tmp_path):
         p, y = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([p + y])).logits[0], -1)
-        s.rollout_logprobs = lp[len(p) - 1 : -1].gather(-1, torch.tensor(y)[:, None]).squeeze(-1).numpy().tobytes()
-    tr = Trainer(_cfg(micro_batch_tokens=32), ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
+        s.rollout_logprobs = (
+            lp[len(p) - 1 : -1].gather(-1, torch.tensor(y)[:, None]).squeeze(-1).numpy().tobytes()
+        )
+    tr = Trainer(
+        _cfg(micro_batch_tokens=32), ListSource([samples_to_batch(samples)]), model_path, str(tmp_path)
+    )
     m = tr.step()
     assert m["logp/abs_diff_train_rollout"] <= 1e-4
     assert abs(m["tis/weight_mean"] - 1.0) <= 1e-4 and m["tis/clip_frac"] == 0.0
@@ -78,7 +94,8 @@ def test_errors_are_clear(model_path, tmp_path):
         tr.train_on_batch(make_batch(1, 2).slice(0, 0))
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         Trainer(_cfg(micro_batch_tokens=8), ListSource([]), model_path, str(tmp_path / "b")).train_on_batch(
-            make_batch(1, 2))
+            make_batch(1, 2)
+        )
 
 
 def test_killed_trainer_resumes_at_next_version_without_reusing_samples(model_path, tmp_path):
@@ -137,9 +154,23 @@ def test_replay_cli(model_path, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     r = subprocess.run(
-        [sys.executable, "-m", "stages.trainer", "--replay", str(d), "--run-dir", str(run_dir),
-         "--model-path", model_path, "run.steps=5", "trainer.batch_groups=2"],
-        capture_output=True, text=True, timeout=240, env=env,
+        [
+            sys.executable,
+            "-m",
+            "stages.trainer",
+            "--replay",
+            str(d),
+            "--run-dir",
+            str(run_dir),
+            "--model-path",
+            model_path,
+            "run.steps=5",
+            "trainer.batch_groups=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in open(run_dir / "trainer_metrics.jsonl")]

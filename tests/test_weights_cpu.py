@@ -72,7 +72,9 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.lr = 2, 1e-2
     cfg.weights.push_every = 1
-    trainer = Trainer(cfg, ListSource([make_batch(2, 4, seed=i) for i in range(2)]), path, str(tmp_path / "run"))
+    trainer = Trainer(
+        cfg, ListSource([make_batch(2, 4, seed=i) for i in range(2)]), path, str(tmp_path / "run")
+    )
     sender = ZmqWeightSender(timeout_s=30, min_engines=1)
     engine = TorchEngine(path, seed=0)
     receiver = WeightReceiver(sender.address, engine, name="torch")
@@ -86,8 +88,14 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
         req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
         res = asyncio.run(engine.generate([req]))[0]
         assert res.versions == [2] * len(res.response_ids)
-        s = Sample.build(uid="x", group_id="x", prompt_ids=req.prompt_ids, response_ids=res.response_ids,
-                         rollout_logprobs=res.logprobs, versions=res.versions)
+        s = Sample.build(
+            uid="x",
+            group_id="x",
+            prompt_ids=req.prompt_ids,
+            response_ids=res.response_ids,
+            rollout_logprobs=res.logprobs,
+            versions=res.versions,
+        )
         tb = to_token_batch(samples_to_batch([s]))
         mine = trainer._logprobs(trainer.policy.model, tb, pack(tb, [0], 4096))
         assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4

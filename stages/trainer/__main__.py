@@ -24,7 +24,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--replay", help="recorded buffer directory (Arrow IPC *.arrow segments)")
     ap.add_argument("--run-dir", default="", help="run directory (checkpoints, metrics); default from run.*")
     ap.add_argument("--model-path", default="", help="HF folder; default: resolve model.name")
-    ap.add_argument("--weights-bind", default="", help="push weights over the CPU transport from this address")
+    ap.add_argument(
+        "--weights-bind", default="", help="push weights over the CPU transport from this address"
+    )
     return ap.parse_args(argv)
 
 
@@ -38,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run_dir = args.run_dir or cfg.run.dir or os.path.join(cfg.run.root, f"{cfg.run.name}-trainer-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = (
+        args.run_dir
+        or cfg.run.dir
+        or os.path.join(cfg.run.root, f"{cfg.run.name}-trainer-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         write_resolved(cfg, run_dir)
@@ -66,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         from stages.weights.zmq_transport import ZmqWeightSender
 
         w = cfg.weights
-        trainer.attach_sender(ZmqWeightSender(args.weights_bind, bucket_mb=w.bucket_mb, timeout_s=w.timeout_s))
+        trainer.attach_sender(
+            ZmqWeightSender(args.weights_bind, bucket_mb=w.bucket_mb, timeout_s=w.timeout_s)
+        )
     last = run(trainer, cfg.run.steps)
     trainer.save_hf(os.path.join(run_dir, "hf", "final"))  # collective; rank 0 writes
     if rank == 0:
-        print(f"trainer finished at version {trainer.version}; run dir {run_dir}; last loss {last.get('loss')}")
+        print(
+            f"trainer finished at version {trainer.version}; run dir {run_dir}; last loss {last.get('loss')}"
+        )
     return 0
 
 

@@ -28,7 +28,10 @@ def _root(trainer) -> str:
 
 def _sharded(trainer, is_loading: bool):
     model_sd = trainer.policy.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
-    return {"model": model_sd, "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {
+        "model": model_sd,
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+    }
 
 
 def _patch_writer() -> None:
@@ -89,7 +92,9 @@ def latest_path(run_dir: str) -> str | None:
     with open(marker) as f:
         path = os.path.join(run_dir, "checkpoints", f.read().strip())
     if not os.path.exists(os.path.join(path, "trainer_state.json")):
-        raise FileNotFoundError(f"{marker} names {path}, which is incomplete; delete the marker to start fresh")
+        raise FileNotFoundError(
+            f"{marker} names {path}, which is incomplete; delete the marker to start fresh"
+        )
     return path
 
 

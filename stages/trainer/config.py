@@ -35,6 +35,7 @@ class TrainerConfig(_Base):
 
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_tokens: int = 4096  # token budget per packed micro-batch
+    optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-3
     min_lr: float = 0.0
     warmup_steps: int = 0

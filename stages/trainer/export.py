@@ -54,8 +54,13 @@ def _local_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def export_hf_state(policy: Policy, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-    """Full HF state dict on global rank 0 (CPU tensors, cloned); None on other ranks."""
+def export_hf_state(
+    policy: Policy, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> dict[str, torch.Tensor] | None:
+    """Full HF state dict on global rank 0 (fresh copies on `device`); None on other ranks.
+
+    The copies are what makes a background push safe: training may update the parameters right after.
+    """
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_rank() != 0:
@@ -66,7 +71,7 @@ def export_hf_state(policy: Policy, dtype: torch.dtype | None = None) -> dict[st
     rank = dist.get_rank()
 
     def fix(t):
-        t = t.to("cpu", dtype or t.dtype, copy=True)
+        t = t.to(device, dtype or t.dtype, copy=True)
         return t.contiguous()
 
     if pp == 1 or not leader:

@@ -183,17 +183,18 @@ def build_policy(
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     else:
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=spec,
-        vocab_size=hc.vocab_size,
-        max_sequence_length=hc.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=hc.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(hf_mapping.rope_theta(hc)),
-    )
+    with cpu_shim.device_mode():  # tied embeddings under PP move the shared weight with .cuda()
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=hc.vocab_size,
+            max_sequence_length=hc.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=hc.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(hf_mapping.rope_theta(hc)),
+        )
     load_hf_weights(model, model_path, hc, te)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -231,7 +232,10 @@ def load_hf_weights(model, model_path: str, hc, te: bool) -> None:
 
 # -- logprobs ------------------------------------------------------------------------------------------
 def logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Vocab-parallel logits [b, s, V/tp] -> (log p(target) [b, s], entropy [b, s] or None).

@@ -80,7 +80,7 @@ class Trainer:
             )
             unwrap(self.ref.model).eval().requires_grad_(False)
         opt_cfg = OptimizerConfig(
-            optimizer="adam",
+            optimizer=self.tc.optimizer,
             lr=self.tc.lr,
             min_lr=self.tc.min_lr,
             weight_decay=self.tc.weight_decay,
@@ -89,7 +89,7 @@ class Trainer:
             clip_grad=self.tc.grad_clip,
             bf16=bf16,
             params_dtype=torch.float32,
-            use_distributed_optimizer=self.dp > 1,
+            use_distributed_optimizer=self.dp > 1 and self.tc.optimizer == "adam",  # megatron: Adam only
         )
         with cpu_shim.device_mode():
             self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
@@ -211,8 +211,9 @@ class Trainer:
             )
 
     def _mb_logprobs(self, mb: MicroBatch, logits, entropy=False, entropy_grad=False):
-        logp, ent = logprobs_and_entropy(logits, mb.targets.to(logits.device), self.temperature, entropy=entropy,
-                                         entropy_grad=entropy_grad)
+        logp, ent = logprobs_and_entropy(
+            logits, mb.targets.to(logits.device), self.temperature, entropy=entropy, entropy_grad=entropy_grad
+        )
         pick = mb.resp_pos.to(logits.device)
         return logp.reshape(-1)[pick], (ent.reshape(-1)[pick] if ent is not None else None)
 
@@ -275,11 +276,15 @@ class Trainer:
         red = {}
         for op, neutral in (("sum", 0.0), ("min", math.inf), ("max", -math.inf)):
             keys = [k for k in STAT_KEYS if k.startswith(op + "/")]
-            v = torch.tensor([float(stats.get(k, neutral)) if contributes else neutral for k in keys],
-                             dtype=torch.float64, device=self.device)
+            v = torch.tensor(
+                [float(stats.get(k, neutral)) if contributes else neutral for k in keys],
+                dtype=torch.float64,
+                device=self.device,
+            )
             if dist.get_world_size() > 1:
-                dist.all_reduce(v, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-                                       "max": dist.ReduceOp.MAX}[op])
+                dist.all_reduce(
+                    v, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+                )
             red.update(zip(keys, v.tolist()))
         dp_div = max(1, self.dp)  # grad_norm / lr were summed over DP replicas of the last stage
         ntok = max(red.get("sum/tokens", 0.0), 1.0)
@@ -311,14 +316,23 @@ class Trainer:
     def after_step(self, metrics: dict) -> None:
         if self.rank == 0:
             self.source.set_version(self.version)
+        if self.rank == 0 and self.pending_push is not None and self.pending_push.done():
+            self.pending_push.result()  # a failed push surfaces at the next step, not only at the next push
         wc = self.cfg.weights
-        if self.sender is not None and wc.push_every and self.version % wc.push_every == 0:
+        if wc.push_every and self.version % wc.push_every == 0 and self._has_sender():
             metrics.update(self.push_weights())
         ce = self.tc.checkpoint_every
         if ce and self.version % ce == 0:
             self.save_checkpoint()
         if self.tc.save_hf_every and self.version % self.tc.save_hf_every == 0:
             self.save_hf()
+
+    def _has_sender(self) -> bool:
+        """Only rank 0 holds the sender, but the snapshot is collective: every rank must agree."""
+        flag = torch.tensor([float(self.sender is not None)], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def push_weights(self) -> dict:
         """Check the previous push, snapshot (collective), start the next push in the background."""
@@ -331,7 +345,8 @@ class Trainer:
             out["push/prev_seconds"] = res.get("seconds", 0.0)
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        state = export_hf_state(self.policy)  # collective; full tensors on rank 0 only
+        device = getattr(self.sender, "snapshot_device", "cpu")  # GPU transports snapshot on the GPU
+        state = export_hf_state(self.policy, device=device)  # collective; full tensors on rank 0 only
         if self.rank == 0 and self.sender is not None:
             self.pending_push = self.sender.push(self.version, list(state.items()))
         out["push/snapshot_s"] = time.perf_counter() - t1
@@ -367,8 +382,18 @@ class Trainer:
 
 
 STAT_KEYS = (
-    "sum/tokens", "sum/tis_weight", "min/tis_weight", "max/tis_weight", "sum/tis_clipped", "sum/ppo_clipped",
-    "sum/abs_logp_diff", "sum/entropy", "sum/loss_num", "sum/loss_den", "sum/grad_norm", "sum/lr",
+    "sum/tokens",
+    "sum/tis_weight",
+    "min/tis_weight",
+    "max/tis_weight",
+    "sum/tis_clipped",
+    "sum/ppo_clipped",
+    "sum/abs_logp_diff",
+    "sum/entropy",
+    "sum/loss_num",
+    "sum/loss_den",
+    "sum/grad_norm",
+    "sum/lr",
 )
 
 

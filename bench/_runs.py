@@ -1,0 +1,32 @@
+"""Shared helpers for the pipeline benchmarks: run a config in-process and read its metrics."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.launcher import run_pipeline  # noqa: E402
+
+
+def run(overrides: list[str], config: str | None = None) -> tuple[list[dict], float]:
+    """Run one pipeline; returns (per-step metrics rows, launch time as unix seconds)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="slipstream-bench-"))
+    cfg = load_config(config, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])
+    t0 = time.time()
+    res = run_pipeline(cfg)
+    if res.status != "completed":
+        raise SystemExit(f"benchmark run failed: {res.error}")
+    return [h for h in res.history if "reward/mean" in h], t0
+
+
+def moving_average(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out

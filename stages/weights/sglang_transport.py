@@ -1,0 +1,199 @@
+"""GPU weight transports into SGLang HTTP servers (`python -m sglang.launch_server`), SGLang 0.5.17.
+
+Both follow the same push sequence per server, on a background thread:
+  POST /pause_generation {mode}            in_place keeps running requests (then flush_cache=false)
+  per bucket: the transport-specific update (below)
+  POST /update_weight_version {new_version} so outputs report the trainer's version
+  POST /continue_generation
+and raise WeightPushError naming the server and the step on any failure or timeout.
+
+NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
+0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
+via POST /init_weights_update_group, while the trainer joins with SGLang's own
+`init_custom_process_group` (the two must rendezvous at the same time, hence the threads). Each bucket
+is POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts each tensor.
+NCCL cannot put two ranks on one GPU: this needs the engines on other GPUs (see notes/sglang-on-gpu.md).
+
+CudaIpcSGLangSender (colocated on one GPU): each bucket is serialized with SGLang's
+MultiprocessingSerializer (CUDA IPC handles, no copy) and sent as POST /update_weights_from_tensor.
+The GPU tensors must stay alive until the server answered, which the push thread guarantees.
+
+Neither can run on a CPU-only machine; they are exercised by the GPU session (tests marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+
+import torch
+
+from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
+
+log = logging.getLogger(__name__)
+
+
+class _SGLangSender(WeightSender):
+    snapshot_device = "cuda"  # the trainer snapshots straight into GPU memory for these transports
+
+    def __init__(
+        self, urls: list[str], *, bucket_mb: int = 512, timeout_s: float = 120.0, pause_mode: str = "in_place"
+    ):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{type(self).__name__} needs CUDA; on CPU use weights.transport=cpu")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.bucket_bytes = bucket_mb << 20
+        self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-push")
+
+    def _post(self, url: str, route: str, body: dict, timeout: float) -> dict:
+        import requests
+
+        try:
+            r = requests.post(url + route, json=body, timeout=timeout)
+        except requests.RequestException as e:
+            raise WeightPushError(f"SGLang server {url}{route} unreachable: {e}") from e
+        if r.status_code != 200:
+            raise WeightPushError(f"SGLang server {url}{route} answered {r.status_code}: {r.text[:300]}")
+        out = r.json() if r.content else {}
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightPushError(f"SGLang server {url}{route} failed: {out.get('message')}")
+        return out
+
+    def push(self, version: int, named_tensors) -> PushHandle:
+        named = list(named_tensors)
+        fut = self._pool.submit(self._push, version, named)
+        return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
+
+    def _push(self, version: int, named) -> dict:
+        t0 = time.monotonic()
+        for url in self.urls:
+            self._post(url, "/pause_generation", {"mode": self.pause_mode}, self.timeout_s)
+        try:
+            for group in buckets(named, self.bucket_bytes):
+                self._send_bucket(group, version)
+            for url in self.urls:
+                self._post(
+                    url,
+                    "/update_weight_version",
+                    {"new_version": str(version), "abort_all_requests": False},
+                    self.timeout_s,
+                )
+        finally:
+            for url in self.urls:
+                self._post(url, "/continue_generation", {}, self.timeout_s)
+        return {"version": version, "engines": len(self.urls), "seconds": time.monotonic() - t0}
+
+    @property
+    def flush_cache(self) -> bool:
+        return self.pause_mode != "in_place"  # flushing with requests kept in place asserts in SGLang
+
+    def _send_bucket(self, group, version: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class NcclSGLangSender(_SGLangSender):
+    def __init__(
+        self,
+        urls,
+        *,
+        engine_tp_sizes: list[int] | None = None,
+        master_address: str = "127.0.0.1",
+        group_name: str = "slipstream-weights",
+        **kw,
+    ):
+        super().__init__(urls, **kw)
+        self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
+        self.master_address = master_address
+        self.group_name = group_name
+        self._group = None
+
+    def _join(self) -> None:
+        """Form the trainer<->engines NCCL group once (every server and rank 0 rendezvous together)."""
+        from sglang.srt.utils import init_custom_process_group
+
+        from stages.trainer.model import free_port
+
+        port = free_port()
+        world = 1 + sum(self.tp_sizes)
+        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
+        with cf.ThreadPoolExecutor(len(self.urls)) as pool:
+            joins = [
+                pool.submit(
+                    self._post,
+                    url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self.master_address,
+                        "master_port": port,
+                        "rank_offset": off,
+                        "world_size": world,
+                        "group_name": self.group_name,
+                        "backend": "nccl",
+                    },
+                    self.timeout_s,
+                )
+                for url, off in zip(self.urls, offsets)
+            ]
+            self._group = init_custom_process_group(
+                backend="nccl",
+                init_method=f"tcp://{self.master_address}:{port}",
+                world_size=world,
+                rank=0,
+                group_name=self.group_name,
+            )
+            for j in joins:
+                j.result(timeout=self.timeout_s)
+        log.info("weights: NCCL group %s formed with %d engine ranks", self.group_name, world - 1)
+
+    def _send_bucket(self, group, version: int) -> None:
+        if self._group is None:
+            self._join()
+        body = {
+            "names": [n for n, _ in group],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
+            "shapes": [list(t.shape) for _, t in group],
+            "group_name": self.group_name,
+            "flush_cache": self.flush_cache,
+            "weight_version": str(version),
+        }
+        with cf.ThreadPoolExecutor(len(self.urls)) as pool:  # servers wait in recv while we broadcast
+            calls = [
+                pool.submit(self._post, url, "/update_weights_from_distributed", body, self.timeout_s)
+                for url in self.urls
+            ]
+            for _, t in group:
+                torch.distributed.broadcast(t.cuda().contiguous(), src=0, group=self._group)
+            torch.cuda.synchronize()
+            for c in calls:
+                c.result(timeout=self.timeout_s)
+
+
+class CudaIpcSGLangSender(_SGLangSender):
+    def __init__(self, urls, *, engine_tp_sizes: list[int] | None = None, **kw):
+        super().__init__(urls, **kw)
+        self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
+
+    def _send_bucket(self, group, version: int) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        tensors = [(n, t.cuda().contiguous()) for n, t in group]  # kept alive until every server answered
+        torch.cuda.synchronize()
+        payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
+        for url, tp in zip(self.urls, self.tp_sizes):
+            self._post(
+                url,
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [payload] * tp,
+                    "flush_cache": self.flush_cache,
+                    "weight_version": str(version),
+                },
+                self.timeout_s,
+            )
+        del tensors
