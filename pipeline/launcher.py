@@ -114,15 +114,25 @@ class Pipeline:
 
         self.buffer = BufferActor.options(**on(0)).remote(cfg, str(self.run_dir / "buffer"))
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
-        n_engines = n_gen + int(use_eval)
-        self.trainer = TrainerActor.options(**on(0)).remote(cfg, buffer_addr, model_path, str(self.run_dir),
-                                                            n_engines)
-        weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
         share = max(1, cfg.trainer.batch_groups // n_gen)
-        self.generators = [
-            GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
-            for i in range(n_gen)
-        ]
+
+        def generators(weights_addr):
+            return [GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
+                    for i in range(n_gen)]
+
+        def trainer(urls):
+            return TrainerActor.options(**on(0)).remote(cfg, buffer_addr, model_path, str(self.run_dir),
+                                                        n_gen + int(use_eval), urls)
+
+        if r.engine == "sglang":  # servers first: the trainer's transport needs their addresses
+            self.generators = generators(None)
+            urls = [u for g in self.generators for u in self._wait(g.engine_urls.remote(), "SGLang engines")]
+            self.trainer = trainer(urls)
+            weights_addr = None
+        else:  # the trainer binds the weight transport first; torch engines connect to it
+            self.trainer = trainer(None)
+            weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
+            self.generators = generators(weights_addr)
         if use_eval:
             self.evaluator = EvalActor.options(**on(1 + n_gen)).remote(cfg, weights_addr)
         for i, g in enumerate(self.generators):

@@ -27,9 +27,11 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
             seed=cfg.run.seed if seed is None else seed,
             version=version,
         )
-    raise NotImplementedError(
-        f"rollout.engine={r.engine!r} has no engine in this build yet; use rollout.engine=torch"
-    )
+    if r.engine == "sglang":
+        from stages.rollout.sglang_engine import EnginePool
+
+        return EnginePool.launch(path, r.sglang, r.engines_per_generator, dtype=cfg.model.dtype, version=version)
+    raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 
 
 def load_source(cfg, tokenizer=None):

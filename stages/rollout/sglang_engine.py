@@ -42,6 +42,9 @@ from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 log = logging.getLogger(__name__)
 
 
+VERSION_POLL_S = 0.25
+
+
 class EngineError(RuntimeError):
     """The SGLang server failed, refused a request or did not start; the message says which and why."""
 
@@ -129,6 +132,7 @@ class SGLangEngine(Engine):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
+        self._version_polled = 0.0
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
         self._base = (self.model_path, version)
         self._disk: tuple[str, int] | None = None
@@ -293,7 +297,28 @@ class SGLangEngine(Engine):
     # -- generation ------------------------------------------------------------------------------
     @property
     def version(self) -> int:
+        """The server's weight version. A transport in another process (the trainer's NCCL / CUDA IPC
+        sender) updates the server directly, so follow the server's own `weight_version` (asked at most
+        every VERSION_POLL_S; generators read this in their admission loop)."""
+        now = time.monotonic()
+        if self._proc is not None and now - self._version_polled > VERSION_POLL_S:
+            self._version_polled = now
+            v = self._server_version()
+            if v is not None and v > self._version:
+                self._version = v
         return self._version
+
+    def _get_json(self, path: str, timeout: float) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def _server_version(self) -> int | None:
+        info = self._get_json("/model_info", self.cfg.health_timeout_s)
+        stamp = (info or {}).get("weight_version")
+        return _as_version(stamp, -1) if stamp is not None else None
 
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         import aiohttp
@@ -591,6 +616,14 @@ class EnginePool(Engine):
     @property
     def version(self) -> int:
         return min(e.version for e in self.engines)
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return [e.cfg.tp_size for e in self.engines]
 
     def _each(self, fn) -> list:
         """Run fn(engine_index, engine) on every engine at once (collectives need all ranks together)."""

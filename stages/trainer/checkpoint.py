@@ -30,7 +30,11 @@ def _sharded(trainer, is_loading: bool):
     model_sd = trainer.policy.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
     return {
         "model": model_sd,
-        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
+        # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
+        "optimizer": trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        ),
     }
 
 
@@ -106,6 +110,11 @@ def load_latest(trainer) -> dict | None:
     if path is None:
         return None
     with cpu_shim.device_mode():
+        # the distributed optimizer can only describe (and load into) states that exist: create them
+        # with one zero-gradient step first, as megatron itself does on some load paths
+        for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                opt._init_optimizer_states_with_dummy_values()
         loaded = dist_checkpointing.load(_sharded(trainer, True), path)
         trainer.policy.model.module.load_state_dict(loaded["model"])
         trainer.optimizer.load_state_dict(loaded["optimizer"])

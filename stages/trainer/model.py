@@ -163,6 +163,7 @@ def build_policy(
     layer_spec: str = "auto",
     recompute: bool = False,
     ddp: bool = True,
+    distributed_optimizer: bool = False,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first."""
     from megatron.core import parallel_state as ps
@@ -201,7 +202,11 @@ def build_policy(
     if bf16:
         model = Float16Module(cfg, model)
     if ddp:
-        model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        # the distributed optimizer needs DDP's contiguous param buffers (it shards them over DP)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+        )
+        model = DistributedDataParallel(cfg, ddp_cfg, model)
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
     return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path)

@@ -16,6 +16,9 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=48)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--push", action="store_true", help="attach a CPU weight sender (no engines) on rank 0")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
     a = ap.parse_args()
 
     import torch
@@ -32,11 +35,18 @@ def main() -> None:
     cfg.trainer.micro_batch_tokens, cfg.trainer.lr = a.micro_batch_tokens, 0.5
     # SGD: Adam's g / sqrt(v) turns float-rounding differences of near-zero gradients into visible
     # weight differences, which would hide real layout bugs behind a loose tolerance
-    cfg.trainer.optimizer = "sgd"
+    cfg.trainer.optimizer = a.optimizer
+    cfg.trainer.checkpoint_every = a.checkpoint_every
     cfg.trainer.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
-    src = ListSource([make_batch(2, 4, seed=i) for i in range(a.steps)])
+    tr_offset = 100 if os.path.exists(a.out + "/run/checkpoints/latest") else 0  # resumed: new data
+    src = ListSource([make_batch(2, 4, seed=i + tr_offset) for i in range(a.steps)])
     tr = Trainer(cfg, src if int(os.environ.get("RANK", 0)) == 0 else None, a.model_path, a.out + "/run")
+    if a.push and tr.rank == 0:
+        from stages.weights.zmq_transport import ZmqWeightSender
+
+        tr.attach_sender(ZmqWeightSender(timeout_s=30))
     losses = [tr.step() for _ in range(a.steps)]
+    tr.close()
     state = export_hf_state(tr.policy)
     if state is not None:
         os.makedirs(a.out, exist_ok=True)

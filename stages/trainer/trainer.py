@@ -65,6 +65,7 @@ class Trainer:
             else torch.device("cpu")
         )
         bf16 = self.tc.precision == "bf16"
+        self.dist_opt = self.dp > 1 and self.tc.optimizer == "adam"  # megatron shards only Adam state
         self.policy = build_policy(
             model_path,
             tp=self.tc.tp,
@@ -72,6 +73,7 @@ class Trainer:
             bf16=bf16,
             layer_spec=self.tc.layer_spec,
             recompute=self.tc.recompute,
+            distributed_optimizer=self.dist_opt,
         )
         self.ref = None
         if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
@@ -89,7 +91,7 @@ class Trainer:
             clip_grad=self.tc.grad_clip,
             bf16=bf16,
             params_dtype=torch.float32,
-            use_distributed_optimizer=self.dp > 1 and self.tc.optimizer == "adam",  # megatron: Adam only
+            use_distributed_optimizer=self.dist_opt,
         )
         with cpu_shim.device_mode():
             self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
