@@ -32,15 +32,23 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.3, help="mean extra seconds per group (long tail)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    common = [f"run.steps={args.steps}", f"rollout.delay_model=longtail:{args.delay}",
-              "rollout.max_inflight_groups=32", "trainer.batch_groups=8", "rollout.group_size=8",
-              "eval.every_steps=0", *args.overrides]
+    common = [
+        f"run.steps={args.steps}",
+        f"rollout.delay_model=longtail:{args.delay}",
+        "rollout.max_inflight_groups=32",
+        "trainer.batch_groups=8",
+        "rollout.group_size=8",
+        "eval.every_steps=0",
+        *args.overrides,
+    ]
     results = {}
     for mode in ("sync", "async"):
         rows, _ = run([f"run.mode={mode}", *common])
-        results[mode] = {"s_per_sample": per_sample(rows, args.skip),
-                         "staleness_mean": sum(r["staleness/mean"] for r in rows) / len(rows),
-                         "trainer_idle": rows[-1].get("trainer/idle_share")}
+        results[mode] = {
+            "s_per_sample": per_sample(rows, args.skip),
+            "staleness_mean": sum(r["staleness/mean"] for r in rows) / len(rows),
+            "trainer_idle": rows[-1].get("trainer/idle_share"),
+        }
     out = {
         "speedup": round(results["sync"]["s_per_sample"] / results["async"]["s_per_sample"], 2),
         "sync_s_per_sample": round(results["sync"]["s_per_sample"], 4),
@@ -48,7 +56,9 @@ def main() -> None:
         "async_staleness_mean": round(results["async"]["staleness_mean"], 2),
         "sync_trainer_idle": round(results["sync"]["trainer_idle"] or 0, 2),
         "async_trainer_idle": round(results["async"]["trainer_idle"] or 0, 2),
-        "steps": args.steps, "delay_mean_s": args.delay, "goal": 2.5,
+        "steps": args.steps,
+        "delay_mean_s": args.delay,
+        "goal": 2.5,
     }
     print(json.dumps(out))
 

@@ -5,6 +5,7 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
                   into `python -m buffer serve` without a directory; acked after indexing
   prebuilt_arrow  the same with Arrow batches built beforehand (a producer that builds Arrow itself)
   buffer/durable  the same into a durable buffer: acked after write + fsync of the segment
+  durable_prebuilt_arrow  durable, from Arrow batches built beforehand
   raw_zmq         PUSH/PULL of the same bytes, message by message, over the same transport (tcp
                   loopback, a receiver in its own process; no acks, no work)
   raw_zmq_keep    the same, the receiver keeping every message (as a buffer does: fresh memory for
@@ -150,6 +151,15 @@ def run_disk(payloads: list, directory: str) -> float:
     return dt
 
 
+def _pickle_messages(msgs: list) -> list:
+    """The first eighth of the messages as naive records (Python lists), for the pickle baseline."""
+    fields = ("prompt_ids", "response_ids", "rollout_logprobs", "versions", "loss_mask")
+    return [
+        [PySample(s.uid, s.group_id, *(s.array(f).tolist() for f in fields), s.reward) for s in m]
+        for m in msgs[: max(1, len(msgs) // 8)]
+    ]
+
+
 def one_size(tokens: int, args, tmp: str) -> dict:
     from buffer.server import ipc_bytes
     from pipeline.sample import samples_to_batch
@@ -159,21 +169,25 @@ def one_size(tokens: int, args, tmp: str) -> dict:
     payloads = [ipc_bytes(b) for b in batches]  # every message's own bytes, for both baselines
     nbytes = sum(p.size for p in payloads)
     n = sum(len(m) for m in msgs)
+    py = _pickle_messages(msgs) if tokens == 2048 else None
+    n_py = sum(len(m) for m in py) if py else 0
     rounds: list[dict] = []
     fsyncs = []
     for _ in range(args.runs):
         dt_durable, st = run_buffer(msgs, tempfile.mkdtemp(dir=tmp), args.window)
         fsyncs.append(st.get("segment_fsyncs", 0))
-        rounds.append(
-            {
-                "memory": run_buffer(msgs, None, args.window)[0],
-                "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
-                "raw_zmq": run_raw(payloads, "raw"),
-                "raw_zmq_keep": run_raw(payloads, "keep"),
-                "durable": dt_durable,
-                "disk": run_disk(payloads, tmp),
-            }
-        )
+        r = {
+            "memory": run_buffer(msgs, None, args.window)[0],
+            "memory_prebuilt_arrow": run_buffer(batches, None, args.window)[0],
+            "raw_zmq": run_raw(payloads, "raw"),
+            "raw_zmq_keep": run_raw(payloads, "keep"),
+            "durable": dt_durable,
+            "durable_prebuilt_arrow": run_buffer(batches, tempfile.mkdtemp(dir=tmp), args.window)[0],
+            "disk": run_disk(payloads, tmp),
+        }
+        if py:  # timed on fewer messages (pickling is slow), then scaled to the same sample count
+            r["pickle"] = run_raw(py, "pickle") * n / n_py
+        rounds.append(r)
     out = {
         "tokens": tokens,
         "samples": n,
@@ -195,29 +209,14 @@ def one_size(tokens: int, args, tmp: str) -> dict:
         ("memory_vs_raw_zmq", "memory", "raw_zmq"),
         ("prebuilt_arrow_vs_raw_zmq", "memory_prebuilt_arrow", "raw_zmq"),
         ("durable_vs_disk", "durable", "disk"),
+        ("durable_prebuilt_arrow_vs_disk", "durable_prebuilt_arrow", "disk"),
+        ("vs_pickle", "memory", "pickle"),
     ):
+        if b not in rounds[0]:
+            continue
         ratios = [r[b] / r[a] for r in rounds]  # a rate ratio = inverse ratio of times
         out[name] = round(statistics.median(ratios), 3)
         out[f"{name}_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
-    if tokens == 2048:
-        k = max(1, len(msgs) // 8)  # fewer messages: pickling is slow, and a rate needs no more
-        py = [
-            [
-                PySample(
-                    s.uid,
-                    s.group_id,
-                    *(
-                        s.array(f).tolist()
-                        for f in ("prompt_ids", "response_ids", "rollout_logprobs", "versions", "loss_mask")
-                    ),
-                    s.reward,
-                )
-                for s in m
-            ]
-            for m in msgs[:k]
-        ]
-        dt = run_raw(py, "pickle")
-        out["pickle_samples_s"] = round(sum(len(m) for m in py) / dt)
     return out
 
 
@@ -247,10 +246,15 @@ def main() -> None:
         print(json.dumps(r), file=sys.stderr)
     r2k = next((r for r in rows if r["tokens"] == 2048), rows[0])
     result = {"bench": "buffer_ingest", "quick": args.quick, "runs": args.runs, "tokens": r2k["tokens"]}
-    for k in ("memory_vs_raw_zmq", "durable_vs_disk", "prebuilt_arrow_vs_raw_zmq"):
+    for k in (
+        "memory_vs_raw_zmq",
+        "durable_vs_disk",
+        "prebuilt_arrow_vs_raw_zmq",
+        "durable_prebuilt_arrow_vs_disk",
+    ):
         result[k], result[f"{k}_spread"] = r2k[k], r2k[f"{k}_spread"]
-    if "pickle_samples_s" in r2k:
-        result["vs_pickle"] = round(r2k["memory_samples_s"] / r2k["pickle_samples_s"], 1)
+    if "vs_pickle" in r2k:
+        result["vs_pickle"], result["vs_pickle_spread"] = r2k["vs_pickle"], r2k["vs_pickle_spread"]
     result["by_tokens"] = {
         r["tokens"]: {k: v for k, v in r.items() if k.endswith(("_GB_s", "_samples_s", "_spread"))}
         for r in rows

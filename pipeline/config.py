@@ -48,6 +48,7 @@ class RunSection(Base):
     dir: str = ""  # explicit run directory (overrides root/name)
     seed: int = 0
     steps: int = 60  # optimizer steps to train (the run ends after this many)
+    time_limit_s: float = 0.0  # also end the run cleanly after this many seconds of training (0 = no limit)
     mode: Literal["async", "sync"] = "async"
     max_staleness: int = 2  # max (trainer version - oldest token version) a trained sample may have
     timeout_s: float = 600.0  # a stage that makes no progress for this long fails the run

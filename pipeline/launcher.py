@@ -157,7 +157,13 @@ class Pipeline:
 
         cfg = self.cfg
         eval_ref, step = None, 0
+        deadline = time.monotonic() + cfg.run.time_limit_s if cfg.run.time_limit_s else float("inf")
         for step in range(1, cfg.run.steps + 1):
+            if time.monotonic() > deadline:
+                log.warning("run.time_limit_s=%.0f reached after %d steps: ending the run", cfg.run.time_limit_s,
+                            step - 1)
+                step -= 1
+                break
             step_ref = self.trainer.step.remote()
             while True:  # wait for the step, but notice at once when a generator dies
                 ready, _ = ray.wait([step_ref, *self.gen_runs], num_returns=1, timeout=cfg.run.timeout_s)

@@ -23,8 +23,11 @@ class MetricsWriter:
         self._wandb = None
         self.history: list[dict[str, Any]] = []
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("metrics.tensorboard=true needs the tensorboard package; pip install "
+                                   "tensorboard, or set metrics.tensorboard=false") from None
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if wandb_project:
             try:
@@ -52,7 +55,12 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        return plot_history(self.history, self.run_dir / "reward_staleness.png") if self.history else None
+        if not self.history:
+            return None
+        try:
+            return plot_history(self.history, self.run_dir / "reward_staleness.png")
+        except ImportError:  # a GPU box without matplotlib: the JSONL has everything to plot it elsewhere
+            return None
 
 
 def _is_number(v: Any) -> bool:

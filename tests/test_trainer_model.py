@@ -66,3 +66,10 @@ def test_export_round_trip(tmp_path, dist1):
             assert torch.equal(state[k], src[k]), k
         out = save_hf(state, path, str(tmp_path / f"{kind}-out"))
         assert set(load_file(f"{out}/model.safetensors")) == set(src)
+        from transformers import AutoModelForCausalLM
+
+        toks = torch.randint(0, 512, (1, 16))
+        with torch.no_grad():  # the exported folder loads with save_pretrained's reader, same logits
+            a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
+            b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
+        assert torch.equal(a, b)

@@ -176,3 +176,57 @@ def test_replay_cli(model_path, tmp_path):
     lines = [json.loads(x) for x in open(run_dir / "trainer_metrics.jsonl")]
     assert [m["version"] for m in lines] == [1, 2]  # 4 groups / 2 per step, then the replay ends
     assert (run_dir / "hf" / "final" / "model.safetensors").exists()
+
+
+def test_cli_against_live_buffer_then_replay_its_segments(model_path, tmp_path):
+    """`--buffer tcp://...` trains from a running BufferServer; `--replay` then trains on the
+    segment files that same buffer wrote (the recorded-directory format written by buffer/segments.py)."""
+    from buffer.client import BufferClient
+    from buffer.config import BufferConfig
+    from buffer.server import BufferServer
+
+    srv = BufferServer(BufferConfig(policy="fifo"), str(tmp_path / "buf")).start()
+    try:
+        client = BufferClient(srv.address, producer="test")
+        client.put(make_samples(4, 2, seed=11))
+        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        common = ["--model-path", model_path, "run.steps=2", "trainer.batch_groups=2", "run.max_staleness=10"]
+        live = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "stages.trainer",
+                "--buffer",
+                srv.address,
+                "--run-dir",
+                str(tmp_path / "a"),
+                *common,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        assert live.returncode == 0, live.stderr[-3000:]
+        assert [json.loads(x)["version"] for x in open(tmp_path / "a" / "trainer_metrics.jsonl")] == [1, 2]
+        client.close()
+    finally:
+        srv.stop()
+    replay = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stages.trainer",
+            "--replay",
+            str(tmp_path / "buf"),
+            "--run-dir",
+            str(tmp_path / "b"),
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert [json.loads(x)["version"] for x in open(tmp_path / "b" / "trainer_metrics.jsonl")] == [1, 2]

@@ -101,3 +101,46 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
         assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
     finally:
         receiver.close(), sender.close(), engine.close()
+
+
+def test_push_runs_in_background_while_training(tmp_path):
+    """A slow engine does not slow the step; the next push first waits for the previous one."""
+    from stages.trainer.trainer import Trainer
+
+    class SlowEngine(FakeEngine):
+        def update_weights(self, named, version):
+            time.sleep(3.0)
+            super().update_weights(named, version)
+
+    path = make_tiny_hf(str(tmp_path / "m"), "llama")
+    cfg = RunConfig()
+    cfg.trainer.batch_groups = 1
+    src = ListSource([make_batch(1, 2, seed=i) for i in range(2)])
+    trainer = Trainer(cfg, src, path, str(tmp_path / "run"))
+    sender = ZmqWeightSender(timeout_s=30, min_engines=1)
+    engine = SlowEngine()
+    receiver = WeightReceiver(sender.address, engine, name="slow")
+    trainer.attach_sender(sender)
+    try:
+        t0 = time.monotonic()
+        trainer.step()
+        assert time.monotonic() - t0 < 3.0 and not trainer.pending_push.done()
+        m = trainer.step()  # pushes again: must first see version 1 applied
+        assert m["push/wait_prev_s"] > 0.5 and engine.version == 1
+        trainer.wait_push()
+        assert engine.version == 2 and "model.embed_tokens.weight" in engine.got
+    finally:
+        receiver.close(), sender.close()
+
+
+def test_closed_receiver_deregisters():
+    sender = ZmqWeightSender(timeout_s=5, min_engines=0)
+    r = WeightReceiver(sender.address, FakeEngine(), name="gone")
+    deadline = time.monotonic() + 5
+    while not sender.engines and time.monotonic() < deadline:
+        sender.push(0, []).result()  # pushes also let the sender see hellos
+    r.close()
+    time.sleep(0.3)
+    stats = sender.push(1, [("a", torch.ones(2))]).result()  # must not wait for the closed engine
+    assert stats["engines"] == 0
+    sender.close()

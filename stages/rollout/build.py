@@ -30,7 +30,9 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
     if r.engine == "sglang":
         from stages.rollout.sglang_engine import EnginePool
 
-        return EnginePool.launch(path, r.sglang, r.engines_per_generator, dtype=cfg.model.dtype, version=version)
+        return EnginePool.launch(
+            path, r.sglang, r.engines_per_generator, dtype=cfg.model.dtype, version=version
+        )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 
 

@@ -1,0 +1,24 @@
+"""The megatron-core trainer stage: continuous consumption of complete groups from a BatchSource,
+off-policy-corrected policy-gradient losses, versioned optimizer steps and non-blocking weight pushes.
+
+Public API (imports are lazy: importing this package does not import torch or megatron):
+
+    from stages.trainer.trainer import Trainer, SourceExhausted
+    trainer = Trainer(cfg: RunConfig, source: BatchSource | None, model_path: str, run_dir: str,
+                      *, sender: WeightSender | None = None)
+        # joins torch.distributed (torchrun env, or a gloo/NCCL world of 1 on a free port), builds the
+        # GPTModel from the HF folder, resumes from <run_dir>/checkpoints/latest if present
+        # (trainer.resume), announces trainer.version to the source. `source` is needed on rank 0 only.
+    trainer.attach_sender(sender)      # rank 0; pushes every weights.push_every steps
+    metrics = trainer.step()           # collective: fetch -> logp_old -> loss -> step -> version += 1
+    trainer.train_on_batch(batch)      # the same without fetching (pyarrow RecordBatch, ARROW_SCHEMA)
+    trainer.version                    # int, = optimizer steps taken (0 = the initial weights)
+    trainer.push_weights() / wait_push() / save_checkpoint() / save_hf(dir) / close()
+
+    from stages.trainer.loop import run; run(trainer, steps)   # the continuous loop + metrics JSONL
+    python -m stages.trainer --config X.yaml [a.b=c] (--buffer tcp://... | --replay DIR)
+
+Modules: cpu_shim (CUDA-less megatron), hf_mapping (HF <-> megatron names/layouts), model (build,
+logprobs), export (gather to HF on rank 0, save_pretrained folder), packing (Arrow -> micro-batches),
+losses (pure torch), checkpoint (megatron dist checkpoints), replay (recorded buffer directory).
+"""

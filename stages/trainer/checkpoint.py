@@ -33,7 +33,7 @@ def _sharded(trainer, is_loading: bool):
         # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
         # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
         "optimizer": trainer.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         ),
     }
 
@@ -109,12 +109,13 @@ def load_latest(trainer) -> dict | None:
     path = latest_path(trainer.run_dir)
     if path is None:
         return None
+    if trainer.dist_opt:
+        raise NotImplementedError(
+            f"resuming from {path} with trainer.distributed_optimizer=true fails inside megatron-core 0.16 "
+            "(its optimizer-state loader); set trainer.distributed_optimizer=false (the default) to resume, "
+            "or trainer.resume=false to start fresh"
+        )
     with cpu_shim.device_mode():
-        # the distributed optimizer can only describe (and load into) states that exist: create them
-        # with one zero-gradient step first, as megatron itself does on some load paths
-        for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-            if hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-                opt._init_optimizer_states_with_dummy_values()
         loaded = dist_checkpointing.load(_sharded(trainer, True), path)
         trainer.policy.model.module.load_state_dict(loaded["model"])
         trainer.optimizer.load_state_dict(loaded["optimizer"])

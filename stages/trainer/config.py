@@ -29,6 +29,16 @@ class LossConfig(_Base):
     mis_low: float = 0.5  # masked IS: weights outside [mis_low, mis_high] are zeroed
     mis_high: float = 2.0
 
+    def __post_init__(self):
+        if not 0 <= self.eps_clip < 1 or self.eps_clip_high < 0:
+            raise ValueError("trainer.loss.eps_clip must be in [0, 1) and eps_clip_high >= 0")
+        if self.tis_cap <= 0 or not 0 <= self.tis_low <= self.tis_cap:
+            raise ValueError("trainer.loss needs tis_cap > 0 and 0 <= tis_low <= tis_cap")
+        if not 0 <= self.mis_low < self.mis_high:
+            raise ValueError("trainer.loss needs 0 <= mis_low < mis_high (tokens outside are masked)")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("trainer.loss.kl_coef and entropy_coef must be >= 0")
+
 
 class TrainerConfig(_Base):
     """Megatron trainer. Parallel sizes multiply to the number of processes (torchrun)."""
@@ -38,6 +48,7 @@ class TrainerConfig(_Base):
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-3
     min_lr: float = 0.0
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: lr -> min_lr over run.steps
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -53,7 +64,20 @@ class TrainerConfig(_Base):
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
+    distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
+
+    def __post_init__(self):
+        if self.batch_groups < 1:
+            raise ValueError("trainer.batch_groups must be >= 1")
+        if self.micro_batch_tokens < 8:
+            raise ValueError(
+                "trainer.micro_batch_tokens must be >= 8 (a packed row is a multiple of 8 tokens)"
+            )
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise ValueError("trainer.tp, trainer.pp and trainer.dp must be >= 1")
+        if self.lr <= 0 or self.min_lr < 0 or self.fetch_timeout_s <= 0:
+            raise ValueError("trainer.lr and trainer.fetch_timeout_s must be > 0, trainer.min_lr >= 0")

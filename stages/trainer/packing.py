@@ -113,8 +113,14 @@ def shard_samples(tb: TokenBatch, dp: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def pack(tb: TokenBatch, samples: list[int], micro_batch_tokens: int) -> list[MicroBatch]:
-    """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches."""
+def pack(
+    tb: TokenBatch, samples: list[int], micro_batch_tokens: int, one_per_row: bool = False
+) -> list[MicroBatch]:
+    """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches.
+
+    `one_per_row`: length-bucketed rows of one sequence each, for attention kernels that apply only
+    a plain causal mask (transformer-engine's fused attention ignores our block-diagonal mask).
+    """
     plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
     seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
     if not samples:
@@ -129,7 +135,7 @@ def pack(tb: TokenBatch, samples: list[int], micro_batch_tokens: int) -> list[Mi
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(samples, key=lambda i: -seq_len[i]):
-        k = next((k for k, r in enumerate(room) if r >= seq_len[i]), None)
+        k = None if one_per_row else next((k for k, r in enumerate(room) if r >= seq_len[i]), None)
         if k is None:
             rows.append([])
             room.append(row_len)

@@ -65,7 +65,8 @@ class Trainer:
             else torch.device("cpu")
         )
         bf16 = self.tc.precision == "bf16"
-        self.dist_opt = self.dp > 1 and self.tc.optimizer == "adam"  # megatron shards only Adam state
+        # megatron shards only Adam state; opt-in because resuming it fails in megatron-core 0.16
+        self.dist_opt = self.dp > 1 and self.tc.optimizer == "adam" and self.tc.distributed_optimizer
         self.policy = build_policy(
             model_path,
             tp=self.tc.tp,
@@ -171,7 +172,7 @@ class Trainer:
             self.tc.loss.grpo_std_norm,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
-        mbs = pack(tb, shard, self.tc.micro_batch_tokens)
+        mbs = pack(tb, shard, self.tc.micro_batch_tokens, one_per_row=self.policy.te)
         old = self._logprobs(self.policy.model, tb, mbs)  # logp_old: current weights, no grad
         ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
         stats = self._train(tb, mbs, adv, old, ref)
@@ -184,6 +185,8 @@ class Trainer:
         s, tc = self.version, self.tc
         if tc.warmup_steps and s < tc.warmup_steps:
             lr = tc.lr * (s + 1) / tc.warmup_steps
+        elif tc.lr_schedule == "constant":
+            lr = tc.lr
         else:  # cosine from lr to min_lr over the run
             frac = min(1.0, (s - tc.warmup_steps) / max(1, self.cfg.run.steps - tc.warmup_steps))
             lr = tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * frac))
@@ -198,7 +201,10 @@ class Trainer:
             mb = next(it)
             seg = mb.segments.to(self.device)
             pos = torch.arange(seg.shape[1], device=self.device)[None].expand_as(seg)
-            out = m(mb.tokens.to(self.device), pos, causal_block_mask(seg))
+            # local spec: explicit block-diagonal mask (W3, and it keeps packed sequences apart);
+            # TE spec: rows hold one sequence each and TE applies its own causal mask
+            mask = None if self.policy.te else causal_block_mask(seg)
+            out = m(mb.tokens.to(self.device), pos, mask)
             return out, lambda logits: loss_fn(mb, logits)
 
         with cpu_shim.device_mode():

@@ -14,3 +14,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bucket_mb: int = 64  # tensors are sent in buckets of about this size
     timeout_s: float = 120.0  # a push not applied by every engine within this long raises in the trainer
     bind: str = "tcp://127.0.0.1:0"  # cpu transport: the trainer binds here (port 0 = free); engines connect
+
+    def __post_init__(self):
+        if self.push_every < 0 or self.bucket_mb < 1 or self.timeout_s <= 0:
+            raise ValueError("weights needs push_every >= 0 (0 = never), bucket_mb >= 1 and timeout_s > 0")

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 
 import msgspec
 import torch
@@ -120,6 +121,9 @@ class ZmqWeightSender(WeightSender):
                     self._send_all(ident, *self._latest)
             elif msg.get("kind") == "ack":
                 acks.append((ident, msg))
+            elif msg.get("kind") == "bye":
+                self.engines.pop(ident, None)
+                acks.append((ident, {"kind": "bye"}))
         return acks
 
     def _send_all(self, ident: bytes, version: int, parts: list) -> None:
@@ -132,7 +136,7 @@ class ZmqWeightSender(WeightSender):
 
     def _encode(self, version: int, named) -> list:
         parts = []
-        groups = list(buckets(named, self.bucket_bytes))
+        groups = list(buckets(named, self.bucket_bytes)) or [[]]  # an empty update still carries the version
         for i, group in enumerate(groups):
             header = _enc.encode(
                 {
@@ -173,6 +177,9 @@ class ZmqWeightSender(WeightSender):
                     f"engines {names} did not apply version {version} within {self.timeout_s:.0f}s"
                 )
             for ident, ack in self._poll_once(int(min(left, 0.05) * 1000)):
+                if ack.get("kind") == "bye":  # shut down cleanly: nothing left to update there
+                    waiting.discard(ident)
+                    continue
                 if ack.get("version") != version:
                     continue
                 if not ack.get("ok"):
@@ -209,6 +216,8 @@ class WeightReceiver:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # a fixed routing id keeps this engine's identity across reconnects (the sender knows it by it)
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex[:8]}".encode())
         sock.connect(self.address)
         sock.send(
             _enc.encode(
@@ -231,8 +240,9 @@ class WeightReceiver:
                 if msg["final"]:
                     sock.send(_enc.encode(self._apply(version, pending)))
                     pending, version = {}, None
-        finally:
-            sock.close(0)
+        finally:  # a clean shutdown deregisters, so later pushes do not wait for this engine
+            sock.send(_enc.encode({"kind": "bye", "proto": PROTO, "engine": self.name}), zmq.NOBLOCK)
+            sock.close(linger=500)
 
     def _decode(self, msg: dict, frames) -> dict[str, torch.Tensor]:
         out = {}
