@@ -81,9 +81,25 @@ def buckets(
         yield cur
 
 
-def make_sender(cfg, *, engine_urls: list[str] | None = None, min_engines: int = 0, bind: str | None = None):
-    """WeightSender for `weights.transport` (cfg: WeightsConfig). auto -> cpu (torch engine) unless
-    SGLang URLs are given: then nccl with 2+ GPUs, cuda_ipc when colocated on one."""
+def make_sender(
+    cfg,
+    *,
+    engine_urls: list[str] | None = None,
+    min_engines: int = 0,
+    bind: str | None = None,
+    engine_tp_sizes: list[int] | None = None,
+    pause_mode: str = "in_place",
+):
+    """WeightSender for `weights.transport` (cfg: WeightsConfig).
+
+    cpu: a ZmqWeightSender bound at `bind or cfg.bind`; torch engines connect WeightReceivers to its
+    `.address`, and each push waits (within timeout_s) until `min_engines` have connected.
+    nccl / cuda_ipc: pushes straight into the SGLang servers at `engine_urls` (TP size per server in
+    `engine_tp_sizes`, default 1; `pause_mode` as rollout.sglang.pause_mode).
+    auto: cpu without engine_urls, else nccl when this process sees 2+ GPUs and cuda_ipc otherwise;
+    inside a Ray actor that was given one GPU this always says cuda_ipc, so GPU configs name the
+    transport explicitly.
+    """
     kind = cfg.transport
     if kind == "auto":
         kind = "cpu"
@@ -101,5 +117,11 @@ def make_sender(cfg, *, engine_urls: list[str] | None = None, min_engines: int =
         from stages.weights import sglang_transport as sg
 
         cls = sg.NcclSGLangSender if kind == "nccl" else sg.CudaIpcSGLangSender
-        return cls(engine_urls, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+        return cls(
+            engine_urls,
+            bucket_mb=cfg.bucket_mb,
+            timeout_s=cfg.timeout_s,
+            engine_tp_sizes=engine_tp_sizes,
+            pause_mode=pause_mode,
+        )
     raise ValueError(f"weights.transport={kind!r} has no sender yet (cpu, nccl, cuda_ipc)")

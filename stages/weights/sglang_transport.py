@@ -57,7 +57,10 @@ class _SGLangSender(WeightSender):
             raise WeightPushError(f"SGLang server {url}{route} unreachable: {e}") from e
         if r.status_code != 200:
             raise WeightPushError(f"SGLang server {url}{route} answered {r.status_code}: {r.text[:300]}")
-        out = r.json() if r.content else {}
+        try:  # some routes answer plain text; only a JSON {"success": false} is a reported failure
+            out = r.json() if r.content else {}
+        except ValueError:
+            out = {}
         if isinstance(out, dict) and out.get("success") is False:
             raise WeightPushError(f"SGLang server {url}{route} failed: {out.get('message')}")
         return out
