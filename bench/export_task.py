@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("n", type=int)
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kwargs", default="{}", help='task options as JSON, e.g. \'{"max_terms": 3}\'')
+    ap.add_argument("--kwargs", default="{}", help="task options as JSON, e.g. '{\"max_terms\": 3}'")
     args = ap.parse_args()
     task = make_task(args.task, seed=args.seed, size=args.n, kwargs=json.loads(args.kwargs))
     with open(args.out, "w") as f:

@@ -38,8 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.launcher import make_run_dir, print_summary, run_pipeline
 
     run_dir = make_run_dir(cfg)
-    print(f"run-pipeline: {args.config or 'configs/default.yaml'} mode={cfg.run.mode} steps={cfg.run.steps} "
-          f"model={cfg.model.name} -> {run_dir}", flush=True)
+    print(
+        f"run-pipeline: {args.config or 'configs/default.yaml'} mode={cfg.run.mode} steps={cfg.run.steps} "
+        f"model={cfg.model.name} -> {run_dir}",
+        flush=True,
+    )
     res = run_pipeline(cfg, run_dir)
     print_summary(res)
     return {"completed": 0, "interrupted": 130}.get(res.status, 1)

@@ -44,8 +44,15 @@ class BufferActor:
 class GeneratorActor:
     """An engine, the receiving end of the weight transport, and the generator loop (asyncio)."""
 
-    def __init__(self, cfg, generator_id: str, buffer_address: str, weights_address: str | None,
-                 batch_groups: int, cpus: int = 1):
+    def __init__(
+        self,
+        cfg,
+        generator_id: str,
+        buffer_address: str,
+        weights_address: str | None,
+        batch_groups: int,
+        cpus: int = 1,
+    ):
         _threads(cpus)
         from buffer.client import BufferClient
         from stages.rollout.build import build_engine
@@ -55,7 +62,9 @@ class GeneratorActor:
         self.id = generator_id
         self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + int(generator_id.rsplit("-", 1)[-1]))
         # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
-        self.receiver = WeightReceiver(weights_address, self.engine, name=generator_id) if weights_address else None
+        self.receiver = (
+            WeightReceiver(weights_address, self.engine, name=generator_id) if weights_address else None
+        )
         self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
 
@@ -87,15 +96,30 @@ class GeneratorActor:
 class TrainerActor:
     """The megatron trainer (rank 0 of a world of 1 here) with its weight sender bound for the engines."""
 
-    def __init__(self, cfg, buffer_address: str, model_path: str, run_dir: str, num_engines: int,
-                 engine_urls: list[str] | None = None, cpus: int = 1):
+    def __init__(
+        self,
+        cfg,
+        buffer_address: str,
+        model_path: str,
+        run_dir: str,
+        num_engines: int,
+        engine_urls: list[str] | None = None,
+        cpus: int = 1,
+    ):
         _threads(cfg.trainer.threads or cpus)
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
 
         self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
-        self.sender = make_sender(cfg.weights, engine_urls=engine_urls, min_engines=num_engines)
+        sg = cfg.rollout.sglang
+        self.sender = make_sender(
+            cfg.weights,
+            engine_urls=engine_urls,
+            min_engines=num_engines,
+            engine_tp_sizes=[sg.tp_size] * len(engine_urls or []),
+            pause_mode=sg.pause_mode,
+        )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
         self.sync = cfg.run.mode == "sync"
         self._idle_s = 0.0
@@ -161,8 +185,13 @@ def actor_env() -> dict:
     from pipeline.config import REPO_ROOT
 
     path = os.environ.get("PYTHONPATH", "")
-    return {"env_vars": {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
-                         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                         # GPUs are placed by the config (trainer on cuda:0, rollout.sglang.base_gpu_id),
-                         # not by Ray: keep every GPU visible to every actor
-                         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    return {
+        "env_vars": {
+            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            # GPUs are placed by the config (trainer on cuda:0, rollout.sglang.base_gpu_id),
+            # not by Ray: keep every GPU visible to every actor
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        }
+    }

@@ -164,8 +164,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.run.max_staleness < 0:
         raise ConfigError("run.max_staleness must be >= 0 (0 = fully on-policy)")
     if cfg.eval.every_steps and cfg.rollout.engine != "torch":
-        raise ConfigError("eval.every_steps > 0 runs a held-out torch engine beside training; with "
-                          f"rollout.engine={cfg.rollout.engine} set eval.every_steps=0")
+        raise ConfigError(
+            "eval.every_steps > 0 runs a held-out torch engine beside training; with "
+            f"rollout.engine={cfg.rollout.engine} set eval.every_steps=0"
+        )
 
 
 def to_dict(cfg: RunConfig) -> dict:

@@ -69,8 +69,13 @@ def start_ray(cfg: RunConfig) -> None:
 
     if ray.is_initialized():
         return
-    kw: dict = {"runtime_env": actor_env(), "include_dashboard": False, "log_to_driver": True,
-                "configure_logging": True, "logging_level": logging.WARNING}
+    kw: dict = {
+        "runtime_env": actor_env(),
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "configure_logging": True,
+        "logging_level": logging.WARNING,
+    }
     if cfg.cluster.address == "local":
         if cfg.cluster.num_cpus:
             kw["num_cpus"] = cfg.cluster.num_cpus
@@ -104,25 +109,34 @@ class Pipeline:
         n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
         bundles = [{"CPU": 1}] + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
         self.pg = placement_group(bundles, strategy="PACK")
-        self._wait(self.pg.ready(), "placement group",
-                   f"the cluster has no room for {len(bundles)} one-CPU bundles (trainer, {n_gen} generator(s)"
-                   f"{', eval' if use_eval else ''}); lower rollout.num_generators or set cluster.num_cpus")
+        self._wait(
+            self.pg.ready(),
+            "placement group",
+            f"the cluster has no room for {len(bundles)} one-CPU bundles (trainer, {n_gen} generator(s)"
+            f"{', eval' if use_eval else ''}); lower rollout.num_generators or set cluster.num_cpus",
+        )
 
         def on(i: int) -> dict:
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=i)}
+            return {
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i
+                )
+            }
 
         self.buffer = BufferActor.options(**on(0)).remote(cfg, str(self.run_dir / "buffer"))
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
         share = max(1, cfg.trainer.batch_groups // n_gen)
 
         def generators(weights_addr):
-            return [GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
-                    for i in range(n_gen)]
+            return [
+                GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
+                for i in range(n_gen)
+            ]
 
         def trainer(urls):
-            return TrainerActor.options(**on(0)).remote(cfg, buffer_addr, model_path, str(self.run_dir),
-                                                        n_gen + int(use_eval), urls)
+            return TrainerActor.options(**on(0)).remote(
+                cfg, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls
+            )
 
         if r.engine == "sglang":  # servers first: the trainer's transport needs their addresses
             self.generators = generators(None)
@@ -145,8 +159,10 @@ class Pipeline:
         try:
             return ray.get(ref, timeout=self.cfg.run.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise StageFailed(f"{what} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
-                              + (f": {hint}" if hint else "")) from None
+            raise StageFailed(
+                f"{what} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
+                + (f": {hint}" if hint else "")
+            ) from None
         except ray.exceptions.RayError as e:
             raise StageFailed(f"{what} failed: {_root_error(e)}") from None
 
@@ -160,16 +176,21 @@ class Pipeline:
         deadline = time.monotonic() + cfg.run.time_limit_s if cfg.run.time_limit_s else float("inf")
         for step in range(1, cfg.run.steps + 1):
             if time.monotonic() > deadline:
-                log.warning("run.time_limit_s=%.0f reached after %d steps: ending the run", cfg.run.time_limit_s,
-                            step - 1)
+                log.warning(
+                    "run.time_limit_s=%.0f reached after %d steps: ending the run",
+                    cfg.run.time_limit_s,
+                    step - 1,
+                )
                 step -= 1
                 break
             step_ref = self.trainer.step.remote()
             while True:  # wait for the step, but notice at once when a generator dies
                 ready, _ = ray.wait([step_ref, *self.gen_runs], num_returns=1, timeout=cfg.run.timeout_s)
                 if not ready:
-                    raise StageFailed(f"trainer step {step} did not finish within run.timeout_s="
-                                      f"{cfg.run.timeout_s:.0f}s; see the trainer's log above")
+                    raise StageFailed(
+                        f"trainer step {step} did not finish within run.timeout_s="
+                        f"{cfg.run.timeout_s:.0f}s; see the trainer's log above"
+                    )
                 if ready[0] is step_ref:
                     break
                 name = self.gen_runs.pop(ready[0])
@@ -192,7 +213,14 @@ class Pipeline:
     def _generator_metrics(self) -> dict:
         stats = [self._wait(g.stats.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
         out: dict = {}
-        for key in ("samples", "tokens", "groups_finished", "groups_filtered", "groups_failed", "samples_failed"):
+        for key in (
+            "samples",
+            "tokens",
+            "groups_finished",
+            "groups_filtered",
+            "groups_failed",
+            "samples_failed",
+        ):
             out[f"generator/{key}"] = sum(s.get(key, 0) for s in stats)
         busy = sum(s.get("engine_busy_s", 0.0) for s in stats)
         idle = sum(s.get("engine_idle_s", 0.0) for s in stats)
@@ -252,8 +280,13 @@ def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool 
     run_dir = run_dir or make_run_dir(cfg)
     write_resolved(cfg, run_dir)
     t0 = time.time()
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.metrics.tensorboard, wandb_project=cfg.metrics.wandb_project,
-                            run_name=run_dir.name, config=msgspec.to_builtins(cfg))
+    metrics = MetricsWriter(
+        run_dir,
+        tensorboard=cfg.metrics.tensorboard,
+        wandb_project=cfg.metrics.wandb_project,
+        run_name=run_dir.name,
+        config=msgspec.to_builtins(cfg),
+    )
     progress = Progress(cfg.run.steps, enabled=cfg.metrics.progress)
     pipe, status, error, steps = None, "completed", "", 0
     try:
@@ -281,4 +314,6 @@ def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool 
 def print_summary(res: RunResult) -> None:
     if res.error:
         print(f"\nerror: {res.error}")
-    print(summary(str(res.run_dir), res.history, res.elapsed_s, str(res.plot) if res.plot else None, res.status))
+    print(
+        summary(str(res.run_dir), res.history, res.elapsed_s, str(res.plot) if res.plot else None, res.status)
+    )

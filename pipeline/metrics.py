@@ -13,8 +13,15 @@ from typing import Any
 class MetricsWriter:
     """Append-only metrics sink for the driver. Values that are not finite numbers go to JSONL only."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb_project: str = "",
-                 run_name: str = "", config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        run_name: str = "",
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -26,16 +33,22 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RuntimeError("metrics.tensorboard=true needs the tensorboard package; pip install "
-                                   "tensorboard, or set metrics.tensorboard=false") from None
+                raise RuntimeError(
+                    "metrics.tensorboard=true needs the tensorboard package; pip install "
+                    "tensorboard, or set metrics.tensorboard=false"
+                ) from None
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if wandb_project:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError("metrics.wandb_project is set but wandb is not installed; "
-                                   "pip install wandb, or leave metrics.wandb_project empty") from None
-            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(self.run_dir))
+                raise RuntimeError(
+                    "metrics.wandb_project is set but wandb is not installed; "
+                    "pip install wandb, or leave metrics.wandb_project empty"
+                ) from None
+            self._wandb = wandb.init(
+                project=wandb_project, name=run_name, config=config, dir=str(self.run_dir)
+            )
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         row = {"step": step, "time": time.time(), **values}

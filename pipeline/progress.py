@@ -50,7 +50,9 @@ class Progress:
             self.stream.flush()
 
 
-def summary(run_dir: str, history: list[dict[str, Any]], elapsed_s: float, plot: str | None, status: str) -> str:
+def summary(
+    run_dir: str, history: list[dict[str, Any]], elapsed_s: float, plot: str | None, status: str
+) -> str:
     """A few lines naming the run directory and what is in it."""
     rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
     first = sum(rewards[:3]) / len(rewards[:3]) if rewards else float("nan")

@@ -195,12 +195,14 @@ def samples_to_batch(samples: list[Sample]) -> pa.RecordBatch:
     cols["reward"] = pa.array([s.reward for s in samples], pa.float64())
     # empty dicts are the common case: skip the encoder for them
     cols["reward_parts"] = pa.array(
-        [_json.encode(s.reward_parts).decode() if s.reward_parts else "{}" for s in samples], pa.string())
+        [_json.encode(s.reward_parts).decode() if s.reward_parts else "{}" for s in samples], pa.string()
+    )
     cols["status"] = pa.array([str(s.status) for s in samples], pa.string())
     for name in ("error", "prompt", "label"):
         cols[name] = pa.array([getattr(s, name) for s in samples], pa.string())
     cols["metadata"] = pa.array(
-        [_json.encode(s.metadata).decode() if s.metadata else "{}" for s in samples], pa.string())
+        [_json.encode(s.metadata).decode() if s.metadata else "{}" for s in samples], pa.string()
+    )
     cols["generator_id"] = pa.array([s.generator_id for s in samples], pa.string())
     cols["created_at"] = pa.array([s.created_at for s in samples], pa.float64())
     cols["finished_at"] = pa.array([s.finished_at for s in samples], pa.float64())

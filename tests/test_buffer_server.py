@@ -187,3 +187,26 @@ def test_put_accepts_arrow_batches_and_splits(server):
     assert ack.accepted == 8
     assert c.stats()["messages"] >= 3
     c.close()
+
+
+def test_acks_wait_for_the_segment_fsync_and_a_failed_write_is_an_error(tmp_path, monkeypatch):
+    srv = BufferServer(BufferConfig(), tmp_path / "buf").start()
+    writer = srv.buffer._writer
+    c = BufferClient(srv.address, timeout_s=10, resend_s=0.3)
+    try:
+        fsyncs = writer.fsyncs
+        assert c.put(synthetic_samples(2, prefix="ok")).accepted == 8
+        assert writer.fsyncs > fsyncs and writer.durable == writer.appended  # acked after its fsync
+
+        def broken(batch, meta):
+            raise OSError("disk on fire")
+
+        monkeypatch.setattr(writer, "_write", broken)
+        with pytest.raises(wire.ProtocolError, match="could not make this ingest durable.*disk on fire"):
+            c.put(synthetic_samples(2, prefix="bad"))
+        with pytest.raises(wire.ProtocolError, match="segment writer .* failed"):
+            c.put(synthetic_samples(2, prefix="later"))  # nothing is acked after a failed write
+        assert c.stats()["rows"] >= 8  # the server itself keeps answering
+    finally:
+        c.close()
+        srv.stop()

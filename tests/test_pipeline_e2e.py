@@ -17,14 +17,25 @@ def ray_session():
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, [f"run.dir={tmp_path / 'run'}", "run.steps=4", "run.timeout_s=180",
-                              "metrics.progress=false", "trainer.batch_groups=4", "rollout.group_size=4",
-                              *extra])
+    return load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=4",
+            "run.timeout_s=180",
+            "metrics.progress=false",
+            "trainer.batch_groups=4",
+            "rollout.group_size=4",
+            *extra,
+        ],
+    )
 
 
 def test_default_pipeline_flows_versions_advance_and_pushes_land(tmp_path, ray_session):
-    res = run_pipeline(_cfg(tmp_path, "eval.every_steps=2", "eval.num_prompts=4", "eval.samples_per_prompt=2"),
-                       stop_ray=False)
+    res = run_pipeline(
+        _cfg(tmp_path, "eval.every_steps=2", "eval.num_prompts=4", "eval.samples_per_prompt=2"),
+        stop_ray=False,
+    )
     assert res.status == "completed", res.error
     rows = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "version" in r]
@@ -47,7 +58,8 @@ def test_sync_mode_trains_on_policy(tmp_path, ray_session):
 def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "12", "label": "12"}\n{"prompt": "34", "label": \n')
-    res = run_pipeline(_cfg(tmp_path, f"rollout.data.source={bad}", "rollout.reward.fn=exact_match"),
-                       stop_ray=False)
+    res = run_pipeline(
+        _cfg(tmp_path, f"rollout.data.source={bad}", "rollout.reward.fn=exact_match"), stop_ray=False
+    )
     assert res.status == "failed"
     assert "generator gen-0" in res.error and "prompts.jsonl:2: not valid JSON" in res.error

@@ -81,6 +81,9 @@ def test_logp_old_is_the_trainers_own(model_path, tmp_path):
     )
     m = tr.step()
     assert m["logp/abs_diff_train_rollout"] <= 1e-4
+    # every token was "generated" at version 0, the trainer's weights: all count as same-version
+    assert m["logp/same_version_tokens"] == m["tokens/trained"] > 0
+    assert m["logp/abs_diff_same_version"] <= 1e-4
     assert abs(m["tis/weight_mean"] - 1.0) <= 1e-4 and m["tis/clip_frac"] == 0.0
 
 

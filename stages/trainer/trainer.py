@@ -176,6 +176,7 @@ class Trainer:
         old = self._logprobs(self.policy.model, tb, mbs)  # logp_old: current weights, no grad
         ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
         stats = self._train(tb, mbs, adv, old, ref)
+        stats.update(_engine_mismatch(tb, old, shard, self.version))
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
         metrics["time/train_s"] = time.perf_counter() - t0
@@ -308,6 +309,10 @@ class Trainer:
             "tis/clip_frac": red["sum/tis_clipped"] / ntok,
             "ppo/clip_frac": red["sum/ppo_clipped"] / ntok,
             "logp/abs_diff_train_rollout": red["sum/abs_logp_diff"] / ntok,
+            # the same on tokens the engine made with exactly these weights: the engine-vs-trainer numerics
+            # gap alone (the line above also contains the policy change of stale tokens)
+            "logp/abs_diff_same_version": red["sum/abs_logp_diff_fresh"] / max(red["sum/fresh_tokens"], 1.0),
+            "logp/same_version_tokens": red["sum/fresh_tokens"],
             "entropy": red.get("sum/entropy", 0.0) / ntok,
             "staleness/mean": float(stale.float().mean()),
             "staleness/max": float(stale.max()),
@@ -350,7 +355,9 @@ class Trainer:
         t0 = time.perf_counter()
         if self.pending_push is not None and self.rank == 0:
             res = self.pending_push.result()  # raises WeightPushError on failure or timeout
-            out["push/prev_seconds"] = res.get("seconds", 0.0)
+            out.update(
+                {f"push/prev_{k}": v for k, v in res.items() if isinstance(v, int | float) and k != "version"}
+            )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         device = getattr(self.sender, "snapshot_device", "cpu")  # GPU transports snapshot on the GPU
@@ -397,12 +404,24 @@ STAT_KEYS = (
     "sum/tis_clipped",
     "sum/ppo_clipped",
     "sum/abs_logp_diff",
+    "sum/abs_logp_diff_fresh",
+    "sum/fresh_tokens",
     "sum/entropy",
     "sum/loss_num",
     "sum/loss_den",
     "sum/grad_norm",
     "sum/lr",
 )
+
+
+def _engine_mismatch(tb: TokenBatch, old: torch.Tensor, shard: list[int], version: int) -> dict:
+    """Sum of |logp_old - logp_rollout| over this rank's trained tokens generated at `version` (the
+    weights logp_old was computed with), and their count."""
+    rows = torch.zeros(tb.n, dtype=torch.bool)
+    rows[torch.as_tensor(shard, dtype=torch.long)] = True
+    fresh = rows[tb.seq] & (tb.versions == version) & (tb.mask > 0)
+    diff = (old.float() - tb.rollout_logprobs).abs()
+    return {"sum/abs_logp_diff_fresh": diff[fresh].double().sum(), "sum/fresh_tokens": fresh.double().sum()}
 
 
 def _accumulate(acc: dict, st: dict) -> None:

@@ -71,12 +71,18 @@ class _SGLangSender(WeightSender):
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def _push(self, version: int, named) -> dict:
+        """One push; returns its phase times (s). `paused_s` is how long generation stood still."""
+        t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "version_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
         for url in self.urls:
             self._post(url, "/pause_generation", {"mode": self.pause_mode}, self.timeout_s)
+        t["pause_s"] = time.monotonic() - t0
         try:
+            t1 = time.monotonic()
             for group in buckets(named, self.bucket_bytes):
-                self._send_bucket(group, version)
+                t["transfer_s"] += self._send_bucket(group, version)
+            t["load_s"] = time.monotonic() - t1
+            t2 = time.monotonic()
             for url in self.urls:
                 self._post(
                     url,
@@ -84,16 +90,28 @@ class _SGLangSender(WeightSender):
                     {"new_version": str(version), "abort_all_requests": False},
                     self.timeout_s,
                 )
+            t["version_s"] = time.monotonic() - t2
         finally:
+            t3 = time.monotonic()
             for url in self.urls:
                 self._post(url, "/continue_generation", {}, self.timeout_s)
-        return {"version": version, "engines": len(self.urls), "seconds": time.monotonic() - t0}
+            t["continue_s"] = time.monotonic() - t3
+        nbytes = sum(x.numel() * x.element_size() for _, x in named)
+        return {
+            "version": version,
+            "engines": len(self.urls),
+            "bytes": nbytes,
+            "seconds": time.monotonic() - t0,
+            "paused_s": time.monotonic() - t0,
+            **t,
+        }
 
     @property
     def flush_cache(self) -> bool:
         return self.pause_mode != "in_place"  # flushing with requests kept in place asserts in SGLang
 
-    def _send_bucket(self, group, version: int) -> None:
+    def _send_bucket(self, group, version: int) -> float:
+        """Deliver one bucket; returns the seconds spent moving the bytes themselves."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -154,7 +172,7 @@ class NcclSGLangSender(_SGLangSender):
                 j.result(timeout=self.timeout_s)
         log.info("weights: NCCL group %s formed with %d engine ranks", self.group_name, world - 1)
 
-    def _send_bucket(self, group, version: int) -> None:
+    def _send_bucket(self, group, version: int) -> float:
         if self._group is None:
             self._join()
         body = {
@@ -170,11 +188,16 @@ class NcclSGLangSender(_SGLangSender):
                 pool.submit(self._post, url, "/update_weights_from_distributed", body, self.timeout_s)
                 for url in self.urls
             ]
-            for _, t in group:
-                torch.distributed.broadcast(t.cuda().contiguous(), src=0, group=self._group)
+            tensors = [t.cuda().contiguous() for _, t in group]
             torch.cuda.synchronize()
+            t0 = time.monotonic()  # the raw NCCL broadcast of this bucket: the floor of any push
+            for t in tensors:
+                torch.distributed.broadcast(t, src=0, group=self._group)
+            torch.cuda.synchronize()
+            moved = time.monotonic() - t0
             for c in calls:
                 c.result(timeout=self.timeout_s)
+        return moved
 
 
 class CudaIpcSGLangSender(_SGLangSender):
@@ -182,11 +205,12 @@ class CudaIpcSGLangSender(_SGLangSender):
         super().__init__(urls, **kw)
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
-    def _send_bucket(self, group, version: int) -> None:
+    def _send_bucket(self, group, version: int) -> float:
         from sglang.srt.utils import MultiprocessingSerializer
 
         tensors = [(n, t.cuda().contiguous()) for n, t in group]  # kept alive until every server answered
         torch.cuda.synchronize()
+        t0 = time.monotonic()
         payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
         for url, tp in zip(self.urls, self.tp_sizes):
             self._post(
@@ -200,3 +224,4 @@ class CudaIpcSGLangSender(_SGLangSender):
                 self.timeout_s,
             )
         del tensors
+        return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes

