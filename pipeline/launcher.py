@@ -129,7 +129,7 @@ class Pipeline:
 
         def generators(weights_addr):
             return [
-                GeneratorActor.options(**on(1 + i)).remote(cfg, f"gen-{i}", buffer_addr, weights_addr, share)
+                GeneratorActor.options(**on(1 + i)).remote(cfg, i, buffer_addr, weights_addr, share)
                 for i in range(n_gen)
             ]
 

@@ -42,7 +42,25 @@ from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 log = logging.getLogger(__name__)
 
 
-VERSION_POLL_S = 0.25
+VERSION_POLL_S = 0.5
+
+
+def ipc_bucket_body(bucket: list[tuple[str, torch.Tensor]], tp_size: int, device) -> tuple[dict, torch.Tensor]:
+    """The /update_weights_from_tensor body for one bucket of GPU tensors, and the flat tensor the server
+    maps by CUDA IPC: the caller keeps it alive until the server answered."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    monkey_patch_torch_reductions()  # IPC handles name the device by UUID: right GPU whatever each sees
+    flat = FlattenedTensorBucket(named_tensors=bucket)  # one IPC handle per bucket, not per tensor
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    ser = MultiprocessingSerializer.serialize(data, output_str=True)
+    torch.cuda.synchronize(device)  # the bucket is written before the server maps it
+    # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted); in-flight
+    # sequences keep their old-weight KV (in_place) by design; see SGLangConfig.radix_cache
+    body = {"serialized_named_tensors": [ser] * tp_size, "load_format": "flattened_bucket", "flush_cache": False}
+    return body, data["flattened_tensor"]
 
 
 class EngineError(RuntimeError):
@@ -467,11 +485,6 @@ class SGLangEngine(Engine):
         return t
 
     def _push_ipc(self, named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> None:
-        from sglang.srt.utils.common import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        monkey_patch_torch_reductions()  # device by UUID, so the server maps the right GPU
         dev = torch.device("cuda", self.gpu_id)
         limit, bucket, size = bucket_mb << 20, [], 0
         buckets = []
@@ -486,14 +499,8 @@ class SGLangEngine(Engine):
             self._held.update({n: x.to("cpu", copy=True) for n, x in named})
             self._held_pending = True
         for b in buckets:
-            flat = FlattenedTensorBucket(named_tensors=b)  # one IPC handle per bucket, not per tensor
-            data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-            ser = MultiprocessingSerializer.serialize(data, output_str=True)
-            torch.cuda.synchronize(dev)  # the bucket is written before the server maps it
-            # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted);
-            # in-flight sequences keep their old-weight KV (in_place) by design; see cfg.radix_cache
-            body = {"serialized_named_tensors": [ser] * self.cfg.tp_size, "load_format": "flattened_bucket"}
-            self._post("/update_weights_from_tensor", {**body, "flush_cache": False})
+            body, _keep = ipc_bucket_body(b, self.cfg.tp_size, dev)
+            self._post("/update_weights_from_tensor", body)
 
     def init_weights_update_group(
         self,

@@ -133,6 +133,9 @@ class NcclSGLangSender(_SGLangSender):
         self.master_address = master_address
         self.group_name = group_name
         self._group = None
+        # Form the group now, while the servers generate normally: a server paused for a push may not
+        # serve the join request, and the first push would then wait for a group that never forms.
+        self._join()
 
     def _join(self) -> None:
         """Form the trainer<->engines NCCL group once (every server and rank 0 rendezvous together)."""
@@ -206,22 +209,14 @@ class CudaIpcSGLangSender(_SGLangSender):
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
     def _send_bucket(self, group, version: int) -> float:
-        from sglang.srt.utils import MultiprocessingSerializer
+        from stages.rollout.sglang_engine import ipc_bucket_body
 
-        tensors = [(n, t.cuda().contiguous()) for n, t in group]  # kept alive until every server answered
-        torch.cuda.synchronize()
         t0 = time.monotonic()
-        payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        tensors = [(n, t.to(dev).contiguous()) for n, t in group]
         for url, tp in zip(self.urls, self.tp_sizes):
-            self._post(
-                url,
-                "/update_weights_from_tensor",
-                {
-                    "serialized_named_tensors": [payload] * tp,
-                    "flush_cache": self.flush_cache,
-                    "weight_version": str(version),
-                },
-                self.timeout_s,
-            )
-        del tensors
+            body, flat = ipc_bucket_body(tensors, tp, dev)  # flat stays alive until the server answered
+            body["weight_version"] = str(version)
+            self._post(url, "/update_weights_from_tensor", body, self.timeout_s)
+            del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
