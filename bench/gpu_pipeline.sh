@@ -8,7 +8,9 @@ cfg=$1; name=$2; limit=$3; shift 3
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/out}/$name; mkdir -p "$out"
-run=/tmp/runs/$name
+# the run directory lives under $OUT: whatever happens (a call cut off by its time limit included), the
+# metrics written so far come back. The buffer's segments stay out of it (they can be large).
+run=$out/run
 python - <<'PY' || exit 1
 import importlib, time
 t = time.time()
@@ -19,9 +21,8 @@ print(f"preflight ok: {torch.cuda.device_count()} GPUs, imports {time.time() - t
 PY
 python -m pipeline --config "$cfg" run.dir="$run" run.time_limit_s="$limit" metrics.tensorboard=false \
   model.cache_dir=/tmp/models rollout.data.source=bench/data/basic_arithmetic.jsonl rollout.reward.fn=math \
-  rollout.sglang.log_dir="$run/sglang" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -60
+  rollout.sglang.log_dir="$run/sglang" buffer.dir=/tmp/buffer-$name "$@" 2>&1 | grep -v "Warning\|warn(" | tail -60
 rc=${PIPESTATUS[0]}
-cp "$run"/metrics.jsonl "$run"/config.yaml "$out"/ 2>/dev/null
 grep -v "GET /model_info\|GET /health" "$run"/sglang/*.log | tail -120 > "$out"/sglang-tail.log 2>/dev/null
 python bench/pipeline_summary.py "$run" | tee "$out"/summary.json
 exit $rc

@@ -123,7 +123,8 @@ class Pipeline:
                 )
             }
 
-        self.buffer = BufferActor.options(**on(0)).remote(cfg, str(self.run_dir / "buffer"))
+        buffer_dir = cfg.buffer.dir or str(self.run_dir / "buffer")
+        self.buffer = BufferActor.options(**on(0)).remote(cfg, buffer_dir)
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
         share = max(1, cfg.trainer.batch_groups // n_gen)
 
