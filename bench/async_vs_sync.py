@@ -32,7 +32,12 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.3, help="mean extra seconds per group (long tail)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    # the workload (both modes): 8 groups x 8 samples per step, up to 32 groups in flight, a 64-sequence
+    # engine batch, no KL term (the reference forward is the same in both modes and only adds CPU load
+    # on 2 cores); everything else as configs/default.yaml
     common = [
+        "rollout.max_batch_size=64",
+        "trainer.loss.kl_coef=0",
         f"run.steps={args.steps}",
         f"rollout.delay_model=longtail:{args.delay}",
         "rollout.max_inflight_groups=32",

@@ -89,6 +89,7 @@ class Buffer:
         self.version = 0
         self.live_rows = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        self.evicted_by_producer: collections.Counter[str] = collections.Counter()  # generator_id -> groups
         self._chunks: dict[int, pa.RecordBatch] = {}
         self._live_mask: dict[int, np.ndarray] = {}
         self._chunk_live: dict[int, int] = {}
@@ -269,6 +270,9 @@ class Buffer:
             return 0
         uids = [u for g in stale for u in g.uids]
         for g in stale:
+            if g.rows:  # whose group: generators take evicted groups out of their admission count
+                _, cid, row = g.rows[0]
+                self.evicted_by_producer[self._chunks[cid].column("generator_id")[row].as_py()] += 1
             self._retire(g)
         self.counters["evicted_stale"] += len(uids)
         self.counters["evicted_groups"] += len(stale)
@@ -373,6 +377,7 @@ class Buffer:
             "segment_fsyncs": self._writer.fsyncs if self._writer else 0,
             **{k: v for k, v in sorted(self.counters.items())},
             "recovery": self.recovery,
+            "evicted_groups_by_producer": dict(self.evicted_by_producer),
         }
 
     def live_table(self) -> pa.Table:

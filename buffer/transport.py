@@ -22,6 +22,14 @@ class SampleSink(ABC):
     def put(self, samples: list[Sample], timeout_s: float = 60.0) -> IngestAck:
         """Send samples; resend until acked; raise BufferUnavailable after timeout_s."""
 
+    def evicted_groups(self, producer: str) -> int:
+        """How many of `producer`'s groups (by Sample.generator_id) the buffer evicted as too stale.
+        They will never be trained on, so a generator's admission control must stop counting them as
+        pending; otherwise each eviction shrinks its window for good (and enough of them starve the
+        trainer). 0 where the sink cannot tell."""
+        stats = getattr(self, "stats", None)
+        return int(stats().get("evicted_groups_by_producer", {}).get(producer, 0)) if stats else 0
+
     def close(self) -> None:  # noqa: B027
         pass
 

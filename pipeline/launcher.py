@@ -199,6 +199,7 @@ class Pipeline:
                 raise StageFailed(f"{name} stopped before the run ended")
             m = self._wait(step_ref, "trainer")
             m.update(self._generator_metrics())
+            m.update(self._buffer_metrics())
             if eval_ref is not None and ray.wait([eval_ref], timeout=0)[0]:
                 m.update(self._wait(eval_ref, "evaluator"))
                 eval_ref = None
@@ -217,10 +218,13 @@ class Pipeline:
         for key in (
             "samples",
             "tokens",
+            "groups_started",
             "groups_finished",
             "groups_filtered",
             "groups_failed",
+            "groups_running",
             "samples_failed",
+            "admission_wait_s",
         ):
             out[f"generator/{key}"] = sum(s.get(key, 0) for s in stats)
         busy = sum(s.get("engine_busy_s", 0.0) for s in stats)
@@ -229,6 +233,18 @@ class Pipeline:
             out["generator/idle_share"] = idle / (busy + idle)
         out["generator/engine_version_min"] = min(s.get("engine_version", 0) for s in stats)
         return out
+
+    def _buffer_metrics(self) -> dict:
+        st = self._wait(self.buffer.stats.remote(), "buffer")
+        keys = (
+            "rows",
+            "complete_groups",
+            "evicted_stale",
+            "evicted_groups",
+            "duplicates",
+            "rejected_messages",
+        )
+        return {f"buffer/{k}": st[k] for k in keys if isinstance(st.get(k), int | float)}
 
     # -- shutdown ----------------------------------------------------------------------------------
     def shutdown(self, failed: bool) -> dict:

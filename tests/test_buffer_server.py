@@ -210,3 +210,19 @@ def test_acks_wait_for_the_segment_fsync_and_a_failed_write_is_an_error(tmp_path
     finally:
         c.close()
         srv.stop()
+
+
+def test_evicted_groups_are_reported_per_generator():
+    with BufferServer(BufferConfig(durable=False)) as srv:
+        c = BufferClient(srv.address, timeout_s=10)
+        old = [
+            msgspec.structs.replace(s, generator_id="gen-a")
+            for s in synthetic_samples(2, version=0, prefix="a")
+        ]
+        new = [
+            msgspec.structs.replace(s, generator_id="gen-b")
+            for s in synthetic_samples(1, version=5, prefix="b")
+        ]
+        c.put(old + new)
+        assert c.fetch(1, version=5, max_staleness=1, timeout_s=5) is not None  # evicts gen-a's 2 groups
+        assert c.evicted_groups("gen-a") == 2 and c.evicted_groups("gen-b") == 0

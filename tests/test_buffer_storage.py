@@ -61,6 +61,8 @@ def test_staleness_eviction_counts_and_logs(tmp_path):
     res = buf.fetch(1, version=4, max_staleness=2)
     assert uids(res.batch)[0].startswith("new") and res.evicted == 8 + 2
     assert buf.stats()["evicted_stale"] == 10 and buf.live_rows == 0
+    # per producer (Sample.generator_id), for the generators' admission control: 2 + 1 groups
+    assert sum(buf.stats()["evicted_groups_by_producer"].values()) == 3
     ops = [r.op for r in iter_log(tmp_path)]
     assert "evicted" in ops and "served" in ops
 

@@ -219,3 +219,33 @@ def msgspec_replace(cfg, **rollout):
     import msgspec
 
     return msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, **rollout))
+
+
+class EvictingSink(FakeSink):
+    """A buffer that evicted `evicted` of this generator's groups and whose trainer never advances."""
+
+    def __init__(self, evicted: int):
+        super().__init__()
+        self.evicted = evicted
+
+    def evicted_groups(self, producer: str) -> int:
+        return self.evicted if producer == "gen-evict" else 0
+
+
+def test_evicted_groups_free_their_admission_places(cfg, engine):
+    # engine version 0, batch 2: admission allows (0 + max_staleness + 1) * 2 pending groups. When the
+    # buffer evicted 3 of them as too stale (they will never be trained on), 3 more may start.
+    engine.update_weights([], version=0)
+    window = (cfg.run.max_staleness + 1) * 2
+
+    async def run(sink):
+        gen = Generator(cfg, sink, engine, "gen-evict", batch_groups=2)
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(3.0)  # long enough to start everything admissible and to poll the buffer
+        gen.stop()
+        await asyncio.wait_for(task, 30)
+        return gen.stats()
+
+    assert asyncio.run(run(FakeSink()))["groups_started"] == window
+    stats = asyncio.run(run(EvictingSink(evicted=3)))
+    assert stats["groups_evicted"] == 3 and stats["groups_started"] == window + 3

@@ -44,6 +44,9 @@ def nonzero_std(samples: list[Sample]) -> bool:
 FILTERS: dict[str, GroupFilter | None] = {"none": None, "nonzero_std": nonzero_std}
 
 
+EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
+
+
 class Generator:
     """Streams scored, version-tagged GRPO groups from `engine` into `sink`.
 
@@ -100,10 +103,12 @@ class Generator:
                 "samples_failed",
                 "tokens",
                 "admission_waits",
+                "groups_evicted",
             ),
             0,
         )
         self.admission_wait_s = 0.0
+        self._evicted_polled = 0.0
         self._running = 0
         self._stopping = False
         self._wake: asyncio.Event | None = None
@@ -139,8 +144,21 @@ class Generator:
         if self.batch_groups <= 0:
             return True
         c = self.counters
-        live = c["groups_started"] - c["groups_filtered"] - c["groups_failed"]
+        # groups the buffer evicted as too stale will never be consumed: they no longer hold a place
+        live = c["groups_started"] - c["groups_filtered"] - c["groups_failed"] - c["groups_evicted"]
         return live < (self.admission_version() + self.max_staleness + 1) * self.batch_groups
+
+    async def _refresh_evicted(self) -> None:
+        """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
+        groups it evicted: acks stop while we are held back, so they cannot carry this news."""
+        now = time.monotonic()
+        ask = getattr(self.sink, "evicted_groups", None)  # SampleSink has it; a duck-typed sink may not
+        if ask is None or now - self._evicted_polled < EVICTED_POLL_S:
+            return
+        self._evicted_polled = now
+        n = await asyncio.to_thread(ask, self.id)
+        if n > self.counters["groups_evicted"]:
+            self.counters["groups_evicted"] = n
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self, stop_event: asyncio.Event | None = None, max_groups: int | None = None) -> dict:
@@ -158,6 +176,8 @@ class Generator:
                     held_back = self._running < limit  # by staleness admission, not by the in-flight cap
                     self.counters["admission_waits"] += held_back
                     t0 = time.perf_counter()
+                    if held_back:
+                        await self._refresh_evicted()
                     await self._wait(stop_event)
                     self.admission_wait_s += (time.perf_counter() - t0) * held_back
                     continue
