@@ -14,6 +14,15 @@ import uuid
 import ray
 
 
+def _quiet() -> None:
+    """Megatron warns on import that optional fused kernels (Apex, Transformer Engine) are missing; on
+    a CPU run that is expected and says nothing the user can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back).*")
+    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+
+
 def _threads(n: int) -> None:
     """Pin torch's intra-op threads to the CPUs this actor was given (oversubscription on a small
     machine costs more than it gains: two stages each spinning 2 threads on 2 cores halves both)."""
@@ -111,6 +120,7 @@ class TrainerActor:
         cpus: int = 1,
     ):
         _threads(cfg.trainer.threads or cpus)
+        _quiet()
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
@@ -194,6 +204,8 @@ def actor_env() -> dict:
             "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",  # no per-process "Loading weights" progress bars
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
             # GPUs are placed by the config (trainer on cuda:0, rollout.sglang.base_gpu_id),
             # not by Ray: keep every GPU visible to every actor
             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
