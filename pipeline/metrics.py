@@ -109,7 +109,7 @@ def plot_history(history: list[dict[str, Any]], out: str | Path) -> Path:
     ax1.plot(xs, ys, alpha=0.35, label="train reward (mean per step)")
     w = max(1, len(ys) // 50)
     if w > 1:  # the per-step mean is noisy: draw its moving average over ~2% of the run on top
-        smooth = [sum(ys[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
+        smooth = [sum(ys[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
         ax1.plot(xs, smooth, label=f"moving average ({w} steps)")
     if any("eval/accuracy" in h for h in history):
         ax1.plot(*series("eval/accuracy"), "o-", label="eval accuracy")

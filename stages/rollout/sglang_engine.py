@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 VERSION_POLL_S = 0.5
 
 
-def ipc_bucket_body(bucket: list[tuple[str, torch.Tensor]], tp_size: int, device) -> tuple[dict, torch.Tensor]:
+def ipc_bucket_body(
+    bucket: list[tuple[str, torch.Tensor]], tp_size: int, device
+) -> tuple[dict, torch.Tensor]:
     """The /update_weights_from_tensor body for one bucket of GPU tensors, and the flat tensor the server
     maps by CUDA IPC: the caller keeps it alive until the server answered."""
     from sglang.srt.utils.common import MultiprocessingSerializer
@@ -59,7 +61,11 @@ def ipc_bucket_body(bucket: list[tuple[str, torch.Tensor]], tp_size: int, device
     torch.cuda.synchronize(device)  # the bucket is written before the server maps it
     # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted); in-flight
     # sequences keep their old-weight KV (in_place) by design; see SGLangConfig.radix_cache
-    body = {"serialized_named_tensors": [ser] * tp_size, "load_format": "flattened_bucket", "flush_cache": False}
+    body = {
+        "serialized_named_tensors": [ser] * tp_size,
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+    }
     return body, data["flattened_tensor"]
 
 
