@@ -22,13 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="a.b=c", help="config overrides (YAML values)")
     args = ap.parse_args(argv)
 
-    from pipeline.config import ConfigError, load_config, to_dict
+    from pipeline.config import load_config_or_exit, to_dict
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"run-pipeline: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides, "run-pipeline")
     if args.print_config:
         import yaml
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,6 +140,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         _set(tree, *parse_override(text))
     return from_dict(tree, where=str(path))
+
+
+def load_config_or_exit(path: str | Path | None, overrides: list[str] | None, prog: str) -> RunConfig:
+    """load_config for command lines: a bad config prints the reason and exits with status 2."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def from_dict(tree: dict, where: str = "config") -> RunConfig:

@@ -82,3 +82,14 @@ def test_config_overrides_and_unknown_keys(tmp_path):
     out = write_resolved(cfg, tmp_path / "run")
     again = load_config(out)
     assert again == cfg
+
+
+def test_cli_rejects_a_config_typo_before_starting_anything():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "trainer.lrr=1"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "unknown key trainer.lrr; did you mean trainer.lr?" in out.stderr

@@ -94,13 +94,9 @@ async def run_generators(cfg, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.config import ConfigError, load_config
+    from pipeline.config import load_config_or_exit
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides, "stages.rollout")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import asyncio
 

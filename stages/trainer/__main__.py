@@ -32,13 +32,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from pipeline.config import ConfigError, load_config, write_resolved
+    from pipeline.config import load_config_or_exit, write_resolved
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides, "stages.trainer")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     run_dir = (
         args.run_dir
