@@ -115,24 +115,28 @@ class Trainer:
     def _fetch(self) -> pa.RecordBatch:
         """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast)."""
         payload = [None]
+        shared = dist.get_world_size() > 1  # other ranks need the batch: send it as Arrow IPC bytes
         if self.rank == 0:
             try:
                 batch = self.source.fetch(
                     self.tc.batch_groups, self.version, self.cfg.run.max_staleness, self.tc.fetch_timeout_s
                 )
-                payload[0] = ("ok", _to_ipc(batch)) if batch is not None else ("timeout", None)
+                if batch is None:
+                    payload[0] = ("timeout", None)
+                else:
+                    payload[0] = ("ok", _to_ipc(batch) if shared else batch)
             except SourceExhausted:
                 payload[0] = ("exhausted", None)
-        if dist.get_world_size() > 1:
+        if shared:
             dist.broadcast_object_list(
                 payload, src=0, device=self.device if self.device.type == "cuda" else None
             )
-        kind, raw = payload[0]
+        kind, data = payload[0]
         if kind == "exhausted":
             raise SourceExhausted("the replay source has no more complete groups")
         if kind == "timeout":
             raise TimeoutError(self._fetch_timeout_message())
-        return pa.ipc.open_stream(raw).read_next_batch()
+        return pa.ipc.open_stream(data).read_next_batch() if shared else data
 
     def _fetch_timeout_message(self) -> str:
         where = getattr(self.source, "address", None) or type(self.source).__name__
