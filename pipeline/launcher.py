@@ -95,6 +95,7 @@ class Pipeline:
         self.generators: list = []
         self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
         self.pg = None
+        self._last: tuple[float, int] | None = None  # (time, generated tokens) at the previous step
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,6 +201,7 @@ class Pipeline:
             m = self._wait(step_ref, "trainer")
             m.update(self._generator_metrics())
             m.update(self._buffer_metrics())
+            self._rates(m)
             if eval_ref is not None and ray.wait([eval_ref], timeout=0)[0]:
                 m.update(self._wait(eval_ref, "evaluator"))
                 eval_ref = None
@@ -233,6 +235,16 @@ class Pipeline:
             out["generator/idle_share"] = idle / (busy + idle)
         out["generator/engine_version_min"] = min(s.get("engine_version", 0) for s in stats)
         return out
+
+    def _rates(self, m: dict) -> None:
+        """Generated and trained tokens/s since the previous step (the driver's clock)."""
+        now = time.monotonic()
+        gen, trained = m.get("generator/tokens", 0), m.get("tokens/total", 0.0)
+        if self._last is not None:
+            dt = max(now - self._last[0], 1e-9)
+            m["throughput/generated_tokens_per_s"] = (gen - self._last[1]) / dt
+            m["throughput/trained_tokens_per_s"] = trained / dt
+        self._last = (now, gen)
 
     def _buffer_metrics(self) -> dict:
         st = self._wait(self.buffer.stats.remote(), "buffer")

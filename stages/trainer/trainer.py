@@ -320,6 +320,12 @@ class Trainer:
             "entropy": red.get("sum/entropy", 0.0) / ntok,
             "staleness/mean": float(stale.float().mean()),
             "staleness/max": float(stale.max()),
+            **{
+                f"staleness/hist_{k}": int(c)
+                for k, c in enumerate(torch.bincount(stale.clamp(min=0)).tolist())
+            },
+            # share of samples the verifier scored as fully right (reward >= 1): the accuracy of training data
+            "reward/accuracy": float((tb.rewards >= 1.0).float().mean()),
             "reward/mean": float(tb.rewards.mean()),
             "reward/std": float(tb.rewards.std(correction=0)),
             "adv/abs_mean": float(adv.abs().mean()),
