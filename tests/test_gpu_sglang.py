@@ -192,7 +192,7 @@ def test_killed_server_is_restarted_at_current_weights(engine, tiny):
 
 
 def test_pool_balances_by_outstanding(engine):
-    from stages.rollout.sglang_engine import EnginePool
+    from stages.rollout.engine_pool import EnginePool
 
     pool = EnginePool([engine])
     res = asyncio.run(pool.generate(requests(6, 8, seed=9)))

@@ -28,7 +28,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
             version=version,
         )
     if r.engine == "sglang":
-        from stages.rollout.sglang_engine import EnginePool
+        from stages.rollout.engine_pool import EnginePool
 
         return EnginePool.launch(
             path, r.sglang, r.engines_per_generator, dtype=cfg.model.dtype, version=version

@@ -1,0 +1,125 @@
+"""Several SGLang engines behind one Engine: requests go to the engine with the fewest outstanding ones,
+and weight updates run on every engine at once (a collective needs all ranks together)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from stages.rollout.config import SGLangConfig
+from stages.rollout.engine import Engine, GenRequest, GenResult
+from stages.rollout.sglang_engine import SGLangEngine
+
+
+class EnginePool(Engine):
+    """Several engines behind one Engine: each request goes to the engine with the fewest outstanding."""
+
+    def __init__(self, engines: list[SGLangEngine]):
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        self.engines = list(engines)
+
+    @classmethod
+    def launch(
+        cls, model_path: str | Path, cfg: SGLangConfig, n: int, *, dtype: str = "bfloat16", version: int = 0
+    ) -> EnginePool:
+        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free)."""
+
+        def make(i: int) -> SGLangEngine:
+            port = cfg.port + 10 * i if cfg.port else None
+            gpu = cfg.base_gpu_id + i * cfg.tp_size
+            return SGLangEngine(
+                model_path, cfg, dtype=dtype, version=version, name=f"sglang-{i}", gpu_id=gpu, port=port
+            )
+
+        with ThreadPoolExecutor(n) as ex:
+            futs = [ex.submit(make, i) for i in range(n)]
+        started = [f.result() for f in futs if f.exception() is None]
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if errors:
+            for e in started:
+                e.close()
+            raise errors[0]
+        return cls(started)
+
+    async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        load = [e.outstanding for e in self.engines]
+        parts: list[list[int]] = [[] for _ in self.engines]
+        for i in range(len(requests)):
+            k = min(range(len(load)), key=load.__getitem__)
+            parts[k].append(i)
+            load[k] += 1
+        outs = await asyncio.gather(
+            *(e.generate([requests[i] for i in p]) for e, p in zip(self.engines, parts) if p)
+        )
+        results: list[GenResult | None] = [None] * len(requests)
+        for p, out in zip([p for p in parts if p], outs):
+            for i, r in zip(p, out):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    @property
+    def version(self) -> int:
+        return min(e.version for e in self.engines)
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return [e.cfg.tp_size for e in self.engines]
+
+    def _each(self, fn) -> list:
+        """Run fn(engine_index, engine) on every engine at once (collectives need all ranks together)."""
+        with ThreadPoolExecutor(len(self.engines)) as ex:
+            return list(ex.map(lambda ie: fn(*ie), enumerate(self.engines)))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> list[dict]:
+        named = list(named_tensors)
+        return [e.update_weights(named, version) for e in self.engines]
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> list[dict]:
+        """All engines join one group: engine i takes ranks rank_offset + i*tp_size ...; world_size counts
+        the trainer's rank 0 plus every engine rank."""
+        return self._each(
+            lambda i, e: e.init_weights_update_group(
+                master_address, master_port, rank_offset + i * e.cfg.tp_size, world_size, group_name
+            )
+        )
+
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, *, version=None
+    ) -> list[dict]:
+        return self._each(
+            lambda i, e: e.update_weights_from_distributed(names, dtypes, shapes, group_name, version=version)
+        )
+
+    def pause(self) -> None:
+        self._each(lambda i, e: e.pause())
+
+    def resume(self) -> None:
+        self._each(lambda i, e: e.resume())
+
+    def check_health(self) -> list[bool]:
+        return self._each(lambda i, e: e.check_health())
+
+    def restart_unhealthy(self) -> list[int]:
+        """Restart every engine that fails check_health(); returns their indices."""
+        bad = [i for i, ok in enumerate(self.check_health()) if not ok]
+        for i in bad:
+            self.engines[i].restart()
+        return bad
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def stats(self) -> dict:
+        return {e.name: e.stats() for e in self.engines}
