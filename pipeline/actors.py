@@ -135,6 +135,11 @@ class TrainerActor:
             pause_mode=sg.pause_mode,
         )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
+        if self.trainer.version > 0:
+            # resumed from a checkpoint: the engines start from the base model at version 0, and their
+            # groups would all be too stale; send them the checkpoint's weights first (in the background:
+            # the sender waits for the engines to connect, and they are started after this actor)
+            self.trainer.push_weights()
         self.sync = cfg.run.mode == "sync"
         self._idle_s = 0.0
         self._t0 = time.perf_counter()

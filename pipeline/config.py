@@ -173,6 +173,19 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("run.steps must be >= 1")
     if cfg.run.max_staleness < 0:
         raise ConfigError("run.max_staleness must be >= 0 (0 = fully on-policy)")
+    staleness = 0 if cfg.run.mode == "sync" else cfg.run.max_staleness
+    if not 1 <= cfg.weights.push_every <= staleness + 1:
+        raise ConfigError(
+            f"weights.push_every={cfg.weights.push_every} with run.max_staleness={staleness}"
+            f"{' (sync mode)' if cfg.run.mode == 'sync' else ''}: generators only start groups their engine's "
+            "weights can still be trained on, so the engines must get new weights at least every "
+            "max_staleness + 1 steps; set weights.push_every between 1 and that"
+        )
+    if cfg.rollout.num_generators > cfg.trainer.batch_groups:
+        raise ConfigError(
+            f"rollout.num_generators={cfg.rollout.num_generators} > trainer.batch_groups="
+            f"{cfg.trainer.batch_groups}: each generator needs at least one group of every batch"
+        )
     if cfg.eval.every_steps and cfg.rollout.engine != "torch":
         raise ConfigError(
             "eval.every_steps > 0 runs a held-out torch engine beside training; with "

@@ -127,11 +127,14 @@ class Pipeline:
         buffer_dir = cfg.buffer.dir or str(self.run_dir / "buffer")
         self.buffer = BufferActor.options(**on(0)).remote(cfg, buffer_dir)
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
-        share = max(1, cfg.trainer.batch_groups // n_gen)
+        # each generator's share of a trainer batch (admission control); together exactly batch_groups,
+        # else the generators could never admit a full batch per version and the trainer would starve
+        bg = cfg.trainer.batch_groups
+        shares = [bg // n_gen + (i < bg % n_gen) for i in range(n_gen)]
 
         def generators(weights_addr):
             return [
-                GeneratorActor.options(**on(1 + i)).remote(cfg, i, buffer_addr, weights_addr, share)
+                GeneratorActor.options(**on(1 + i)).remote(cfg, i, buffer_addr, weights_addr, shares[i])
                 for i in range(n_gen)
             ]
 

@@ -93,3 +93,14 @@ def test_cli_rejects_a_config_typo_before_starting_anything():
     )
     assert out.returncode == 2
     assert "unknown key trainer.lrr; did you mean trainer.lr?" in out.stderr
+
+
+def test_cross_section_checks_name_both_keys(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"weights.push_every=2 with run.max_staleness=0 \(sync mode\)"):
+        load_config(p, ["run.mode=sync", "weights.push_every=2"])
+    with pytest.raises(ConfigError, match=r"temperature=0.0: must be > 0"):
+        load_config(p, ["rollout.sampling.temperature=0"])
+    with pytest.raises(ConfigError, match="num_generators=9 > trainer.batch_groups=8"):
+        load_config(p, ["rollout.num_generators=9", "trainer.batch_groups=8"])

@@ -96,3 +96,12 @@ def test_resolve_errors_name_the_fix():
         resolve_reward_fn("no_such_module:f")
     with pytest.raises(AttributeError, match="missing"):
         resolve_reward_fn("json:missing")
+
+
+def test_a_non_finite_reward_fails_the_sample_instead_of_poisoning_its_group():
+    def nan_reward(sample, response):
+        return float("nan")
+
+    s = Sample(uid="u", group_id="g")
+    asyncio.run(RewardScorer(nan_reward).score([s], ["x"]))
+    assert s.status == Status.FAILED and s.reward == 0.0 and "must be finite" in s.error

@@ -19,6 +19,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,17 @@ class RewardScorer:
                 s.reward = float(value)
         except (TypeError, ValueError) as e:
             self._fail(s, TypeError(f"reward returned {value!r}, not a number or dict of numbers ({e})"))
+            return
+        if not math.isfinite(s.reward):  # a NaN would poison its whole group's advantages
+            bad = s.reward
+            s.reward = 0.0
+            self._fail(
+                s,
+                ValueError(
+                    f"reward function {getattr(self.fn, '__name__', self.fn)!r} returned "
+                    f"{bad}; rewards must be finite numbers"
+                ),
+            )
 
     def _fail(self, s: Sample, err: BaseException) -> None:
         self.failures += 1

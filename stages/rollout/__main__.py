@@ -61,7 +61,8 @@ async def run_generators(cfg, args) -> list[dict]:
     from stages.rollout.generator import Generator
 
     n = cfg.rollout.num_generators
-    share = 0 if args.dry_run else max(1, cfg.trainer.batch_groups // n)
+    bg = cfg.trainer.batch_groups  # generator i's share of a batch; the shares add up to batch_groups
+    shares = [0 if args.dry_run else bg // n + (i < bg % n) for i in range(n)]
     gens, sinks = [], []
     for i in range(n):
         if args.dry_run:
@@ -72,7 +73,7 @@ async def run_generators(cfg, args) -> list[dict]:
 
             sink = BufferClient(args.buffer, producer=f"{args.id_prefix}-{i}")
         gen = Generator(
-            cfg, sink, build_engine(cfg, seed=cfg.run.seed * 1000 + i), f"{args.id_prefix}-{i}", share
+            cfg, sink, build_engine(cfg, seed=cfg.run.seed * 1000 + i), f"{args.id_prefix}-{i}", shares[i]
         )
         state = Path(f"{args.state}.{i}" if args.state and n > 1 else args.state or "")
         if args.state and state.exists():

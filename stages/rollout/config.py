@@ -35,6 +35,17 @@ class SamplingConfig(_Base):
     max_new_tokens: int = 16
     stop_token_ids: list[int] = []  # empty = the tokenizer's eos
 
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(
+                f"rollout.sampling.temperature={self.temperature}: must be > 0; greedy decoding has no "
+                "sampling distribution, so its logprobs cannot drive importance-sampling corrections"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.sampling.top_p={self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError("rollout.sampling.max_new_tokens must be >= 1")
+
 
 class RewardConfig(_Base):
     # built-in name ("exact_match", "math", "reasoning_gym", "digit_repeat") or "module:function"

@@ -240,9 +240,23 @@ class WeightReceiver:
                 if msg["final"]:
                     sock.send(_enc.encode(self._apply(version, pending)))
                     pending, version = {}, None
-        finally:  # a clean shutdown deregisters, so later pushes do not wait for this engine
-            sock.send(_enc.encode({"kind": "bye", "proto": PROTO, "engine": self.name}), zmq.NOBLOCK)
+        except Exception as e:  # noqa: BLE001 - a broken receiver must fail the push, not leave quietly
+            self.error = f"weight receiver {self.name} failed: {type(e).__name__}: {e}"
+            log.exception("weight receiver %s failed", self.name)
+            fail = {
+                "kind": "ack",
+                "proto": PROTO,
+                "engine": self.name,
+                "version": version,
+                "ok": False,
+                "error": self.error,
+            }
+            sock.send(_enc.encode(fail), zmq.NOBLOCK)
             sock.close(linger=500)
+            return
+        # a clean shutdown deregisters, so later pushes do not wait for this engine
+        sock.send(_enc.encode({"kind": "bye", "proto": PROTO, "engine": self.name}), zmq.NOBLOCK)
+        sock.close(linger=500)
 
     def _decode(self, msg: dict, frames) -> dict[str, torch.Tensor]:
         out = {}
