@@ -155,7 +155,6 @@ class SGLangEngine(Engine):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
-        self._version_polled = 0.0
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
         self._base = (self.model_path, version)
         self._disk: tuple[str, int] | None = None
@@ -202,6 +201,9 @@ class SGLangEngine(Engine):
         self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
         self._wait_healthy(self.cfg.startup_timeout_s)
         self._version = version
+        threading.Thread(
+            target=self._follow_version, args=(self._proc,), name=f"{self.name}-version", daemon=True
+        ).start()
         secs = time.perf_counter() - t0
         log.info("%s: SGLang up at %s (pid %d) in %.1fs", self.name, self.url, self._proc.pid, secs)
         return secs
@@ -321,15 +323,18 @@ class SGLangEngine(Engine):
     @property
     def version(self) -> int:
         """The server's weight version. A transport in another process (the trainer's NCCL / CUDA IPC
-        sender) updates the server directly, so follow the server's own `weight_version` (asked at most
-        every VERSION_POLL_S; generators read this in their admission loop)."""
-        now = time.monotonic()
-        if self._proc is not None and now - self._version_polled > VERSION_POLL_S:
-            self._version_polled = now
+        sender) updates the server directly, so follow the server's own `weight_version` (a thread asks
+        every VERSION_POLL_S; reading this never blocks)."""
+        return self._version
+
+    def _follow_version(self, proc: subprocess.Popen) -> None:
+        """Thread: poll the server's weight_version while `proc` runs. Kept out of `version` itself,
+        which the generator reads inside its event loop: a slow server must not stall every stream."""
+        while self._proc is proc and proc.poll() is None:
             v = self._server_version()
             if v is not None and v > self._version:
                 self._version = v
-        return self._version
+            time.sleep(VERSION_POLL_S)
 
     def _get_json(self, path: str, timeout: float) -> dict | None:
         try:
