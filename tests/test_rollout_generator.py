@@ -249,3 +249,26 @@ def test_evicted_groups_free_their_admission_places(cfg, engine):
     assert asyncio.run(run(FakeSink()))["groups_started"] == window
     stats = asyncio.run(run(EvictingSink(evicted=3)))
     assert stats["groups_evicted"] == 3 and stats["groups_started"] == window + 3
+
+
+def test_a_generator_held_back_for_long_says_why(cfg, engine, monkeypatch, caplog):
+    import logging
+
+    import stages.rollout.generator as generator_module
+
+    monkeypatch.setattr(generator_module, "HELD_BACK_WARN_S", 0.3)
+    engine.update_weights([], version=0)
+
+    async def run():
+        gen = Generator(cfg, FakeSink(), engine, "lonely", batch_groups=1)  # no trainer ever consumes
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(2.0)
+        gen.stop()
+        await asyncio.wait_for(task, 30)
+
+    with caplog.at_level(logging.WARNING, logger=generator_module.log.name):
+        asyncio.run(run())
+    assert any(
+        "no new group for" in r.message and "check that a trainer is running" in r.message
+        for r in caplog.records
+    )

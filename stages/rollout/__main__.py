@@ -1,8 +1,10 @@
 """Run rollout generators alone: `python -m stages.rollout --config configs/X.yaml [a.b=c ...]
-(--buffer tcp://HOST:PORT | --dry-run OUT.arrow) [--max-groups N]`.
+(--buffer tcp://HOST:PORT [--weights tcp://HOST:PORT] | --dry-run OUT.arrow) [--max-groups N]`.
 
-Against a live buffer the generators stream groups to it (admission control from its acks); with
---dry-run they write the samples to a local Arrow IPC file instead (no buffer, no admission control).
+Against a live buffer the generators stream groups to it, with admission control from their engines'
+versions; `--weights` connects each engine to a trainer's weight transport (`python -m stages.trainer
+... --weights-bind ADDR`), without it the engines keep their initial weights. With --dry-run they write
+the samples to a local Arrow IPC file instead (no buffer, no admission control).
 Arguments are parsed before torch is imported, so --help and config errors are instant.
 """
 
@@ -21,6 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--buffer", help="address of a running buffer, e.g. tcp://127.0.0.1:5555")
     where.add_argument("--dry-run", metavar="OUT", help="write samples to this Arrow IPC file instead")
+    p.add_argument("--weights", default=None, help="a trainer's weight transport to take new weights from")
     p.add_argument("--max-groups", type=int, default=None, help="stop after this many groups per generator")
     p.add_argument("--id-prefix", default="gen", help="generator ids are <prefix>-<i>")
     p.add_argument("--state", default=None, help="JSON file to resume the data position from / save it to")
@@ -63,7 +66,7 @@ async def run_generators(cfg, args) -> list[dict]:
     n = cfg.rollout.num_generators
     bg = cfg.trainer.batch_groups  # generator i's share of a batch; the shares add up to batch_groups
     shares = [0 if args.dry_run else bg // n + (i < bg % n) for i in range(n)]
-    gens, sinks = [], []
+    gens, sinks, receivers = [], [], []
     for i in range(n):
         if args.dry_run:
             path = args.dry_run if n == 1 else f"{args.dry_run}.{i}"
@@ -72,9 +75,12 @@ async def run_generators(cfg, args) -> list[dict]:
             from buffer.client import BufferClient
 
             sink = BufferClient(args.buffer, producer=f"{args.id_prefix}-{i}")
-        gen = Generator(
-            cfg, sink, build_engine(cfg, seed=cfg.run.seed * 1000 + i), f"{args.id_prefix}-{i}", shares[i]
-        )
+        engine = build_engine(cfg, seed=cfg.run.seed * 1000 + i)
+        if args.weights:
+            from stages.weights.zmq_transport import WeightReceiver
+
+            receivers.append(WeightReceiver(args.weights, engine, name=f"{args.id_prefix}-{i}"))
+        gen = Generator(cfg, sink, engine, f"{args.id_prefix}-{i}", shares[i])
         state = Path(f"{args.state}.{i}" if args.state and n > 1 else args.state or "")
         if args.state and state.exists():
             gen.load_state_dict(json.loads(state.read_text()))
@@ -86,6 +92,8 @@ async def run_generators(cfg, args) -> list[dict]:
     try:
         return await asyncio.gather(*(g.run(max_groups=args.max_groups) for g, _ in gens))
     finally:
+        for r in receivers:
+            r.close()
         for (gen, state), sink in zip(gens, sinks):
             if args.state:
                 state.write_text(json.dumps(gen.state_dict()))

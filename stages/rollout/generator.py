@@ -45,6 +45,7 @@ FILTERS: dict[str, GroupFilter | None] = {"none": None, "nonzero_std": nonzero_s
 
 
 EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
+HELD_BACK_WARN_S = 30.0  # a generator held back by admission this long says why, and again as often
 
 
 class Generator:
@@ -109,6 +110,7 @@ class Generator:
         )
         self.admission_wait_s = 0.0
         self._evicted_polled = 0.0
+        self._held_since = self._held_warned = self._held_last = 0.0
         self._running = 0
         self._stopping = False
         self._wake: asyncio.Event | None = None
@@ -148,6 +150,25 @@ class Generator:
         live = c["groups_started"] - c["groups_filtered"] - c["groups_failed"] - c["groups_evicted"]
         return live < (self.admission_version() + self.max_staleness + 1) * self.batch_groups
 
+    def _warn_if_held_back_long(self) -> None:
+        """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""
+        now = time.monotonic()
+        if now - self._held_last > 1.0:  # held back again after admitting in between: a new stretch
+            self._held_since, self._held_warned = now, now
+        elif now - self._held_warned > HELD_BACK_WARN_S:
+            self._held_warned = now
+            log.warning(
+                "generator %s: no new group for %.0fs: %d groups started at engine version %d is the most "
+                "run.max_staleness=%d allows until the trainer consumes them and pushes new weights; check "
+                "that a trainer is running against this buffer (and, standalone, --weights)",
+                self.id,
+                now - self._held_since,
+                self.counters["groups_started"],
+                self.engine.version,
+                self.max_staleness,
+            )
+        self._held_last = now
+
     async def _refresh_evicted(self) -> None:
         """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
         groups it evicted: acks stop while we are held back, so they cannot carry this news."""
@@ -178,6 +199,7 @@ class Generator:
                     t0 = time.perf_counter()
                     if held_back:
                         await self._refresh_evicted()
+                        self._warn_if_held_back_long()
                     await self._wait(stop_event)
                     self.admission_wait_s += (time.perf_counter() - t0) * held_back
                     continue
