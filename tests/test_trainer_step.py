@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.sample import samples_to_batch
+from pipeline.sample import Status, samples_to_batch
 from stages.trainer.testing import ListSource, make_batch, make_samples, make_tiny_hf
 
 
@@ -95,6 +96,14 @@ def test_errors_are_clear(model_path, tmp_path):
         tr.step()
     with pytest.raises(ValueError, match="empty batch"):
         tr.train_on_batch(make_batch(1, 2).slice(0, 0))
+    aborted = [
+        msgspec.structs.replace(
+            s, response_ids=b"", rollout_logprobs=b"", versions=b"", loss_mask=b"", status=Status.ABORTED
+        )
+        for s in make_samples(1, 2)
+    ]
+    with pytest.raises(ValueError, match=r"no response tokens at all \(statuses: \['aborted'\]"):
+        tr.train_on_batch(samples_to_batch(aborted))
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         Trainer(_cfg(micro_batch_tokens=8), ListSource([]), model_path, str(tmp_path / "b")).train_on_batch(
             make_batch(1, 2)

@@ -169,6 +169,13 @@ class Trainer:
 
         t0 = time.perf_counter()
         tb = to_token_batch(batch)
+        if len(tb.response_ids) == 0:
+            statuses = sorted(set(batch.column("status").to_pylist()))
+            raise ValueError(
+                f"batch of {tb.n} samples has no response tokens at all (statuses: {statuses}; first uids: "
+                f"{batch.column('uid').to_pylist()[:3]}): nothing to train on; check the engine's "
+                "max_new_tokens and why generation ended at once"
+            )
         adv = losses.advantages(
             tb.rewards,
             losses.group_ids_to_index(tb.group_ids),
