@@ -133,3 +133,17 @@ def test_bad_input_is_explained():
         L.policy_loss(T([0.0]), T([0.0, 0.0]), T([0.0]), T([0.0]), T([1.0]), T([0]), 1, LossConfig())
     with pytest.raises(ValueError, match="empty"):
         L.advantages(T([]), T([]), "grpo")
+
+
+def test_failed_samples_do_not_move_their_group_baseline():
+    # group 0: three real rewards of 1 and a verifier crash (placeholder 0); group 1: 0 and 1
+    r, g = T([1.0, 1.0, 1.0, 0.0, 0.0, 1.0]), T([0, 0, 0, 0, 1, 1])
+    valid = torch.tensor([True, True, True, False, True, True])
+    close(L.advantages(r, g, "grpo", valid=valid), [0.0, 0.0, 0.0, 0.0, -1.0, 1.0])
+    close(L.advantages(r, g, "grpo", std_norm=False, valid=valid), [0.0, 0.0, 0.0, 0.0, -0.5, 0.5])
+    # without the mask the crash would reward the three correct answers (the bug this guards against)
+    assert float(L.advantages(r, g, "grpo")[0]) > 0.5
+    # reinforce_pp: whitened over the valid samples only (4 ones and a zero), the failed one gets 0
+    adv = L.advantages(r, g, "reinforce_pp", valid=valid)
+    assert float(adv[3]) == 0.0
+    close(adv[[0, 1, 2, 4, 5]], [0.5, 0.5, 0.5, -2.0, 0.5])

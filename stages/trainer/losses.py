@@ -50,7 +50,11 @@ def group_ids_to_index(group_ids: list[str]) -> torch.Tensor:
 
 
 def advantages(
-    rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo", std_norm: bool = True
+    rewards: torch.Tensor,
+    groups: torch.Tensor,
+    kind: str = "grpo",
+    std_norm: bool = True,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample-level advantages [n] from rewards [n] and group indices [n].
 
@@ -58,15 +62,20 @@ def advantages(
     reinforce_pp:           r whitened over the batch (REINFORCE++, no baseline)
     reinforce_pp_baseline:  (r - mean_group), then whitened over the batch
     Population std (correction 0), as in most GRPO implementations.
+    `valid` [n] bool: samples whose reward is real (not FAILED / ABORTED). Only they enter the group and
+    batch statistics, and the others get advantage 0: a verifier crash's placeholder reward of 0 must
+    not move its group's baseline.
     """
     _check(rewards=rewards, groups=groups)
     r = rewards.double()
     g = groups.long()
+    w = torch.ones_like(r) if valid is None else valid.to(r.dtype)
+    r = r * w  # a placeholder reward must not leak through 0 * inf
     ng = int(g.max()) + 1
-    cnt = torch.zeros(ng, dtype=r.dtype).index_add(0, g, torch.ones_like(r))
+    cnt = torch.zeros(ng, dtype=r.dtype).index_add(0, g, w).clamp(min=1.0)
     mean = torch.zeros(ng, dtype=r.dtype).index_add(0, g, r) / cnt
     if kind in ("grpo", "gspo"):
-        centred = r - mean[g]
+        centred = (r - mean[g]) * w
         if not std_norm:
             return centred.float()
         var = torch.zeros(ng, dtype=r.dtype).index_add(0, g, centred**2) / cnt
@@ -74,13 +83,15 @@ def advantages(
     if kind == "reinforce_pp":
         base = r
     elif kind == "reinforce_pp_baseline":
-        base = r - mean[g]
+        base = (r - mean[g]) * w
     else:
         raise ValueError(
             f"unknown advantage estimator {kind!r} (grpo, gspo, reinforce_pp, reinforce_pp_baseline)"
         )
-    std = base.std(correction=0) if len(base) > 1 else torch.zeros((), dtype=r.dtype)
-    return ((base - base.mean()) / (std + EPS)).float()
+    m = max(float(w.sum()), 1.0)
+    mu = (base * w).sum() / m
+    std = (((base - mu) * w) ** 2).sum().div(m).sqrt() if m > 1 else torch.zeros((), dtype=r.dtype)
+    return ((base - mu) * w / (std + EPS)).float()
 
 
 # -- off-policy correction -----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class TokenBatch:
     mask: torch.Tensor  # [T] float32
     seq: torch.Tensor  # [T] sample index
     rewards: torch.Tensor  # [n] float32
+    trainable: torch.Tensor  # [n] bool: status completed/truncated (FAILED / ABORTED rewards are not real)
     group_ids: list[str]
 
 
@@ -91,6 +92,7 @@ def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
         mask=mask,
         seq=seq,
         rewards=torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)),
+        trainable=ok,
         group_ids=[str(g) for g in batch.column("group_id").to_pylist()],
     )
 

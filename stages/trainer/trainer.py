@@ -181,6 +181,7 @@ class Trainer:
             losses.group_ids_to_index(tb.group_ids),
             self.tc.loss.advantage,
             self.tc.loss.grpo_std_norm,
+            valid=tb.trainable,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
         mbs = pack(tb, shard, self.tc.micro_batch_tokens, one_per_row=self.policy.te)
