@@ -167,13 +167,18 @@ def _dotted(msg: str) -> str:
     return f"{m.group(1)}: {msg[: m.start()]}" if m else msg
 
 
+def effective_staleness(cfg: RunConfig) -> int:
+    """The staleness bound the stages run with: sync mode is async with a bound of 0."""
+    return 0 if cfg.run.mode == "sync" else cfg.run.max_staleness
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-section checks that no single sub-config can make on its own."""
     if cfg.run.steps < 1:
         raise ConfigError("run.steps must be >= 1")
     if cfg.run.max_staleness < 0:
         raise ConfigError("run.max_staleness must be >= 0 (0 = fully on-policy)")
-    staleness = 0 if cfg.run.mode == "sync" else cfg.run.max_staleness
+    staleness = effective_staleness(cfg)
     if not 1 <= cfg.weights.push_every <= staleness + 1:
         raise ConfigError(
             f"weights.push_every={cfg.weights.push_every} with run.max_staleness={staleness}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.config import RunConfig, write_resolved
+from pipeline.config import RunConfig, effective_staleness, write_resolved
 from pipeline.metrics import MetricsWriter
 from pipeline.progress import Progress, summary
 
@@ -57,8 +57,9 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 def effective(cfg: RunConfig) -> RunConfig:
     """The config the stages run with: sync mode is async with staleness 0 (see module docstring)."""
-    if cfg.run.mode == "sync" and cfg.run.max_staleness != 0:
-        return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, max_staleness=0))
+    bound = effective_staleness(cfg)
+    if bound != cfg.run.max_staleness:
+        return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, max_staleness=bound))
     return cfg
 
 
@@ -346,6 +347,4 @@ def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool 
 def print_summary(res: RunResult) -> None:
     if res.error:
         print(f"\nerror: {res.error}")
-    print(
-        summary(str(res.run_dir), res.history, res.elapsed_s, str(res.plot) if res.plot else None, res.status)
-    )
+    print(summary(str(res.run_dir), res.history, res.elapsed_s, res.status))

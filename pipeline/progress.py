@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -50,9 +51,7 @@ class Progress:
             self.stream.flush()
 
 
-def summary(
-    run_dir: str, history: list[dict[str, Any]], elapsed_s: float, plot: str | None, status: str
-) -> str:
+def summary(run_dir: str, history: list[dict[str, Any]], elapsed_s: float, status: str) -> str:
     """A few lines naming the run directory and what is in it."""
     rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
     first = sum(rewards[:3]) / len(rewards[:3]) if rewards else float("nan")
@@ -61,11 +60,17 @@ def summary(
         f"run {status}: {len(history)} steps in {elapsed_s:.0f}s; reward {first:.2f} -> {last:.2f} "
         "(mean of first / last 3 steps)",
         f"run directory: {run_dir}",
-        "  config.yaml          the resolved config",
-        "  metrics.jsonl        one line per step",
-        "  tensorboard/         TensorBoard events (tensorboard --logdir ...)",
-        "  buffer/              Arrow segments (bin/buffer-inspect summary <dir>/buffer)",
     ]
-    if plot:
-        lines.append("  reward_staleness.png reward and staleness over steps")
+    contents = [
+        ("config.yaml", "the resolved config"),
+        ("metrics.jsonl", "one line per step"),
+        ("tensorboard", "TensorBoard events (tensorboard --logdir ...)"),
+        ("buffer", f"Arrow segments (bin/buffer-inspect summary {run_dir}/buffer)"),
+        ("checkpoints", "megatron checkpoints (a re-run in this directory resumes)"),
+        ("hf", "HF export of the policy"),
+        ("reward_staleness.png", "reward and staleness over steps"),
+    ]
+    for name, what in contents:  # only what this run wrote (tensorboard off, buffer.dir elsewhere, ...)
+        if (Path(run_dir) / name).exists():
+            lines.append(f"  {name + ('/' if (Path(run_dir) / name).is_dir() else ''):21}{what}")
     return "\n".join(lines)

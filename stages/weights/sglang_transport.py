@@ -71,7 +71,8 @@ class _SGLangSender(WeightSender):
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def _push(self, version: int, named) -> dict:
-        """One push; returns its phase times (s). `paused_s` is how long generation stood still."""
+        """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
+        also the pause."""
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "version_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
         for url in self.urls:
@@ -102,7 +103,6 @@ class _SGLangSender(WeightSender):
             "engines": len(self.urls),
             "bytes": nbytes,
             "seconds": time.monotonic() - t0,
-            "paused_s": time.monotonic() - t0,
             **t,
         }
 
