@@ -6,6 +6,7 @@
 set -uo pipefail
 cfg=$1; name=$2; limit=$3; shift 3
 cd "$(dirname "$0")/.."
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure then says why, in the stage's log
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-/tmp/out}/$name; mkdir -p "$out"
 # the run directory lives under $OUT: whatever happens (a call cut off by its time limit included), the
@@ -20,7 +21,7 @@ import torch
 print(f"preflight ok: {torch.cuda.device_count()} GPUs, imports {time.time() - t:.1f}s", flush=True)
 PY
 python -m pipeline --config "$cfg" run.dir="$run" run.time_limit_s="$limit" metrics.tensorboard=false \
-  model.cache_dir=/tmp/models rollout.data.source=bench/data/basic_arithmetic.jsonl rollout.reward.fn=math \
+  model.cache_dir=/tmp/models-$name rollout.data.source=bench/data/basic_arithmetic.jsonl rollout.reward.fn=math \
   rollout.sglang.log_dir="$run/sglang" buffer.dir=/tmp/buffer-$name "$@" 2>&1 | grep -v "Warning\|warn(" | tail -60
 rc=${PIPESTATUS[0]}
 grep -v "GET /model_info\|GET /health" "$run"/sglang/*.log | tail -120 > "$out"/sglang-tail.log 2>/dev/null

@@ -42,6 +42,7 @@ def summarise(run_dir: Path) -> dict:
         "trainer_tokens_per_s": round(train_tok / train_s, 1) if train_s > 0 else None,
         "trainer_data_wait_share": round(sum(r["time/data_wait_s"] for r in steady) / max(span, 1e-9), 3),
         "push_seconds_median": push,  # SGLang pushes pause generation for all of this
+        "push_pause_s_median": _med(rows[2:], "push/prev_pause_s"),  # the /pause_generation call itself
         "push_raw_transfer_s_median": raw,
         "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,
         "push_bytes": _med(rows, "push/prev_bytes"),

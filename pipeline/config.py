@@ -41,6 +41,10 @@ class ModelConfig(Base):
     name: str = "tiny-qwen2"
     cache_dir: str = "~/.cache/slipstream/models"  # where built/converted models are kept
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the LM head (hidden @ W_vocab) in fp32 in the trainer and in SGLang (--enable-fp32-lm-head). In bf16,
+    # logits of size ~20 are rounded to 1/8, which alone puts ~0.03-0.05 per token between two engines'
+    # logprobs of the same weights. No effect in fp32.
+    fp32_lm_head: bool = True
 
 
 class RunSection(Base):

@@ -73,3 +73,33 @@ def test_export_round_trip(tmp_path, dist1):
             a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
             b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_bf16_lm_head_in_fp32(tmp_path, dist1, fp32_head):
+    """model.fp32_lm_head: a bf16 policy's logits are the exact fp32 product of its bf16 hidden states
+    and weights (SGLang's --enable-fp32-lm-head), not that product rounded to bf16; gradients still
+    reach the weight."""
+    from stages.trainer.model import build_policy, causal_block_mask, unwrap
+
+    path = make_tiny_hf(str(tmp_path / "q"), "qwen2")
+    policy = build_policy(path, bf16=True, ddp=False, fp32_lm_head=fp32_head)
+    gpt = unwrap(policy.model)
+    seen = {}
+    gpt.output_layer.register_forward_pre_hook(lambda mod, args: seen.update(h=args[0]))
+    toks = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = policy.model(toks, torch.arange(40)[None].expand(2, -1), causal_block_mask(torch.zeros_like(toks)))
+    w = (
+        gpt.output_layer.weight
+        if gpt.output_layer.weight is not None
+        else gpt.embedding.word_embeddings.weight
+    )
+    assert seen["h"].dtype == w.dtype == torch.bfloat16
+    exact = (seen["h"].float() @ w.float().t()).transpose(0, 1)
+    err = (out - exact).abs().max().item()
+    if fp32_head:
+        assert err <= 1e-5
+    else:  # bf16 logits: rounded to 2^-8 relative, visibly off the exact product
+        assert err > 1e-3
+    out.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() > 0

@@ -31,7 +31,12 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
         from stages.rollout.engine_pool import EnginePool
 
         return EnginePool.launch(
-            path, r.sglang, r.engines_per_generator, dtype=cfg.model.dtype, version=version
+            path,
+            r.sglang,
+            r.engines_per_generator,
+            dtype=cfg.model.dtype,
+            version=version,
+            fp32_lm_head=cfg.model.fp32_lm_head,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 

@@ -25,7 +25,14 @@ class EnginePool(Engine):
 
     @classmethod
     def launch(
-        cls, model_path: str | Path, cfg: SGLangConfig, n: int, *, dtype: str = "bfloat16", version: int = 0
+        cls,
+        model_path: str | Path,
+        cfg: SGLangConfig,
+        n: int,
+        *,
+        dtype: str = "bfloat16",
+        version: int = 0,
+        fp32_lm_head: bool = False,
     ) -> EnginePool:
         """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free)."""
 
@@ -33,7 +40,14 @@ class EnginePool(Engine):
             port = cfg.port + 10 * i if cfg.port else None
             gpu = cfg.base_gpu_id + i * cfg.tp_size
             return SGLangEngine(
-                model_path, cfg, dtype=dtype, version=version, name=f"sglang-{i}", gpu_id=gpu, port=port
+                model_path,
+                cfg,
+                dtype=dtype,
+                version=version,
+                name=f"sglang-{i}",
+                gpu_id=gpu,
+                port=port,
+                fp32_lm_head=fp32_lm_head,
             )
 
         with ThreadPoolExecutor(n) as ex:

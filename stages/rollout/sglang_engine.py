@@ -37,6 +37,7 @@ import torch
 
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.weights.base import align_nccl_env
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,10 @@ class SGLangEngine(Engine):
         gpu_id: int | None = None,
         port: int | None = None,
         start: bool = True,
+        fp32_lm_head: bool = False,
     ):
         self.cfg = cfg or SGLangConfig()
+        self.fp32_lm_head = fp32_lm_head
         self.model_path = str(model_path)
         self.dtype = dtype
         self.name = name
@@ -184,6 +187,8 @@ class SGLangEngine(Engine):
             cmd.append("--disable-cuda-graph")
         if not c.radix_cache:
             cmd.append("--disable-radix-cache")
+        if self.fp32_lm_head:  # logits in fp32, as the trainer computes them (model.fp32_lm_head)
+            cmd.append("--enable-fp32-lm-head")
         return cmd + list(c.extra_args)
 
     def start(self, model_path: str | None = None, version: int | None = None) -> float:
@@ -195,7 +200,12 @@ class SGLangEngine(Engine):
             logf.write(f"\n=== {time.strftime('%F %T')} launching: {' '.join(cmd)}\n".encode())
             logf.flush()
             self._proc = subprocess.Popen(
-                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=align_nccl_env(dict(os.environ)),
             )
         # a forgotten engine must not keep its GPU: end the group when this object goes away
         self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from stages.trainer import cpu_shim, hf_mapping
+from stages.weights.base import align_nccl_env
 
 
 def free_port() -> int:
@@ -43,6 +44,7 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float =
         timeout = datetime.timedelta(seconds=timeout_s)
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            align_nccl_env()  # before the first communicator: the weight-push group must agree
         backend = "nccl" if cuda else "gloo"
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
@@ -164,6 +166,7 @@ def build_policy(
     recompute: bool = False,
     ddp: bool = True,
     distributed_optimizer: bool = False,
+    fp32_lm_head: bool = False,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first."""
     from megatron.core import parallel_state as ps
@@ -197,6 +200,8 @@ def build_policy(
             rotary_base=int(hf_mapping.rope_theta(hc)),
         )
     load_hf_weights(model, model_path, hc, te)
+    if bf16 and fp32_lm_head:
+        use_fp32_lm_head(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if bf16:
@@ -210,6 +215,25 @@ def build_policy(
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
     return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path)
+
+
+def use_fp32_lm_head(model) -> None:
+    """Make the output layer compute its logits in fp32 from bf16 hidden states and weights.
+
+    The same matmul SGLang does with --enable-fp32-lm-head: both sides then differ only by their
+    (bf16) trunks, not by rounding logits of size ~20 to steps of 1/8. Gradients reach the bf16
+    weight through the cast, as megatron's DDP hooks expect (no gradient-accumulation fusion here).
+    """
+    layer = getattr(model, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    inner = layer.forward
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        w = layer.weight if weight is None else weight
+        return inner(input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = forward
 
 
 def load_hf_weights(model, model_path: str, hc, te: bool) -> None:

@@ -75,11 +75,18 @@ class Trainer:
             layer_spec=self.tc.layer_spec,
             recompute=self.tc.recompute,
             distributed_optimizer=self.dist_opt,
+            fp32_lm_head=cfg.model.fp32_lm_head,
         )
         self.ref = None
         if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
             self.ref = build_policy(
-                model_path, tp=self.tc.tp, pp=self.tc.pp, bf16=bf16, layer_spec=self.tc.layer_spec, ddp=False
+                model_path,
+                tp=self.tc.tp,
+                pp=self.tc.pp,
+                bf16=bf16,
+                layer_spec=self.tc.layer_spec,
+                ddp=False,
+                fp32_lm_head=cfg.model.fp32_lm_head,
             )
             unwrap(self.ref.model).eval().requires_grad_(False)
         opt_cfg = OptimizerConfig(

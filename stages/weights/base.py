@@ -12,11 +12,27 @@ Contract (every transport):
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 
 import torch
+
+
+def align_nccl_env(env=None):
+    """Give NCCL one cuMem setting in every process of ours (`env` defaults to os.environ); returns env.
+
+    NCCL's cuMem allocator must be on or off in all processes of a communicator. torch leaves it on,
+    SGLang's server turns it off unless NCCL_CUMEM_ENABLE is set: a trainer and a server with
+    different settings form the weight-push group, and then the server's first receive fails with
+    "Cuda failure 'invalid argument'" (seen on 2 GPUs). Called before the trainer's first NCCL
+    communicator and on the environment every SGLang server is launched with; a value the user set
+    is kept (and then holds on both sides).
+    """
+    env = os.environ if env is None else env
+    env.setdefault("NCCL_CUMEM_ENABLE", "0")
+    return env
 
 
 class WeightPushError(RuntimeError):

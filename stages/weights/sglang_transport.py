@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
+from stages.weights.base import PushHandle, WeightPushError, WeightSender, align_nccl_env, buckets
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class NcclSGLangSender(_SGLangSender):
 
         from stages.trainer.model import free_port
 
+        align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
         port = free_port()
         world = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
