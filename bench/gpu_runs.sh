@@ -25,8 +25,9 @@ launch() {  # launch NAME GPUS CONFIG LIMIT [a.b=c ...]
 
 copy_out() {  # everything small the runs wrote (no checkpoints, no HF exports) into $OUT
   [ -n "${OUT:-}" ] || return 0
-  (cd $R && tar cf - --exclude='*/checkpoints' --exclude='*/hf' --exclude='*.safetensors' --exclude='*.pt' .) |
-    (cd "$OUT" && tar xf -)
+  # one archive: the device tool brings back only a few files per call
+  (cd $R && tar czf "$OUT/gpuruns.tgz" --exclude='*/checkpoints' --exclude='*/hf' --exclude='*.safetensors' \
+    --exclude='*.pt' --exclude='*.pid' .)
 }
 
 running() { for f in $R/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done; }

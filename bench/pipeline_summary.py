@@ -24,6 +24,16 @@ def _med(rows: list[dict], key: str) -> float | None:
     return round(statistics.median(vals), 4) if vals else None
 
 
+def _same_version_gap(rows: list[dict]) -> float | None:
+    pairs = [
+        (r["logp/abs_diff_same_version"], r["logp/same_version_tokens"])
+        for r in rows
+        if r.get("logp/same_version_tokens")
+    ]
+    n = sum(t for _, t in pairs)
+    return round(sum(d * t for d, t in pairs) / n, 4) if n else None
+
+
 def summarise(run_dir: Path) -> dict:
     rows = [r for r in read_history(run_dir / "metrics.jsonl") if "reward/mean" in r]
     if len(rows) < 3:
@@ -46,7 +56,9 @@ def summarise(run_dir: Path) -> dict:
         "push_raw_transfer_s_median": raw,
         "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,
         "push_bytes": _med(rows, "push/prev_bytes"),
-        "logp_abs_diff_same_version": _med(rows, "logp/abs_diff_same_version"),
+        # token-weighted over the steps that had any tokens made by exactly the trainer's weights
+        "logp_abs_diff_same_version": _same_version_gap(rows),
+        "same_version_tokens": int(sum(r.get("logp/same_version_tokens", 0) for r in rows)),
         "logp_abs_diff_all": _med(rows, "logp/abs_diff_train_rollout"),
         "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 2),
         "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:k]), 3),
