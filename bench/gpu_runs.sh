@@ -7,6 +7,7 @@
 # Each run is a separate Ray instance started in its own session (setsid), so it outlives the device
 # call that started it; later calls watch it and copy what it wrote into $OUT.
 #   bash bench/gpu_runs.sh start [TIME_LIMIT_S]     start the three runs, return at once
+#   bash bench/gpu_runs.sh numerics [TIME_LIMIT_S]  or: three short sync runs for the logprob gap
 #   bash bench/gpu_runs.sh watch SECONDS            wait, then show each run's tail; copy results to $OUT
 #   bash bench/gpu_runs.sh finish [TIMEOUT_S]       wait for the runs to end, run the raw-transfer
 #                                                   baselines (bench/nccl_broadcast.py), copy to $OUT
@@ -33,6 +34,19 @@ copy_out() {  # everything small the runs wrote (no checkpoints, no HF exports) 
 running() { for f in $R/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && echo "$(basename "$f" .pid)"; done; }
 
 case ${1:-} in
+numerics)  # short sync-mode runs (every token made by the trainer's own weights): the engine-vs-trainer
+  # logprob gap of both configs, and on GPU 3 the same with the numerics before 2026-11-26 (megatron's
+  # unfused attention, bf16 LM head); CUDA graphs off for a faster start (same kernels' numerics)
+  mkdir -p $R
+  limit=${2:-90}
+  common=(run.mode=sync rollout.sglang.disable_cuda_graph=true)
+  launch colocated-sync 0 configs/gpu-1x-colocated.yaml "$limit" "${common[@]}"
+  sleep 5
+  launch disaggregated-sync 1,2 configs/gpu-2x-disaggregated.yaml "$limit" "${common[@]}"
+  sleep 5
+  launch colocated-sync-old-numerics 3 configs/gpu-1x-colocated.yaml "$limit" "${common[@]}" \
+    trainer.attention=unfused model.fp32_lm_head=false
+  ;;
 start)
   mkdir -p $R
   limit=${2:-600}
@@ -58,10 +72,14 @@ finish)
   if [ -n "$model" ]; then
     CUDA_VISIBLE_DEVICES=1,2 timeout 300 python bench/nccl_broadcast.py "$model" --gpus 0,1 | tail -n 1 | tee $R/raw_baselines.json
   fi
+  if [ -n "${GPU_TESTS:-}" ]; then  # the gpu-marked weight-transport tests (2 GPUs: CUDA IPC and NCCL)
+    SLIPSTREAM_GPU_TESTS=1 CUDA_VISIBLE_DEVICES=0,1 timeout "${GPU_TESTS}" python -m pytest -m gpu tests/test_weights_sglang.py -q -s \
+      -p no:cacheprovider 2>&1 | grep -v "arn" | tail -n 30 | tee $R/gpu_tests.txt
+  fi
   copy_out
   ;;
 *)
-  echo "usage: $0 start [TIME_LIMIT_S] | watch SECONDS | finish [TIMEOUT_S]" >&2
+  echo "usage: $0 start|numerics [TIME_LIMIT_S] | watch SECONDS | finish [TIMEOUT_S]" >&2
   exit 2
   ;;
 esac

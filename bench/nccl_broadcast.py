@@ -1,8 +1,9 @@
 """Raw baselines for a weight push of one model's bytes, on the GPU machine (docs/gpu.md):
 
 - `raw_broadcast_s`: an NCCL broadcast of every weight tensor (same names, shapes, dtype, order as a
-  push) from one process on GPU A to one process on GPU B, nothing else running in either process:
-  the floor of the disaggregated (NCCL) push;
+  push) from one process on GPU A to one process on GPU B, nothing else running in either process;
+- `raw_broadcast_flat_s`: the same bytes as one flat tensor, one broadcast (what a push sends per
+  bucket since pushes use SGLang's flattened-bucket format): the floor of the disaggregated push;
 - `d2d_copy_s`: a device-to-device copy of the same tensors on one GPU: the floor of the colocated
   (CUDA IPC) push, where the engine copies the trainer's buckets into its own weights.
 
@@ -52,16 +53,18 @@ def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) ->
     torch.cuda.set_device(gpus[rank])
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ts = _tensors(spec, dtype, "cuda")
-    times = []
-    for i in range(runs + 2):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for t in ts:
-            dist.broadcast(t, src=0)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+    flat = torch.ones(sum(t.numel() for t in ts) * dtype.itemsize, dtype=torch.uint8, device="cuda")
+    times = {"per_tensor": [], "flat": []}
+    for kind, group in (("per_tensor", ts), ("flat", [flat])):
+        for i in range(runs + 2):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for t in group:
+                dist.broadcast(t, src=0)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times[kind].append(time.perf_counter() - t0)
     if rank == 0:
         q.put(times)
     dist.barrier()
@@ -110,8 +113,9 @@ def main() -> None:
         times = q.get(timeout=300)
         for p in procs:
             p.join(timeout=60)
-        out["raw_broadcast_s"] = round(statistics.median(times), 5)
-        out["raw_broadcast_GBps"] = round(nbytes / out["raw_broadcast_s"] / 1e9, 2)
+        out["raw_broadcast_s"] = round(statistics.median(times["per_tensor"]), 5)
+        out["raw_broadcast_flat_s"] = round(statistics.median(times["flat"]), 5)
+        out["raw_broadcast_GBps"] = round(nbytes / out["raw_broadcast_flat_s"] / 1e9, 2)
     out["device"] = torch.cuda.get_device_name(gpus[0])
     print(json.dumps(out))
 

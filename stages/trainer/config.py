@@ -63,6 +63,9 @@ class TrainerConfig(_Base):
     checkpoint_every: int = 0  # steps; 0 = only at the end of the run
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
+    # core attention of the local spec: sdpa keeps the scores in fp32 like SGLang's kernels; "unfused" is
+    # megatron's DotProductAttention, which rounds every score to bf16 in a bf16 run
+    attention: Literal["sdpa", "unfused"] = "sdpa"
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
     distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists

@@ -167,8 +167,13 @@ def build_policy(
     ddp: bool = True,
     distributed_optimizer: bool = False,
     fp32_lm_head: bool = False,
+    attention: str = "sdpa",
 ) -> Policy:
-    """GPTModel with HF weights, wrapped for training. Call init_distributed first."""
+    """GPTModel with HF weights, wrapped for training. Call init_distributed first.
+
+    `attention` picks the local spec's core attention: "sdpa" (stages/trainer/attention.py: fp32
+    scores, as inference engines compute them) or "unfused" (megatron's DotProductAttention).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -187,6 +192,10 @@ def build_policy(
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     else:
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+        if attention == "sdpa":
+            from stages.trainer.attention import SDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
     with cpu_shim.device_mode():  # tied embeddings under PP move the shared weight with .cuda()
         model = GPTModel(
             config=cfg,

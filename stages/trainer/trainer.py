@@ -76,6 +76,7 @@ class Trainer:
             recompute=self.tc.recompute,
             distributed_optimizer=self.dist_opt,
             fp32_lm_head=cfg.model.fp32_lm_head,
+            attention=self.tc.attention,
         )
         self.ref = None
         if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
@@ -87,6 +88,7 @@ class Trainer:
                 layer_spec=self.tc.layer_spec,
                 ddp=False,
                 fp32_lm_head=cfg.model.fp32_lm_head,
+                attention=self.tc.attention,
             )
             unwrap(self.ref.model).eval().requires_grad_(False)
         opt_cfg = OptimizerConfig(
