@@ -68,7 +68,7 @@ finish)
   while [ -n "$(running)" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
   echo "still running: $(running | tr '\n' ' ')"
   for f in $R/*.out; do echo "== $f"; tail -n 25 "$f"; done
-  model=$(ls -d /tmp/models-disaggregated/*/ 2>/dev/null | head -n 1)
+  model=$(ls -d /tmp/models-disaggregated*/*/ 2>/dev/null | head -n 1)
   if [ -n "$model" ]; then
     CUDA_VISIBLE_DEVICES=1,2 timeout 300 python bench/nccl_broadcast.py "$model" --gpus 0,1 | tail -n 1 | tee $R/raw_baselines.json
   fi

@@ -43,7 +43,10 @@ def summarise(run_dir: Path) -> dict:
     gen_tokens = steady[-1]["generator/tokens"] - steady[0]["generator/tokens"]
     train_tok = sum(r["tokens/total"] for r in steady)
     train_s = sum(r["time/train_s"] for r in steady)
-    push, raw = _med(rows[2:], "push/prev_seconds"), _med(rows[2:], "push/prev_transfer_s")
+    # async runs log the previous push's phases at the next step (push/prev_*); sync runs wait for the
+    # push and log its total only (push/seconds)
+    push = _med(rows[2:], "push/prev_seconds") or _med(rows[2:], "push/seconds")
+    raw = _med(rows[2:], "push/prev_transfer_s")
     k = max(1, len(rows) // 10)
     out = {
         "steps": len(rows),
