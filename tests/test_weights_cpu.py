@@ -144,3 +144,19 @@ def test_closed_receiver_deregisters():
     stats = sender.push(1, [("a", torch.ones(2))]).result()  # must not wait for the closed engine
     assert stats["engines"] == 0
     sender.close()
+
+
+def test_close_during_a_push_fails_it_cleanly():
+    """Closing the sender while a push waits for engines fails that push with a clear error (the socket
+    is closed by its own thread, not under it), and later pushes are refused at once."""
+    sender = ZmqWeightSender("tcp://127.0.0.1:0", min_engines=1, timeout_s=60)
+    handle = sender.push(1, [("w", torch.zeros(4))])  # no engine ever connects: the push waits
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    sender.close()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(WeightPushError, match="closed"):
+        handle.result(timeout=5)
+    assert not sender._thread.is_alive()
+    with pytest.raises(WeightPushError, match="closed"):
+        sender.push(2, [("w", torch.zeros(4))])

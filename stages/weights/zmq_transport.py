@@ -78,6 +78,10 @@ class ZmqWeightSender(WeightSender):
 
     # -- trainer-facing -----------------------------------------------------------------------------
     def push(self, version: int, named_tensors) -> PushHandle:
+        if self._stop.is_set():
+            raise WeightPushError(
+                f"weight sender on {self.address} is closed; push of version {version} refused"
+            )
         fut: cf.Future = cf.Future()
         self._jobs.put((version, list(named_tensors), fut))
         # the I/O thread enforces timeout_s itself and names the missing engines; the handle's own
@@ -85,23 +89,42 @@ class ZmqWeightSender(WeightSender):
         return PushHandle(version, fut, self.timeout_s + 2.0, f"torch engines via {self.address}")
 
     def close(self) -> None:
+        """Stop the I/O thread; a delivery in progress fails with WeightPushError("closed"). The
+        socket belongs to that thread (ZeroMQ sockets are not thread-safe): it closes it on its way out."""
         self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(0)
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.warning("weights sender thread still busy 10 s after close(); it closes its socket on exit")
 
     # -- I/O thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._poll_once(50)
-            try:
-                version, named, fut = self._jobs.get_nowait()
-            except queue.Empty:
-                continue
-            if fut.set_running_or_notify_cancel():
+        try:
+            while not self._stop.is_set():
+                self._poll_once(50)
                 try:
-                    fut.set_result(self._deliver(version, named))
-                except Exception as e:  # noqa: BLE001 - handed to the trainer through the future
-                    fut.set_exception(e)
+                    version, named, fut = self._jobs.get_nowait()
+                except queue.Empty:
+                    continue
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._deliver(version, named))
+                    except Exception as e:  # noqa: BLE001 - handed to the trainer through the future
+                        fut.set_exception(e)
+        finally:
+            self._sock.close(0)
+            while True:  # pushes queued behind a close never run: say so instead of leaving them pending
+                try:
+                    _, _, fut = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(WeightPushError(f"weight sender on {self.address} was closed"))
+
+    def _check_open(self, version: int) -> None:
+        if self._stop.is_set():
+            raise WeightPushError(
+                f"weight sender on {self.address} closed during the push of version {version}"
+            )
 
     def _poll_once(self, ms: int) -> list[tuple[bytes, dict]]:
         """Handle hellos; return acks seen."""
@@ -162,6 +185,7 @@ class ZmqWeightSender(WeightSender):
                     f"only {len(self.engines)} of {self.min_engines} engines connected to {self.address} within "
                     f"{self.timeout_s:.0f}s; start the engines' WeightReceiver with this address"
                 )
+            self._check_open(version)
             self._poll_once(50)
         parts = self._encode(version, named)
         self._latest = (version, parts)
@@ -170,6 +194,7 @@ class ZmqWeightSender(WeightSender):
             self._send_all(ident, version, parts)
         nbytes = sum(f.nbytes for _, frames in parts for f in frames)
         while waiting:
+            self._check_open(version)
             left = deadline - time.monotonic()
             if left <= 0:
                 names = [self.engines.get(i, {}).get("engine", i) for i in waiting]
