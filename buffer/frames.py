@@ -7,7 +7,10 @@ that holds it (`copy=False`), and the receiver builds arrays over the received f
 
 Layout of a message after its header (`IngestBatch.layout` / `FetchReply.layout` describe it):
   frame 0     every buffer smaller than INLINE_MAX, concatenated, each at an 8-byte aligned offset
-  frame 1...  every other buffer, one frame each, in order
+  frame 1...  every other buffer, in order: one frame each, or several consecutive ones in one frame,
+              each at the first 64-byte aligned offset after the previous one, the last ending the
+              frame (the sender does that when they already lie so in one allocation, as the token
+              columns of `samples_to_batch` do: one frame then costs both ends less than five)
 `layout` holds one list per record batch: [num_rows, size of buffer 0, size of buffer 1, ...] over
 the buffers of ARROW_SCHEMA's columns in schema order (`_SLOTS`: validity, offsets, data / values;
 a list column adds its child's validity and values). Size -1 is an absent buffer (no validity bitmap
@@ -28,6 +31,7 @@ from pipeline.wire import ProtocolError
 
 INLINE_MAX = 64 * 1024  # smaller buffers share frame 0 (a ZeroMQ frame costs ~µs; copying 64 KB is cheaper)
 _ALIGN = 8
+_LARGE_ALIGN = 64  # where a large buffer starts in a frame that holds several
 
 
 def _kind(t: pa.DataType) -> str:
@@ -93,7 +97,7 @@ def batches_to_frames(batches: list[pa.RecordBatch]) -> tuple[list[list[int]], l
                     continue
                 sizes.append(buf.size)
                 if buf.size >= INLINE_MAX:
-                    large.append(memoryview(buf))
+                    large.append(buf)
                 else:
                     small.append(buf)
                     small_len += buf.size
@@ -101,7 +105,50 @@ def batches_to_frames(batches: list[pa.RecordBatch]) -> tuple[list[list[int]], l
                         small.append(b"\0" * _pad(small_len))
                         small_len += _pad(small_len)
         layout.append(sizes)
-    return layout, [b"".join(small), *large]
+    return layout, [b"".join(small), *_coalesce(large)]
+
+
+def _coalesce(large: list[pa.Buffer]) -> list:
+    """The large buffers as frames: a run of buffers that already lie in one allocation the way a
+    shared frame holds them (each at the first 64-byte aligned offset after the previous one) goes
+    as one frame over that memory; any other buffer as its own frame."""
+    frames: list = []
+    run: list[pa.Buffer] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            frames.append(memoryview(run[0]))
+        elif run:
+            start = run[0].address
+            span = run[-1].address + run[-1].size - start
+            frames.append(memoryview(pa.foreign_buffer(start, span, base=tuple(run))))
+        run.clear()
+
+    parent = None
+    for buf in large:
+        p = _root(buf)
+        if run and p is not None and parent is not None and (p.address, p.size) == parent:
+            start, end = run[0].address, run[-1].address + run[-1].size
+            if buf.address == start + _up(end - start, _LARGE_ALIGN):
+                run.append(buf)
+                continue
+        flush()
+        run.append(buf)
+        parent = None if p is None else (p.address, p.size)
+    flush()
+    return frames
+
+
+def _root(buf: pa.Buffer) -> pa.Buffer | None:
+    """The allocation a (slice of a slice of a) buffer lies in; None if it is not a slice."""
+    root = buf.parent
+    while root is not None and root.parent is not None:
+        root = root.parent
+    return root
+
+
+def _up(n: int, align: int) -> int:
+    return n + (-n % align)
 
 
 def _bad(reason: str) -> ProtocolError:
@@ -118,9 +165,14 @@ def frames_to_batches(layout: list[list[int]], frames: list) -> list[pa.RecordBa
     buffers). Raises ProtocolError (invalid_arrow) when frames and layout disagree."""
     if not frames:
         raise _bad("no frames")
-    small = pa.py_buffer(bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]))
+    f0 = frames[0]
+    # A large frame 0 is its own allocation: used in place. A small one may sit in a buffer that
+    # ZeroMQ shares between several received messages, which a stored batch must not pin: copied.
+    small = _aligned(f0) if len(f0) >= INLINE_MAX else pa.py_buffer(bytes(getattr(f0, "buffer", f0)))
     large = frames[1:]
     pos = li = 0
+    lpos = 0  # where the next large buffer may start in large[li]
+    cur: pa.Buffer | None = None
     out = []
     for sizes in layout:
         if len(sizes) != _SLOTS + 1 or sizes[0] < 0:
@@ -137,11 +189,20 @@ def frames_to_batches(layout: list[list[int]], frames: list) -> list[pa.RecordBa
                 bufs.append(small.slice(pos, s))
                 pos += s + _pad(s)
             else:
-                if li >= len(large) or len(large[li]) != s:
-                    raise _bad(f"frame {li + 1} missing or not {s} bytes")
-                bufs.append(_aligned(large[li]))
-                li += 1
+                if li >= len(large):
+                    raise _bad(f"frame {li + 1} missing (a buffer of {s} bytes)")
+                if cur is None:
+                    cur = _aligned(large[li])
+                start = _up(lpos, _LARGE_ALIGN)
+                if start + s > cur.size:
+                    raise _bad(f"frame {li + 1} is not {s} bytes (or does not end with them)")
+                bufs.append(cur if start == 0 and s == cur.size else cur.slice(start, s))
+                lpos = start + s
+                if lpos == cur.size:
+                    li, lpos, cur = li + 1, 0, None
         out.append(_build(sizes[0], bufs))
+    if lpos:
+        raise _bad(f"frame {li + 1} has {cur.size - lpos} bytes after its buffers")
     if li != len(large) or pos < small.size:
         raise _bad(f"{len(large) - li} extra frames, {max(0, small.size - pos)} extra bytes in frame 0")
     return out

