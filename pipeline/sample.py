@@ -206,8 +206,9 @@ class ScratchPool:
     released from any thread, and from a garbage collection inside `buffer` itself: hence an RLock).
     """
 
-    def __init__(self, max_bytes: int = 128 << 20):  # twice the default ingest window (64 MB)
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int = 128 << 20, min_bytes: int = 1 << 20):
+        self.max_bytes = max_bytes  # twice the default ingest window (64 MB)
+        self.min_bytes = min_bytes  # smaller requests get exact-size memory, outside the pool
         self._free: list[pa.Buffer] = []
         self._free_bytes = 0
         self._lock = threading.RLock()
@@ -216,6 +217,9 @@ class ScratchPool:
     def buffer(self, nbytes: int) -> tuple[memoryview, pa.Buffer]:
         """(writable view, Arrow buffer) of the same `nbytes`, 64-byte aligned, in a pooled block.
         Fill it through the view before handing the buffer to anyone."""
+        if nbytes < self.min_bytes:  # small conversions (a server-side msgpack ingest, tests): exact
+            block = pa.allocate_buffer(nbytes)  # size, never pooled, so a kept batch pins no more
+            return memoryview(block).cast("B"), block
         block = None
         with self._lock:
             for i, b in enumerate(self._free):

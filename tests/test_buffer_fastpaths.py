@@ -137,7 +137,7 @@ def test_conversion_accepts_status_given_as_plain_strings():
 
 
 def test_scratch_blocks_are_reused_only_once_released(monkeypatch):
-    pool = ScratchPool(max_bytes=64 << 20)
+    pool = ScratchPool(max_bytes=64 << 20, min_bytes=0)
     monkeypatch.setattr(sample_mod, "SCRATCH", pool)
     rng = random.Random(2)
     kept_samples = random_samples(rng, 30)
@@ -177,13 +177,22 @@ def test_conversions_from_several_threads_never_share_memory():
 
 
 def test_scratch_pool_keeps_at_most_max_bytes():
-    pool = ScratchPool(max_bytes=1 << 20)
+    pool = ScratchPool(max_bytes=1 << 20, min_bytes=0)
     held = [pool.buffer(300_000) for _ in range(8)]
     del held
     assert sum(b.size for b in pool._free) == pool._free_bytes <= 1 << 20
     view, buf = pool.buffer(300_000)
     view[:4] = b"abcd"
     assert buf.size == 300_000 and buf.address % 64 == 0 and buf.to_pybytes()[:4] == b"abcd"
+
+
+def test_small_conversions_take_exact_memory_outside_the_pool():
+    """A small batch (one sample ingested by msgpack and kept by the server) pins only its own bytes."""
+    pool = ScratchPool(max_bytes=1 << 20)  # default min_bytes: 1 MiB
+    view, buf = pool.buffer(5000)
+    assert buf.size == 5000 and len(view) == 5000
+    del view, buf
+    assert pool._free == [] and pool.allocated == 0
 
 
 # -- dedup and indexing: group by group vs row by row -------------------------------------------------
@@ -330,3 +339,13 @@ def test_check_batch_on_slices():
     cols[10] = pa.array(["{}", "[1]", "{}"])  # reward_parts
     with pytest.raises(ProtocolError, match="reward_parts holds '\\[1\\]', not a JSON object"):
         check_batch(pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA))
+
+
+def test_crc_of_nothing_keeps_the_running_value():
+    """An empty (even null-pointer) buffer leaves the CRC as it was, as zlib does."""
+    import zlib
+
+    from buffer.segments import crc32
+
+    for data in (pa.foreign_buffer(0, 0), b"", np.zeros(0, np.uint8)):
+        assert crc32(data, 5) == zlib.crc32(b"", 5) == 5

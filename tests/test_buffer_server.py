@@ -116,10 +116,10 @@ def test_resend_after_server_restart(tmp_path):
     "frames, category, text",
     [
         ([b"\xc1\x00garbage"], "undecodable", "undecodable"),
-        ([msgspec.msgpack.encode({"kind": "stats", "schema": 2})], "schema_version", "schema version 2"),
-        ([msgspec.msgpack.encode({"kind": "launch", "schema": 1})], "unknown_kind", "unknown message kind"),
+        ([msgspec.msgpack.encode({"kind": "stats", "schema": 1})], "schema_version", "schema version 1"),
+        ([msgspec.msgpack.encode({"kind": "launch", "schema": 2})], "unknown_kind", "unknown message kind"),
         (
-            [msgspec.msgpack.encode({"kind": "fetch", "schema": 1, "num_groups": "x"})],
+            [msgspec.msgpack.encode({"kind": "fetch", "schema": 2, "num_groups": "x"})],
             "invalid_fields",
             "fetch",
         ),

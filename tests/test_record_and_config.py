@@ -55,9 +55,9 @@ def test_wire_roundtrip_and_rejections():
     with pytest.raises(wire.ProtocolError, match="schema version 99"):
         wire.decode(msgspec.msgpack.encode({"kind": "stats", "schema": 99}))
     with pytest.raises(wire.ProtocolError, match="unknown message kind 'nope'"):
-        wire.decode(msgspec.msgpack.encode({"kind": "nope", "schema": 1}))
+        wire.decode(msgspec.msgpack.encode({"kind": "nope", "schema": wire.SCHEMA_VERSION}))
     with pytest.raises(wire.ProtocolError, match="invalid fetch"):
-        wire.decode(msgspec.msgpack.encode({"kind": "fetch", "schema": 1, "consumer": 3}))
+        wire.decode(msgspec.msgpack.encode({"kind": "fetch", "schema": wire.SCHEMA_VERSION, "consumer": 3}))
     with pytest.raises(wire.ProtocolError, match="exceeds the limit"):
         wire.decode(b"x" * 100, max_bytes=10)
     bad = msgspec.structs.replace(make(), loss_mask=b"\x01")

@@ -160,3 +160,22 @@ def test_close_during_a_push_fails_it_cleanly():
     assert not sender._thread.is_alive()
     with pytest.raises(WeightPushError, match="closed"):
         sender.push(2, [("w", torch.zeros(4))])
+
+
+def test_garbage_from_an_engine_does_not_stop_the_sender():
+    """A peer sending valid msgpack that is not a message (here the integer 7) is ignored: the I/O
+    thread lives on and a real engine still gets the next push."""
+    import msgspec
+    import zmq
+
+    sender = ZmqWeightSender("tcp://127.0.0.1:0", min_engines=0, timeout_s=30)
+    bad = zmq.Context.instance().socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(sender.address)
+    bad.send(msgspec.msgpack.encode(7))
+    bad.send(b"\xc1")  # not msgpack at all
+    time.sleep(0.5)
+    assert sender._thread.is_alive()
+    sender.push(1, [("w", torch.zeros(4))]).result(timeout=10)  # no engines registered: done at once
+    bad.close(0)
+    sender.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 
 class SDPAttention(DotProductAttention):
@@ -29,6 +30,12 @@ class SDPAttention(DotProductAttention):
         context [sq, b, np * hn]."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention takes a block mask, not packed_seq_params or a bias")
+        if self.softmax_offset is not None or self.config.window_size is not None:
+            raise NotImplementedError(
+                "SDPAttention has no softmax offset or sliding window: use trainer.attention=unfused"
+            )
+        if attention_mask is None and (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention needs a mask unless the attention is causal")
         rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if rep > 1:  # grouped-query attention: every query head gets its group's key/value

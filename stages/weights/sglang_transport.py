@@ -2,12 +2,13 @@
 
 Both follow the same push sequence per server, on a background thread:
   POST /pause_generation {mode}            in_place keeps running requests (then flush_cache=false)
-  per bucket: the transport-specific update (below), carrying weight_version: the server sets its
-              version once the load succeeded, so outputs report the trainer's version (no separate
-              /update_weight_version round trip)
+  per bucket: the transport-specific update (below); the last one carries weight_version, which
+              the server sets once that load succeeded, so outputs report the trainer's version (no
+              separate /update_weight_version round trip, and never on partly loaded weights)
   POST /continue_generation
-and raise WeightPushError naming the server and the step on any failure or timeout. HTTP connections
-are kept alive (one session per thread): a fresh TCP connection per call cost ~1 ms of pause each.
+and raise WeightPushError naming the server and the step on any failure or timeout. A failed pause
+resumes the servers; a failed load leaves them paused (see `_push`). HTTP connections are kept alive
+(one session per thread); pause and continue are retried once on a connection error.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -54,14 +55,21 @@ class _SGLangSender(WeightSender):
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-push")
         self._local = threading.local()  # one keep-alive HTTP session per thread
 
-    def _post(self, url: str, route: str, body: dict, timeout: float) -> dict:
+    def _post(self, url: str, route: str, body: dict, timeout: float, *, retry: bool = False) -> dict:
+        """POST a JSON body; `retry`: once more on a connection error (idempotent routes only: a kept-
+        alive connection may have been closed by the server's keep-alive timeout just then)."""
         import requests
 
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
         try:
-            r = session.post(url + route, json=body, timeout=timeout)
+            try:
+                r = session.post(url + route, json=body, timeout=timeout)
+            except requests.ConnectionError:
+                if not retry:
+                    raise
+                r = session.post(url + route, json=body, timeout=timeout)
         except requests.RequestException as e:
             raise WeightPushError(f"SGLang server {url}{route} unreachable: {e}") from e
         if r.status_code != 200:
@@ -81,22 +89,34 @@ class _SGLangSender(WeightSender):
 
     def _push(self, version: int, named) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
-        also the pause."""
+        also the pause. Only the last bucket's load carries `weight_version` (SGLang records it after
+        each successful load): a push that fails part-way never labels mixed weights as `version`.
+        After such a failure the servers stay paused (generating from partly loaded weights would
+        produce samples of no version) and the error says to restart them."""
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
-        for url in self.urls:
-            self._post(url, "/pause_generation", {"mode": self.pause_mode}, self.timeout_s)
-        t["pause_s"] = time.monotonic() - t0
         try:
-            t1 = time.monotonic()
-            for group in buckets(named, self.bucket_bytes):
-                t["transfer_s"] += self._send_bucket(group, version)
-            t["load_s"] = time.monotonic() - t1  # every load carried weight_version: the servers have it
-        finally:
-            t3 = time.monotonic()
             for url in self.urls:
-                self._post(url, "/continue_generation", {}, self.timeout_s)
-            t["continue_s"] = time.monotonic() - t3
+                self._post(url, "/pause_generation", {"mode": self.pause_mode}, self.timeout_s, retry=True)
+        except WeightPushError:
+            self._resume_all()  # nothing was loaded: let generation go on, then fail this push
+            raise
+        t["pause_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        groups = list(buckets(named, self.bucket_bytes))
+        try:
+            for i, group in enumerate(groups):
+                t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None)
+        except WeightPushError as e:
+            raise WeightPushError(
+                f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
+                "restart them (or the run) before generating again"
+            ) from e
+        t["load_s"] = time.monotonic() - t1
+        t3 = time.monotonic()
+        for url in self.urls:
+            self._post(url, "/continue_generation", {}, self.timeout_s, retry=True)
+        t["continue_s"] = time.monotonic() - t3
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
@@ -106,16 +126,38 @@ class _SGLangSender(WeightSender):
             **t,
         }
 
+    def _resume_all(self) -> None:
+        for url in self.urls:
+            try:
+                self._post(url, "/continue_generation", {}, self.timeout_s, retry=True)
+            except WeightPushError as e:
+                log.warning("weights: could not resume %s after a failed pause: %s", url, e)
+
     @property
     def flush_cache(self) -> bool:
         return self.pause_mode != "in_place"  # flushing with requests kept in place asserts in SGLang
 
-    def _send_bucket(self, group, version: int) -> float:
-        """Deliver one bucket; returns the seconds spent moving the bytes themselves."""
+    def _send_bucket(self, group, version: int | None) -> float:
+        """Deliver one bucket (`version`: set it on the servers once loaded, or None); returns the
+        seconds spent moving the bytes themselves."""
         raise NotImplementedError
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def check_flat_layout(group) -> None:
+    """SGLang's FlattenedTensorBucket lays tensors back to back as bytes and the server views each
+    slice as its dtype, which needs the slice's offset to be a multiple of the element size: a bf16
+    tensor of odd size followed by an fp32 one would fail on the server, after a partial load."""
+    offset = 0
+    for name, x in group:
+        if offset % x.element_size():
+            raise WeightPushError(
+                f"weights: {name} ({x.dtype}) would start at byte {offset} of its bucket, not a multiple of "
+                f"{x.element_size()}: push tensors of one dtype per bucket"
+            )
+        offset += x.numel() * x.element_size()
 
 
 class NcclSGLangSender(_SGLangSender):
@@ -133,6 +175,9 @@ class NcclSGLangSender(_SGLangSender):
         self.master_address = master_address
         self.group_name = group_name
         self._group = None
+        # long-lived threads for the per-server calls that run beside the broadcast: their keep-alive
+        # sessions persist from push to push
+        self._http = cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-http")
         # Form the group now, while the servers generate normally: a server paused for a push may not
         # serve the join request, and the first push would then wait for a group that never forms.
         self._join()
@@ -147,40 +192,40 @@ class NcclSGLangSender(_SGLangSender):
         port = free_port()
         world = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
-        with cf.ThreadPoolExecutor(len(self.urls)) as pool:
-            joins = [
-                pool.submit(
-                    self._post,
-                    url,
-                    "/init_weights_update_group",
-                    {
-                        "master_address": self.master_address,
-                        "master_port": port,
-                        "rank_offset": off,
-                        "world_size": world,
-                        "group_name": self.group_name,
-                        "backend": "nccl",
-                    },
-                    self.timeout_s,
-                )
-                for url, off in zip(self.urls, offsets)
-            ]
-            self._group = init_custom_process_group(
-                backend="nccl",
-                init_method=f"tcp://{self.master_address}:{port}",
-                world_size=world,
-                rank=0,
-                group_name=self.group_name,
+        joins = [
+            self._http.submit(
+                self._post,
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": port,
+                    "rank_offset": off,
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": "nccl",
+                },
+                self.timeout_s,
             )
-            for j in joins:
-                j.result(timeout=self.timeout_s)
+            for url, off in zip(self.urls, offsets)
+        ]
+        self._group = init_custom_process_group(
+            backend="nccl",
+            init_method=f"tcp://{self.master_address}:{port}",
+            world_size=world,
+            rank=0,
+            group_name=self.group_name,
+        )
+        for j in joins:
+            j.result(timeout=self.timeout_s)
         log.info("weights: NCCL group %s formed with %d engine ranks", self.group_name, world - 1)
 
-    def _send_bucket(self, group, version: int) -> float:
+    def _send_bucket(self, group, version: int | None) -> float:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         if self._group is None:
             self._join()
+        check_flat_layout(group)
         body = {
             "names": [n for n, _ in group],
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
@@ -188,23 +233,27 @@ class NcclSGLangSender(_SGLangSender):
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
             "flush_cache": self.flush_cache,
-            "weight_version": str(version),
         }
+        if version is not None:
+            body["weight_version"] = str(version)
         # the servers rebuild the same layout from names/dtypes/shapes: tensors as bytes, in order
         flat = FlattenedTensorBucket(named_tensors=[(n, t.cuda()) for n, t in group]).get_flattened_tensor()
         torch.cuda.synchronize()
-        with cf.ThreadPoolExecutor(len(self.urls)) as pool:  # servers wait in recv while we broadcast
-            calls = [
-                pool.submit(self._post, url, "/update_weights_from_distributed", body, self.timeout_s)
-                for url in self.urls
-            ]
-            t0 = time.monotonic()  # the NCCL broadcast of this bucket: the floor of any push
-            torch.distributed.broadcast(flat, src=0, group=self._group)
-            torch.cuda.synchronize()
-            moved = time.monotonic() - t0
-            for c in calls:
-                c.result(timeout=self.timeout_s)
+        calls = [  # the servers wait in their receive while we broadcast
+            self._http.submit(self._post, url, "/update_weights_from_distributed", body, self.timeout_s)
+            for url in self.urls
+        ]
+        t0 = time.monotonic()  # the NCCL broadcast of this bucket: the floor of any push
+        torch.distributed.broadcast(flat, src=0, group=self._group)
+        torch.cuda.synchronize()
+        moved = time.monotonic() - t0
+        for c in calls:
+            c.result(timeout=self.timeout_s)
         return moved
+
+    def close(self) -> None:
+        super().close()
+        self._http.shutdown(wait=True)
 
 
 class CudaIpcSGLangSender(_SGLangSender):
@@ -212,15 +261,18 @@ class CudaIpcSGLangSender(_SGLangSender):
         super().__init__(urls, **kw)
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
-    def _send_bucket(self, group, version: int) -> float:
+    def _send_bucket(self, group, version: int | None) -> float:
         from stages.rollout.sglang_engine import ipc_bucket_body
+
+        check_flat_layout(group)
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
         tensors = [(n, t.to(dev).contiguous()) for n, t in group]
         for url, tp in zip(self.urls, self.tp_sizes):
             body, flat = ipc_bucket_body(tensors, tp, dev)  # flat stays alive until the server answered
-            body["weight_version"] = str(version)
+            if version is not None:
+                body["weight_version"] = str(version)
             self._post(url, "/update_weights_from_tensor", body, self.timeout_s)
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes

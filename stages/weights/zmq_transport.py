@@ -73,17 +73,19 @@ class ZmqWeightSender(WeightSender):
         self.engines: dict[bytes, dict] = {}  # identity -> hello info
         self._latest: tuple[int, list] | None = None
         self._stop = threading.Event()
+        self._queue_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="weights-sender", daemon=True)
         self._thread.start()
 
     # -- trainer-facing -----------------------------------------------------------------------------
     def push(self, version: int, named_tensors) -> PushHandle:
-        if self._stop.is_set():
-            raise WeightPushError(
-                f"weight sender on {self.address} is closed; push of version {version} refused"
-            )
         fut: cf.Future = cf.Future()
-        self._jobs.put((version, list(named_tensors), fut))
+        with self._queue_lock:  # the I/O thread's final drain takes it too: no job slips in after it
+            if self._stop.is_set():
+                raise WeightPushError(
+                    f"weight sender on {self.address} is closed; push of version {version} refused"
+                )
+            self._jobs.put((version, list(named_tensors), fut))
         # the I/O thread enforces timeout_s itself and names the missing engines; the handle's own
         # deadline is a little later so that more specific error is the one the trainer sees
         return PushHandle(version, fut, self.timeout_s + 2.0, f"torch engines via {self.address}")
@@ -110,15 +112,20 @@ class ZmqWeightSender(WeightSender):
                         fut.set_result(self._deliver(version, named))
                     except Exception as e:  # noqa: BLE001 - handed to the trainer through the future
                         fut.set_exception(e)
+        except BaseException as e:
+            log.error("weights sender I/O thread on %s failed: %s", self.address, e)
+            raise
         finally:
             self._sock.close(0)
-            while True:  # pushes queued behind a close never run: say so instead of leaving them pending
-                try:
-                    _, _, fut = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(WeightPushError(f"weight sender on {self.address} was closed"))
+            with self._queue_lock:
+                self._stop.set()  # from here on push() refuses instead of queueing for a dead thread
+                while True:  # pushes queued behind a close never run: say so, don't leave them pending
+                    try:
+                        _, _, fut = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(WeightPushError(f"weight sender on {self.address} was closed"))
 
     def _check_open(self, version: int) -> None:
         if self._stop.is_set():
@@ -135,6 +142,8 @@ class ZmqWeightSender(WeightSender):
             try:
                 msg = _dec.decode(raw)
             except msgspec.DecodeError:
+                msg = None
+            if not isinstance(msg, dict):  # garbage must not end the I/O thread
                 log.warning("weights: undecodable message from %r dropped", ident)
                 continue
             if msg.get("kind") == "hello":

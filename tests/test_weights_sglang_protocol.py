@@ -1,0 +1,120 @@
+"""The SGLang weight senders' HTTP sequence, on CPU: a local HTTP server records what a push sends
+(no SGLang, no GPU: the transport-specific bucket delivery is replaced by a POST of its own). What is
+checked is the sender's protocol: pause, loads with the version on the last one only, continue; a
+failed pause resumes generation; a failed load leaves the servers paused and says so."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from stages.weights.base import WeightPushError
+from stages.weights.sglang_transport import _SGLangSender, check_flat_layout
+
+
+class Recorder(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, fail: set[str]):
+        self.calls: list[tuple[str, dict]] = []
+        self.fail = fail
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        self.server.calls.append((self.path, body))
+        ok = self.path not in self.server.fail
+        out = json.dumps({"success": ok, "message": "" if ok else "boom"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+class PostSender(_SGLangSender):
+    """The shared push sequence with a bucket delivery that only POSTs what it was asked to load."""
+
+    def _send_bucket(self, group, version):
+        body = {"names": [n for n, _ in group]}
+        if version is not None:
+            body["weight_version"] = str(version)
+        for url in self.urls:
+            self._post(url, "/load", body, self.timeout_s)
+        return 0.0
+
+
+@pytest.fixture
+def server_factory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    made = []
+
+    def make(fail=()):
+        srv = Recorder(set(fail))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        made.append(srv)
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield make
+    for srv in made:
+        srv.shutdown()
+
+
+def _named():  # three 4 KB tensors: with 8 KB buckets, two buckets
+    return [(f"w{i}", torch.zeros(1024)) for i in range(3)]
+
+
+def test_push_sequence_sets_the_version_with_the_last_load_only(server_factory):
+    srv, url = server_factory()
+    sender = PostSender([url], bucket_mb=0, timeout_s=10)
+    sender.bucket_bytes = 8192
+    out = sender.push(5, _named()).result(timeout=10)
+    routes = [r for r, _ in srv.calls]
+    assert routes == ["/pause_generation", "/load", "/load", "/continue_generation"]
+    loads = [b for r, b in srv.calls if r == "/load"]
+    assert "weight_version" not in loads[0] and loads[1]["weight_version"] == "5"
+    assert [n for b in loads for n in b["names"]] == ["w0", "w1", "w2"]
+    assert out["version"] == 5 and out["bytes"] == 3 * 4096
+    sender.close()
+
+
+def test_failed_load_leaves_servers_paused_and_says_so(server_factory):
+    srv, url = server_factory(fail={"/load"})
+    sender = PostSender([url], timeout_s=10)
+    with pytest.raises(WeightPushError, match="left paused"):
+        sender.push(2, _named()).result(timeout=10)
+    assert [r for r, _ in srv.calls] == ["/pause_generation", "/load"]  # no continue on mixed weights
+    sender.close()
+
+
+def test_failed_pause_resumes_every_server(server_factory):
+    ok, ok_url = server_factory()
+    bad, bad_url = server_factory(fail={"/pause_generation"})
+    sender = PostSender([ok_url, bad_url], timeout_s=10)
+    with pytest.raises(WeightPushError, match="pause_generation failed"):
+        sender.push(1, _named()).result(timeout=10)
+    assert [r for r, _ in ok.calls] == ["/pause_generation", "/continue_generation"]
+    assert ("/load" not in [r for r, _ in bad.calls]) and bad.calls[-1][0] == "/continue_generation"
+    sender.close()
+
+
+def test_flat_layout_rejects_misaligned_dtypes():
+    check_flat_layout(
+        [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.bfloat16))]
+    )
+    check_flat_layout(
+        [("a", torch.zeros(2, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.float32))]
+    )
+    with pytest.raises(WeightPushError, match="b .*byte 6"):
+        check_flat_layout(
+            [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.float32))]
+        )
