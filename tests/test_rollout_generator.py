@@ -272,3 +272,29 @@ def test_a_generator_held_back_for_long_says_why(cfg, engine, monkeypatch, caplo
         "no new group for" in r.message and "check that a trainer is running" in r.message
         for r in caplog.records
     )
+
+
+def test_a_generator_that_keeps_admitting_does_not_warn(cfg, engine, monkeypatch, caplog):
+    """Held back between versions but admitting groups every time weights move on: a normal run,
+    no "no new group" warning (it used to fire when the stretches were less than 1 s apart)."""
+    import logging
+
+    import stages.rollout.generator as generator_module
+
+    monkeypatch.setattr(generator_module, "HELD_BACK_WARN_S", 0.3)
+    engine.update_weights([], version=0)
+
+    async def run():
+        gen = Generator(cfg, FakeSink(), engine, "busy", batch_groups=1)
+        task = asyncio.create_task(gen.run())
+        for v in range(1, 16):  # a trainer pushing every 0.1 s: each push admits one more group
+            await asyncio.sleep(0.1)
+            engine.update_weights([], version=v)
+        gen.stop()
+        await asyncio.wait_for(task, 30)
+        return gen.counters["groups_started"]
+
+    with caplog.at_level(logging.WARNING, logger=generator_module.log.name):
+        started = asyncio.run(run())
+    assert started >= 10  # it did keep admitting
+    assert not any("no new group for" in r.message for r in caplog.records)

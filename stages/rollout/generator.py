@@ -110,7 +110,8 @@ class Generator:
         )
         self.admission_wait_s = 0.0
         self._evicted_polled = 0.0
-        self._held_since = self._held_warned = self._held_last = 0.0
+        self._held_since = self._held_warned = 0.0
+        self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
         self._stopping = False
         self._wake: asyncio.Event | None = None
@@ -153,8 +154,9 @@ class Generator:
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""
         now = time.monotonic()
-        if now - self._held_last > 1.0:  # held back again after admitting in between: a new stretch
-            self._held_since, self._held_warned = now, now
+        started = self.counters["groups_started"]
+        if started != self._held_at_count:  # a group was admitted since: a new stretch begins
+            self._held_since, self._held_warned, self._held_at_count = now, now, started
         elif now - self._held_warned > HELD_BACK_WARN_S:
             self._held_warned = now
             log.warning(
@@ -167,7 +169,6 @@ class Generator:
                 self.engine.version,
                 self.max_staleness,
             )
-        self._held_last = now
 
     async def _refresh_evicted(self) -> None:
         """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
