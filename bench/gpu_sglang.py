@@ -17,22 +17,10 @@ import time
 
 
 def build_tiny() -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from stages.trainer.testing import make_sglang_tiny
 
-    cfg = Qwen2Config(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="tiny-qwen2-")
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    make_sglang_tiny(path)  # the GPU tests' model (eos/bos ids do not matter here: ignore_eos)
     return path
 
 

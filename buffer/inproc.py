@@ -60,14 +60,7 @@ class InProcBuffer(SampleSink, BatchSource):
             self.buffer.sync()
             self._seq += 1
             self._cond.notify_all()
-            return wire.IngestAck(
-                seq=self._seq,
-                accepted=plan.n_new,
-                duplicates=plan.duplicates,
-                rejected=plan.rejected,
-                trainer_version=self.buffer.version,
-                errors=plan.errors,
-            )
+            return plan.ack(seq=self._seq, trainer_version=self.buffer.version)
 
     def fetch(
         self, num_groups: int, version: int, max_staleness: int, timeout_s: float = 60.0

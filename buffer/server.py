@@ -378,17 +378,7 @@ class BufferServer:
             self._park(env, msg, batch)
             return False
         ticket = self.buffer.commit(plan)
-        ack = wire.encode(
-            wire.IngestAck(
-                req=msg.req,
-                seq=msg.seq,
-                accepted=plan.n_new,
-                duplicates=plan.duplicates,
-                rejected=plan.rejected,
-                trainer_version=self.buffer.version,
-                errors=plan.errors,
-            )
-        )
+        ack = wire.encode(plan.ack(seq=msg.seq, trainer_version=self.buffer.version, req=msg.req))
         key = (msg.producer, msg.seq)
         self._acks[key] = ack
         while len(self._acks) > _ACK_MEMORY:

@@ -29,6 +29,7 @@ from buffer.config import BufferConfig
 from buffer.policy import Policy, make_policy
 from buffer.segments import ConsumptionLog, SegmentWriter, recover_segments
 from buffer.validate import check_batch
+from pipeline import wire
 from pipeline.sample import ARROW_SCHEMA, Sample, samples_to_batch
 
 
@@ -55,6 +56,18 @@ class Plan:
     rejected: int = 0
     errors: list[str] = field(default_factory=list)
     runs: _Runs | None = field(default=None, repr=False)  # set by the fast path of Buffer.plan
+
+    def ack(self, *, seq: int, trainer_version: int, req: int = 0) -> wire.IngestAck:
+        """The producer's acknowledgement of this plan once committed (and durable)."""
+        return wire.IngestAck(
+            req=req,
+            seq=seq,
+            accepted=self.n_new,
+            duplicates=self.duplicates,
+            rejected=self.rejected,
+            trainer_version=trainer_version,
+            errors=self.errors,
+        )
 
 
 @dataclass(slots=True)

@@ -31,24 +31,10 @@ def tiny(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     pytest.importorskip("sglang")
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from stages.trainer.testing import make_sglang_tiny
 
-    cfg = Qwen2Config(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    model.save_pretrained(path)
+    model = make_sglang_tiny(str(path))
     return path, model.cuda().eval()
 
 

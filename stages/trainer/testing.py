@@ -20,6 +20,30 @@ TINY = dict(
 )
 
 
+def make_sglang_tiny(path: str, seed: int = 0):
+    """Save a random Qwen2 (4 layers, hidden 512, untied, bf16, default init) for the SGLang GPU
+    tests and bench to `path`; returns the model. Built on the machine, so no model is carried."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
 def make_tiny_hf(path: str, kind: str = "qwen2", seed: int = 1, **overrides) -> str:
     """Save a random tiny HF model (qwen2: tied + qkv bias; llama: untied; qwen3: qk-norm) to `path`."""
     import torch

@@ -67,29 +67,21 @@ class Trainer:
         bf16 = self.tc.precision == "bf16"
         # megatron shards only Adam state; opt-in because resuming it fails in megatron-core 0.16
         self.dist_opt = self.dp > 1 and self.tc.optimizer == "adam" and self.tc.distributed_optimizer
-        self.policy = build_policy(
-            model_path,
+        # the KL reference below must compute exactly as the policy does: one set of build settings
+        arch = dict(
             tp=self.tc.tp,
             pp=self.tc.pp,
             bf16=bf16,
             layer_spec=self.tc.layer_spec,
-            recompute=self.tc.recompute,
-            distributed_optimizer=self.dist_opt,
             fp32_lm_head=cfg.model.fp32_lm_head,
             attention=self.tc.attention,
         )
+        self.policy = build_policy(
+            model_path, **arch, recompute=self.tc.recompute, distributed_optimizer=self.dist_opt
+        )
         self.ref = None
         if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
-            self.ref = build_policy(
-                model_path,
-                tp=self.tc.tp,
-                pp=self.tc.pp,
-                bf16=bf16,
-                layer_spec=self.tc.layer_spec,
-                ddp=False,
-                fp32_lm_head=cfg.model.fp32_lm_head,
-                attention=self.tc.attention,
-            )
+            self.ref = build_policy(model_path, **arch, ddp=False)
             unwrap(self.ref.model).eval().requires_grad_(False)
         opt_cfg = OptimizerConfig(
             optimizer=self.tc.optimizer,

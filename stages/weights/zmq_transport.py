@@ -277,15 +277,7 @@ class WeightReceiver:
         except Exception as e:  # noqa: BLE001 - a broken receiver must fail the push, not leave quietly
             self.error = f"weight receiver {self.name} failed: {type(e).__name__}: {e}"
             log.exception("weight receiver %s failed", self.name)
-            fail = {
-                "kind": "ack",
-                "proto": PROTO,
-                "engine": self.name,
-                "version": version,
-                "ok": False,
-                "error": self.error,
-            }
-            sock.send(_enc.encode(fail), zmq.NOBLOCK)
+            sock.send(_enc.encode(self._ack(version, self.error)), zmq.NOBLOCK)
             sock.close(linger=500)
             return
         # a clean shutdown deregisters, so later pushes do not wait for this engine
@@ -302,19 +294,17 @@ class WeightReceiver:
             )
         return out
 
+    def _ack(self, version, error: str | None = None) -> dict:
+        """The answer to the sender for `version`: applied, or failed with `error`."""
+        ack = {"kind": "ack", "proto": PROTO, "engine": self.name, "version": version, "ok": error is None}
+        return ack if error is None else {**ack, "error": error}
+
     def _apply(self, version: int, tensors: dict) -> dict:
         try:
             self.engine.update_weights(list(tensors.items()), version)
             self.applied.append(version)
-            return {"kind": "ack", "proto": PROTO, "engine": self.name, "version": version, "ok": True}
+            return self._ack(version)
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which fails the run with it
             self.error = f"{type(e).__name__}: {e}"
             log.exception("weights: applying version %s failed", version)
-            return {
-                "kind": "ack",
-                "proto": PROTO,
-                "engine": self.name,
-                "version": version,
-                "ok": False,
-                "error": self.error,
-            }
+            return self._ack(version, self.error)
