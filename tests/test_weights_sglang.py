@@ -59,13 +59,14 @@ def _check_push(sender_cls, gpu: int, tmp_path, **kw):
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2", vocab_size=1024)
     proc, url = _server(path, free_port(), gpu)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda(0)
-        old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda(0)  # what the server has
+        # references in bf16, as the server computes: the pushed weights, and the ones it started with
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda(0)
+        old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda(0)
         with torch.no_grad():
             for p in hf.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         sender = sender_cls([url], timeout_s=120, **kw)
-        named = [(n, p.detach().bfloat16()) for n, p in hf.named_parameters()]
+        named = [(n, p.detach()) for n, p in hf.named_parameters()]
         sender.push(7, named).result()
         prompt = [1, 2, 3, 4, 5]
         out = requests.post(
@@ -92,9 +93,10 @@ def _check_push(sender_cls, gpu: int, tmp_path, **kw):
         print(
             f"METRIC {{'transport': '{sender_cls.__name__}', 'vs_pushed': {new_gap:.4f}, 'vs_before': {old_gap:.4f}}}"
         )
-        # the server now computes the pushed weights: bf16 engine vs fp32 reference (a single token's
-        # max went to 0.059 on an H200, so the mean over 32 tokens is what is bounded), far from before
-        assert new_gap < 0.03 and new_gap < old_gap / 4
+        # the server now computes the pushed weights: bf16 engine vs a bf16 HF forward of exactly the
+        # bytes pushed is 0.04-0.05 on an H200 (other kernels; this random model with perturbed weights
+        # is far more sensitive than a trained one), against 3.1 for the weights from before the push
+        assert new_gap < 0.1 and new_gap < old_gap / 20
         assert str(out["meta_info"].get("weight_version")) == "7"
         sender.close()
     finally:

@@ -1,0 +1,217 @@
+"""Weight-push time into live SGLang servers against the raw transfer of the same bytes, in one run.
+
+Two GPUs. GPU 0 holds the "trainer" (the model's weights as bf16 CUDA tensors, pushed as the trainer
+pushes them) and a colocated SGLang server (CUDA IPC pushes); GPU 1 holds a second SGLang server (NCCL
+pushes from GPU 0). For each transport: `--pushes` pushes with the server idle, then as many while it
+generates (64 requests of up to 128 tokens at a time, as in the GPU configs), each push's phases
+(pause, load, of which transfer, continue) from the sender itself, and the server's own time inside
+the load (SGLang's `weight_load_duration_seconds` metric, `--enable-metrics`). The raw baselines of
+`bench/nccl_broadcast.py` (per-tensor and flat broadcast GPU 0 -> GPU 1, device copy on GPU 0) run in
+the same invocation, before the servers start. Prints one JSON line last.
+
+    PYTHONPATH=. python bench/gpu_push.py [--model smollm2-135m|DIR] [--pushes 10] [--cuda-graph]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def model_dir(name: str) -> str:
+    from pipeline.config import ModelConfig
+    from pipeline.models import resolve_model
+
+    if Path(name).is_dir():
+        return name
+    return str(resolve_model(ModelConfig(name=name, cache_dir="/tmp/models-gpu-push")))
+
+
+def raw_baselines(path: str) -> dict:
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "nccl_broadcast.py"), path, "--gpus", "0,1", "--runs", "10"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if p.returncode != 0:
+        raise SystemExit(f"nccl_broadcast.py failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def server_load_s(url: str) -> float:
+    """The server's own time for its last weight load (SGLang's `weight_load_duration_seconds` gauge)."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    m = re.findall(r"^sglang:weight_load_duration_seconds\{[^}]*\} ([0-9.e+-]+)", text, re.M)
+    return max((float(x) for x in m), default=float("nan"))
+
+
+def _load_child(url: str, n: int, max_new: int) -> None:
+    """Child process: keep `n` generate requests in flight on `url` until stdin closes."""
+    import random
+
+    import requests
+
+    stop = threading.Event()
+
+    def worker(i: int) -> None:
+        rng, s = random.Random(i), requests.Session()
+        while not stop.is_set():
+            body = {
+                "input_ids": [rng.randrange(100, 40000) for _ in range(48)],
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0},
+                "return_logprob": True,
+            }
+            s.post(url + "/generate", json=body, timeout=600)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    print("generating", flush=True)
+    sys.stdin.read()
+    stop.set()
+
+
+class Load:
+    """Keeps a server generating (`n` requests in flight, up to `max_new` tokens each) until stopped,
+    from a process of its own (in this one, its Python would compete with the push thread)."""
+
+    def __init__(self, url: str, n: int = 64, max_new: int = 128):
+        self.cmd = [sys.executable, __file__, "--_load", url, "--_n", str(n), "--_max-new", str(max_new)]
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()
+        time.sleep(3)  # requests running
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure(sender, engine, named, pushes: int, version0: int) -> dict:
+    out = {}
+    for label, busy in (("idle", False), ("generating", True)):
+        rows = []
+        ctx = Load(engine.url) if busy else None
+        if ctx:
+            ctx.__enter__()
+        try:
+            for i in range(pushes + 2):
+                r = sender.push(version0 + i, named).result()
+                r["server_load_s"] = server_load_s(engine.url)
+                if i >= 2:  # two warm-ups
+                    rows.append(r)
+                time.sleep(0.3)
+        finally:
+            if ctx:
+                ctx.__exit__()
+        out[label] = {
+            k[:-2] + "_ms": round(statistics.median(r[k] for r in rows) * 1e3, 2)
+            for k in rows[0]
+            if k.endswith("_s")
+        }
+        out[label]["seconds_ms_p90"] = round(
+            sorted(r["seconds"] for r in rows)[int(0.9 * len(rows))] * 1e3, 2
+        )
+        out[label]["seconds_ms"] = round(statistics.median(r["seconds"] for r in rows) * 1e3, 2)
+        for k in ("pause_s", "load_s", "seconds"):
+            out[label][f"{k.removesuffix('_s')}_ms_max"] = round(max(r[k] for r in rows) * 1e3, 2)
+        version0 += pushes + 2
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--pushes", type=int, default=10)
+    ap.add_argument("--cuda-graph", action="store_true", help="as the GPU configs run (slower start)")
+    ap.add_argument("--_load", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--_n", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--_max-new", type=int, default=128, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._load:
+        return _load_child(a._load, a._n, a._max_new)
+
+    import torch
+    from safetensors.torch import load_file
+
+    from stages.rollout.config import SGLangConfig
+    from stages.rollout.sglang_engine import SGLangEngine
+    from stages.weights.base import align_nccl_env
+    from stages.weights.sglang_transport import CudaIpcSGLangSender, NcclSGLangSender
+
+    align_nccl_env()
+    path = model_dir(a.model)
+    result = {"bench": "gpu_push", "model": a.model, "device": torch.cuda.get_device_name(0)}
+    result["raw"] = raw_baselines(path)
+    print("raw:", result["raw"], flush=True)
+
+    torch.cuda.set_device(0)
+    named = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        named += [(n, t.to("cuda:0", torch.bfloat16)) for n, t in load_file(str(f)).items()]
+    result["tensors"], result["bytes"] = len(named), sum(t.numel() * t.element_size() for _, t in named)
+
+    cfg = dict(disable_cuda_graph=not a.cuda_graph, keep_weights_copy=False, extra_args=["--enable-metrics"])
+    engines: dict[int, SGLangEngine] = {}
+    t0 = time.perf_counter()
+
+    def start(gpu: int) -> None:
+        engines[gpu] = SGLangEngine(
+            path,
+            SGLangConfig(mem_fraction_static=0.5, **cfg),
+            gpu_id=gpu,
+            name=f"push-{gpu}",
+            fp32_lm_head=True,
+        )
+
+    threads = [threading.Thread(target=start, args=(g,)) for g in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(engines) != 2:
+        raise SystemExit("an SGLang server did not start (see the errors above)")
+    result["server_start_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        nccl = NcclSGLangSender([engines[1].url], timeout_s=120)
+        result["nccl"] = measure(nccl, engines[1], named, a.pushes, 1)
+        nccl.close()
+        print("nccl:", result["nccl"], flush=True)
+        ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120)
+        result["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1)
+        ipc.close()
+        print("cuda_ipc:", result["cuda_ipc"], flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+    raw = result["raw"]
+    for mode in ("idle", "generating"):
+        total = result["nccl"][mode]["seconds_ms"] / 1e3
+        result[f"nccl_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
+        result[f"nccl_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
+        result[f"ipc_{mode}_vs_d2d"] = round(
+            result["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
