@@ -7,6 +7,7 @@ python -m buffer demo --address tcp://127.0.0.1:5555
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -21,6 +22,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--policy", default=None, choices=["fifo", "staleness_fifo", "uniform"])
     s.add_argument("--max-times-sampled", type=int, default=None)
     s.add_argument("--memory", action="store_true", help="do not write segments even if --dir is given")
+    s.add_argument(
+        "--reserve-mb", type=int, default=None, help="heap to fault in at start (buffer/memory.py; 0: none)"
+    )
     d = sub.add_parser("demo", help="produce synthetic samples into a live buffer and fetch them back")
     d.add_argument("--address", required=True)
     d.add_argument("--groups", type=int, default=8, help="groups produced per round")
@@ -35,6 +39,7 @@ def serve(args: argparse.Namespace) -> int:
     import msgspec
 
     from buffer.config import BufferConfig
+    from buffer.memory import reserve
     from buffer.server import BufferServer
 
     kw = {"bind": args.bind, "dir": args.dir, "durable": bool(args.dir) and not args.memory}
@@ -44,7 +49,10 @@ def serve(args: argparse.Namespace) -> int:
         kw["policy"] = args.policy
     if args.max_times_sampled is not None:
         kw["max_times_sampled"] = args.max_times_sampled
+    if args.reserve_mb is not None:
+        kw["reserve_mb"] = args.reserve_mb
     cfg = msgspec.convert(kw, BufferConfig)
+    mem = reserve(cfg.reserve_mb)  # before the server's socket (and ZeroMQ's I/O thread) exists
     srv = BufferServer(cfg, args.dir or None)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: srv.request_stop())
@@ -53,7 +61,8 @@ def serve(args: argparse.Namespace) -> int:
     print(f"buffer listening on {srv.address}", flush=True)
     print(
         f"dir={args.dir or '(memory only)'} policy={s['policy']} capacity={s['capacity_samples']} "
-        f"rows={s['rows']} version={s['version']} recovery={s['recovery'] or '-'}",
+        f"rows={s['rows']} version={s['version']} recovery={s['recovery'] or '-'} "
+        f"reserved={mem.get('reserved_mb', 0)}MB",
         flush=True,
     )
     # The main thread only waits, so that signals are handled promptly.
@@ -66,6 +75,11 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.cmd == "serve":
+        from buffer.memory import BUFFER_GLIBC_TUNABLES, buffer_env
+
+        if argv is None and BUFFER_GLIBC_TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
+            # glibc reads its malloc settings at process start only: start again with them (same pid)
+            os.execve(sys.executable, [sys.executable, "-m", "buffer", *sys.argv[1:]], buffer_env())
         return serve(args)
     from buffer.demo import run_demo
 

@@ -16,3 +16,6 @@ class BufferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_times_sampled: int = 1  # uniform policy only: a sample is retired after this many uses
     segment_max_mb: int = 64  # roll to a new segment file after this size
     max_message_mb: int = 256  # larger ZeroMQ frames are rejected with a reason
+    # heap a buffer process faults in at start, so that ingest lands in mapped pages (buffer/memory.py);
+    # the process keeps its high-water mark of memory from then on. 0: malloc settings only.
+    reserve_mb: int = 256

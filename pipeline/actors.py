@@ -36,8 +36,10 @@ class BufferActor:
     """Hosts the ZeroMQ buffer server in a thread; its data lives in the run directory."""
 
     def __init__(self, cfg, directory: str):
+        from buffer.memory import reserve
         from buffer.server import BufferServer
 
+        self.memory = reserve(cfg.buffer.reserve_mb)  # before the server's socket exists
         self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None).start()
 
     def address(self) -> str:

@@ -103,7 +103,7 @@ class Pipeline:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pipeline.actors import BufferActor, EvalActor, GeneratorActor, TrainerActor
+        from pipeline.actors import BufferActor, EvalActor, GeneratorActor, TrainerActor, actor_env
         from pipeline.models import resolve_model
 
         cfg, r = self.cfg, self.cfg.rollout
@@ -126,7 +126,12 @@ class Pipeline:
             }
 
         buffer_dir = cfg.buffer.dir or str(self.run_dir / "buffer")
-        self.buffer = BufferActor.options(**on(0)).remote(cfg, buffer_dir)
+        from buffer.memory import buffer_env
+
+        # a worker process of its own, with the buffer's malloc settings from its start (buffer/memory.py)
+        env = actor_env()
+        env["env_vars"] = buffer_env(env["env_vars"])
+        self.buffer = BufferActor.options(runtime_env=env, **on(0)).remote(cfg, buffer_dir)
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
         # each generator's share of a trainer batch (admission control); together exactly batch_groups,
         # else the generators could never admit a full batch per version and the trainer would starve
