@@ -75,9 +75,9 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.cmd == "serve":
-        from buffer.memory import BUFFER_GLIBC_TUNABLES, buffer_env
+        from buffer.memory import MARKER, buffer_env
 
-        if argv is None and BUFFER_GLIBC_TUNABLES not in os.environ.get("GLIBC_TUNABLES", ""):
+        if argv is None and not os.environ.get(MARKER):
             # glibc reads its malloc settings at process start only: start again with them (same pid)
             os.execve(sys.executable, [sys.executable, "-m", "buffer", *sys.argv[1:]], buffer_env())
         return serve(args)

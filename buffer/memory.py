@@ -36,19 +36,26 @@ BUFFER_GLIBC_TUNABLES = (
 )
 
 
+# set beside GLIBC_TUNABLES: a process that has it was started with the settings (glibc may rewrite
+# GLIBC_TUNABLES in the environment it hands over, so its value is no proof)
+MARKER = "SLIPSTREAM_BUFFER_MALLOC"
+
+
 def buffer_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's) with the buffer's malloc settings added to GLIBC_TUNABLES."""
     env = dict(os.environ if env is None else env)
     have = env.get("GLIBC_TUNABLES", "")
     env["GLIBC_TUNABLES"] = f"{have}:{BUFFER_GLIBC_TUNABLES}" if have else BUFFER_GLIBC_TUNABLES
+    env[MARKER] = "1"
     return env
 
 
 def _libc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.gnu_get_libc_version  # glibc only: mallopt's parameters below are glibc's
-    except (OSError, AttributeError):
+        if not hasattr(libc, "gnu_get_libc_version"):  # mallopt's parameters below are glibc's
+            return None
+    except OSError:
         return None
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
