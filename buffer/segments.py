@@ -63,6 +63,22 @@ def _load_fast_crc32():
 _fast_crc32 = _load_fast_crc32()
 
 
+def _load_sync_file_range():
+    """Linux's sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE): start writing a range of a
+    file back to disk without waiting for it (None elsewhere)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
 def crc32(data: pa.Buffer | np.ndarray | bytes, crc: int = 0) -> int:
     """zlib.crc32(data, crc), faster where libdeflate is installed (see `_load_fast_crc32`)."""
     if _fast_crc32 is None:
@@ -206,7 +222,13 @@ class SegmentWriter:
             self._open()
         before = self._sink.tell()
         self._writer.write_batch(batch, custom_metadata=meta)
-        self.bytes_written += self._sink.tell() - before
+        after = self._sink.tell()
+        self.bytes_written += after - before
+        if _sync_file_range is not None:
+            # start the disk on this batch now, while later ones are still being written: the group's
+            # fsync then waits only for what is left (the data is durable only after that fsync)
+            self._sink.flush()
+            _sync_file_range(self._sink.fileno(), before, after - before, _SYNC_FILE_RANGE_WRITE)
 
     def close(self) -> None:
         """Write and fsync what is queued, stop the thread, close the file."""
