@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -54,7 +55,11 @@ def server_load_s(url: str) -> float:
     import requests
 
     text = requests.get(url + "/metrics", timeout=10).text
-    m = re.findall(r"^sglang:weight_load_duration_seconds\{[^}]*\} ([0-9.e+-]+)", text, re.M)
+    m = re.findall(
+        r'^sglang:weight_load_duration_seconds\{[^}]*source="(?:tensor|distributed)"[^}]*\} ([0-9.e+-]+)',
+        text,
+        re.M,
+    )
     return max((float(x) for x in m), default=float("nan"))
 
 
@@ -65,6 +70,7 @@ def _load_child(url: str, n: int, max_new: int) -> None:
     import requests
 
     stop = threading.Event()
+    done, failed = [0], [0]
 
     def worker(i: int) -> None:
         rng, s = random.Random(i), requests.Session()
@@ -74,7 +80,12 @@ def _load_child(url: str, n: int, max_new: int) -> None:
                 "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0},
                 "return_logprob": True,
             }
-            s.post(url + "/generate", json=body, timeout=600)
+            try:
+                ok = s.post(url + "/generate", json=body, timeout=600).status_code == 200
+            except requests.RequestException:
+                ok = False
+            done[0] += ok
+            failed[0] += not ok
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -82,6 +93,7 @@ def _load_child(url: str, n: int, max_new: int) -> None:
     print("generating", flush=True)
     sys.stdin.read()
     stop.set()
+    print(f"{done[0]} {failed[0]}", flush=True)  # requests completed / failed while it ran
 
 
 class Load:
@@ -99,6 +111,8 @@ class Load:
 
     def __exit__(self, *exc):
         self.proc.stdin.close()
+        line = self.proc.stdout.readline().split()  # after the running requests ended
+        self.done, self.failed = (int(line[0]), int(line[1])) if len(line) == 2 else (0, -1)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -122,13 +136,21 @@ def measure(sender, engine, named, pushes: int, version0: int) -> dict:
         finally:
             if ctx:
                 ctx.__exit__()
+        if ctx:  # the load really ran: requests completed during the pushes, none failed
+            if ctx.failed or not ctx.done:
+                raise SystemExit(
+                    f"the generating load did not run cleanly: {ctx.done} done, {ctx.failed} failed"
+                )
+            out_load = {"requests_done": ctx.done}
         out[label] = {
             k[:-2] + "_ms": round(statistics.median(r[k] for r in rows) * 1e3, 2)
             for k in rows[0]
             if k.endswith("_s")
         }
+        if ctx:
+            out[label].update(out_load)
         out[label]["seconds_ms_p90"] = round(
-            sorted(r["seconds"] for r in rows)[int(0.9 * len(rows))] * 1e3, 2
+            sorted(r["seconds"] for r in rows)[math.ceil(0.9 * len(rows)) - 1] * 1e3, 2
         )
         out[label]["seconds_ms"] = round(statistics.median(r["seconds"] for r in rows) * 1e3, 2)
         for k in ("pause_s", "load_s", "seconds"):
@@ -159,7 +181,10 @@ def main() -> None:
 
     align_nccl_env()
     path = model_dir(a.model)
+    import sglang
+
     result = {"bench": "gpu_push", "model": a.model, "device": torch.cuda.get_device_name(0)}
+    result["versions"] = {"torch": torch.__version__, "sglang": sglang.__version__}
     result["raw"] = raw_baselines(path)
     print("raw:", result["raw"], flush=True)
 

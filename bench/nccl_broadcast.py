@@ -4,8 +4,9 @@
   push) from one process on GPU A to one process on GPU B, nothing else running in either process;
 - `raw_broadcast_flat_s`: the same bytes as one flat tensor, one broadcast (what a push sends per
   bucket since pushes use SGLang's flattened-bucket format): the floor of the disaggregated push;
-- `d2d_copy_s`: a device-to-device copy of the same tensors on one GPU: the floor of the colocated
-  (CUDA IPC) push, where the engine copies the trainer's buckets into its own weights.
+- `d2d_copy_s`: a device-to-device copy of the same tensors on one GPU, tensor by tensor (what the
+  colocated (CUDA IPC) push does: the engine copies each tensor into its own weights);
+- `d2d_copy_flat_s`: the same bytes as one copy: the memory-bandwidth floor.
 
     python bench/nccl_broadcast.py MODEL_DIR [--dtype bfloat16] [--gpus 0,1] [--runs 5]
 
@@ -98,6 +99,8 @@ def main() -> None:
     nbytes = sum(torch.Size(s).numel() for _, s in spec) * dtype.itemsize
     out = {"bench": "weights_raw_baselines", "tensors": len(spec), "bytes": nbytes}
     out["d2d_copy_s"] = round(statistics.median(d2d(spec, dtype, gpus[0], a.runs)), 5)
+    flat = [("flat", [sum(torch.Size(s).numel() for _, s in spec)])]
+    out["d2d_copy_flat_s"] = round(statistics.median(d2d(flat, dtype, gpus[0], a.runs)), 5)
     if torch.cuda.device_count() >= 2 and len(gpus) == 2:
         from stages.trainer.model import free_port
 

@@ -75,11 +75,18 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.cmd == "serve":
-        from buffer.memory import MARKER, buffer_env
+        from buffer.memory import MARKER, buffer_env, is_glibc
 
-        if argv is None and not os.environ.get(MARKER):
-            # glibc reads its malloc settings at process start only: start again with them (same pid)
-            os.execve(sys.executable, [sys.executable, "-m", "buffer", *sys.argv[1:]], buffer_env())
+        if argv is None and not os.environ.get(MARKER) and sys.platform == "linux" and is_glibc():
+            # glibc reads its malloc settings at process start only: start again with them (same pid,
+            # same interpreter flags and arguments)
+            try:
+                os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], buffer_env())
+            except OSError as e:  # serve anyway: reserve() still applies what it can at run time
+                print(
+                    f"buffer: could not re-execute with the malloc settings ({e}); serving without",
+                    flush=True,
+                )
         return serve(args)
     from buffer.demo import run_demo
 

@@ -7,8 +7,9 @@ on first touch: on the 2-core box that was a third of the ingest time (bench/RES
 A buffer server therefore
   - keeps everything in one malloc arena (`arena_max=1`: the I/O thread and the loop share it),
   - serves messages up to 32 MB from the heap instead of mmap (`mmap_threshold`),
-  - never hands freed heap back to the kernel (`trim_threshold`): what the trainer consumed is reused
-    for the next ingest, and the process keeps its high-water mark of memory, like a database's pool,
+  - does not hand freed heap back to the kernel (`trim_threshold`; up to 2 GiB of free heap at its
+    top are kept): what the trainer consumed is reused for the next ingest, and the process keeps its
+    high-water mark of memory, like a database's pool,
   - and faults `reserve_mb` of heap in at start (`reserve`), so even the first ingests skip the faults.
 The settings apply to the whole process, so only buffer processes make them: `python -m buffer serve`
 and the pipeline's buffer actor (`BUFFER_GLIBC_TUNABLES` in its environment, so every thread of it
@@ -50,6 +51,10 @@ def buffer_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def is_glibc() -> bool:
+    return _libc() is not None
+
+
 def _libc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -74,9 +79,15 @@ def reserve(mb: int) -> dict:
         return {}
     t0 = time.perf_counter()
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-    libc.mallopt(M_ARENA_MAX, 1)
-    libc.mallopt(M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # an int parameter: the largest it takes (2 GiB of slack)
+    for param, value in (
+        (M_ARENA_MAX, 1),
+        (M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+        (M_TRIM_THRESHOLD, 2**31 - 1),  # an int parameter: the largest it takes (2 GiB of slack)
+    ):
+        if libc.mallopt(param, value) != 1:
+            log.warning(
+                "buffer memory: mallopt(%d, %d) was refused; ingest may page-fault more", param, value
+            )
     pieces = []
     try:
         for _ in range(max(0, mb) * (1 << 20) // _PIECE):

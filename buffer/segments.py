@@ -77,6 +77,7 @@ def _load_sync_file_range():
 
 _sync_file_range = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def crc32(data: pa.Buffer | np.ndarray | bytes, crc: int = 0) -> int:
@@ -227,8 +228,11 @@ class SegmentWriter:
         if _sync_file_range is not None:
             # start the disk on this batch now, while later ones are still being written: the group's
             # fsync then waits only for what is left (the data is durable only after that fsync)
-            self._sink.flush()
-            _sync_file_range(self._sink.fileno(), before, after - before, _SYNC_FILE_RANGE_WRITE)
+            # whole pages only: the last, partly written one is rewritten by the next batch
+            lo, hi = before - before % _PAGE, after - after % _PAGE
+            if hi > lo:
+                self._sink.flush()
+                _sync_file_range(self._sink.fileno(), lo, hi - lo, _SYNC_FILE_RANGE_WRITE)
 
     def close(self) -> None:
         """Write and fsync what is queued, stop the thread, close the file."""

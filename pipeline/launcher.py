@@ -14,6 +14,7 @@ with that stage's error; Ctrl-C stops it too; in every case the buffer's segment
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +131,8 @@ class Pipeline:
 
         # a worker process of its own, with the buffer's malloc settings from its start (buffer/memory.py)
         env = actor_env()
-        env["env_vars"] = buffer_env(env["env_vars"])
+        user = {"GLIBC_TUNABLES": os.environ["GLIBC_TUNABLES"]} if os.environ.get("GLIBC_TUNABLES") else {}
+        env["env_vars"] = buffer_env({**env["env_vars"], **user})
         self.buffer = BufferActor.options(runtime_env=env, **on(0)).remote(cfg, buffer_dir)
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
         # each generator's share of a trainer batch (admission control); together exactly batch_groups,

@@ -5,6 +5,7 @@ own: the settings are process-wide and must not leak into the test runner."""
 import ctypes.util
 import os
 import platform
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,9 @@ def test_reserved_memory_takes_messages_without_page_faults():
     plain, _ = _faults("none")
     reserved_faults, reserved_mb = _faults("128")
     assert reserved_mb == 128
-    assert plain > 2000  # 64 MB of fresh pages: thousands of faults (fewer with huge pages)
+    pages = (64 << 20) // resource.getpagesize()
+    if plain < pages // 4:  # transparent huge pages (or large base pages): few faults to save anyway
+        pytest.skip(f"64 MB of fresh memory took only {plain} faults here (huge pages)")
     assert reserved_faults < plain / 10, (plain, reserved_faults)
 
 

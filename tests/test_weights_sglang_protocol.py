@@ -118,3 +118,58 @@ def test_flat_layout_rejects_misaligned_dtypes():
         check_flat_layout(
             [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.float32))]
         )
+
+
+# -- the engine-side protocol (SGLangEngine.updating), against the same recording server ------------
+
+
+def _engine(url: str):
+    from stages.rollout.config import SGLangConfig
+    from stages.rollout.sglang_engine import SGLangEngine
+
+    port = int(url.rsplit(":", 1)[1])
+    return SGLangEngine("/nonexistent-model", SGLangConfig(control_timeout_s=10), port=port, start=False)
+
+
+def _nccl_load(eng, version):
+    return eng.update_weights_from_distributed(["w"], ["bfloat16"], [[4]], version=version)
+
+
+def test_engine_update_sets_version_then_continues(server_factory):
+    srv, url = server_factory()
+    eng = _engine(url)
+    t = _nccl_load(eng, 4)
+    routes = [r for r, _ in srv.calls]
+    assert routes == [
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/continue_generation",
+    ]
+    assert srv.calls[2][1] == {"new_version": "4", "abort_all_requests": False}
+    assert eng.version == 4 and {"pause_s", "load_s", "version_s", "continue_s"} <= set(t)
+
+
+def test_engine_failed_tensor_load_stays_paused_and_says_so(server_factory):
+    from stages.rollout.sglang_engine import EngineError
+
+    srv, url = server_factory(fail={"/update_weights_from_distributed"})
+    eng = _engine(url)
+    with pytest.raises(EngineError, match="left paused with partly loaded weights"):
+        _nccl_load(eng, 4)
+    # no version label and no generation on weights of no version
+    assert [r for r, _ in srv.calls] == ["/pause_generation", "/update_weights_from_distributed"]
+    assert eng.version == 0
+
+
+def test_engine_failed_disk_load_resumes_on_the_old_version(server_factory):
+    srv, url = server_factory(fail={"/update_weights_from_disk"})
+    eng = _engine(url)
+    with pytest.raises(Exception, match="refused"):
+        eng.update_weights_from_disk("/some/checkpoint", 3)  # SGLang rolls a failed disk load back
+    assert [r for r, _ in srv.calls] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert eng.version == 0

@@ -441,11 +441,14 @@ class SGLangEngine(Engine):
     pause, resume = pause_generation, continue_generation
 
     @contextlib.contextmanager
-    def updating(self, version: int):
+    def updating(self, version: int, *, resume_on_failed_load: bool = False):
         """Pause -> (the caller loads weights) -> set `version` -> continue; timings in last_update.
 
         For transports that load in several calls (buckets): `with engine.updating(v): load...`.
-        On an error inside, generation continues on the old version and the error propagates.
+        If a load fails, the server may hold partly loaded weights, which belong to no version: it
+        stays paused and EngineError says to restart() it (as the trainer-side senders do). Only with
+        `resume_on_failed_load` (a disk load, which SGLang rolls back itself) does generation go on,
+        on the old version. A failed version call also leaves it paused: its weights are new by then.
         """
         with self._update_lock:
             t: dict[str, float] = {}
@@ -454,19 +457,34 @@ class SGLangEngine(Engine):
             t["pause_s"] = time.perf_counter() - t0
             try:
                 yield t
-                t1 = time.perf_counter()
-                # abort_all_requests defaults to true on this route: in-flight requests must survive
+            except BaseException as e:
+                if self._held_pending:  # the host copy holds the failed push: restart() must not use it
+                    self._held.clear()
+                    self._held_version, self._held_pending = None, False
+                if resume_on_failed_load:
+                    self._resume_after_failure()
+                    raise
+                raise EngineError(
+                    f"{self.name}: loading weights v{version} failed ({e}); the server is left paused with "
+                    "partly loaded weights: restart() it (or the run) before generating again"
+                ) from e
+            t1 = time.perf_counter()
+            try:  # abort_all_requests defaults to true on this route: in-flight requests must survive
                 self._post(
                     "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
                 )
-                self._version = version
-                if self._held_pending:
-                    self._held_version, self._held_pending = version, False
-                t["version_s"] = time.perf_counter() - t1
-            finally:
-                t2 = time.perf_counter()
-                self.continue_generation()
-                t["continue_s"] = time.perf_counter() - t2
+            except EngineError as e:
+                raise EngineError(
+                    f"{e}; the server is left paused with the weights of v{version} under an older version "
+                    "label: restart() it (or the run) before generating again"
+                ) from e
+            self._version = version
+            if self._held_pending:
+                self._held_version, self._held_pending = version, False
+            t["version_s"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.continue_generation()
+            t["continue_s"] = time.perf_counter() - t2
             t["total_s"] = time.perf_counter() - t0
             self.last_update = t
             self._stats["updates"] += 1
@@ -474,6 +492,12 @@ class SGLangEngine(Engine):
             log.info(
                 "%s: weights v%d applied: %s", self.name, version, {k: round(v, 4) for k, v in t.items()}
             )
+
+    def _resume_after_failure(self) -> None:
+        try:
+            self.continue_generation()
+        except EngineError as e:  # the load's own error is the one to raise
+            log.warning("%s: could not resume after a failed weight load: %s", self.name, e)
 
     def _load(self, t: dict, fn, *args, **kw):
         t0 = time.perf_counter()
@@ -566,7 +590,7 @@ class SGLangEngine(Engine):
     def update_weights_from_disk(self, model_path: str | Path, version: int) -> dict:
         """Fallback transport: load an HF folder the trainer wrote. It is also restart()'s source."""
         body = {"model_path": str(model_path), "flush_cache": False, "abort_all_requests": False}
-        with self.updating(version) as t:
+        with self.updating(version, resume_on_failed_load=True) as t:
             self._load(t, self._post, "/update_weights_from_disk", body)
         self._disk = (str(model_path), version)
         return t
