@@ -46,7 +46,14 @@ class BufferActor:
         return self.server.address
 
     def stats(self) -> dict:
-        return self.server.stats()
+        from buffer.memory import MARKER
+
+        # reserved_mb: heap faulted in at start; malloc_settings: 1 if the process started with them
+        return {
+            **self.server.stats(),
+            "reserved_mb": self.memory.get("reserved_mb", 0),
+            "malloc_settings": int(bool(os.environ.get(MARKER))),
+        }
 
     def stop(self) -> None:
         self.server.stop()

@@ -266,6 +266,8 @@ class Pipeline:
             "evicted_groups",
             "duplicates",
             "rejected_messages",
+            "reserved_mb",
+            "malloc_settings",
         )
         return {f"buffer/{k}": st[k] for k in keys if isinstance(st.get(k), int | float)}
 

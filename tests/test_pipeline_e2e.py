@@ -1,6 +1,7 @@
 """End to end through Ray: the default pipeline for a few steps, sync mode, and a failing stage."""
 
 import json
+import platform
 
 import pytest
 
@@ -51,6 +52,8 @@ def test_default_pipeline_flows_versions_advance_and_pushes_land(tmp_path, ray_s
     assert (res.run_dir / "config.yaml").exists() and (res.run_dir / "reward_staleness.png").exists()
     assert list((res.run_dir / "tensorboard").iterdir())
     assert list((res.run_dir / "buffer").glob("*.arrow")), "the buffer keeps its segments in the run dir"
+    if platform.libc_ver()[0] == "glibc":  # the buffer actor runs with its malloc settings (buffer/memory.py)
+        assert train[-1]["buffer/malloc_settings"] == 1 and train[-1]["buffer/reserved_mb"] == 256
 
 
 def test_sync_mode_trains_on_policy(tmp_path, ray_session):
