@@ -457,7 +457,7 @@ class SGLangEngine(Engine):
             t["pause_s"] = time.perf_counter() - t0
             try:
                 yield t
-            except BaseException as e:
+            except Exception as e:  # (a KeyboardInterrupt ends the run: no resume, no relabel)
                 if self._held_pending:  # the host copy holds the failed push: restart() must not use it
                     self._held.clear()
                     self._held_version, self._held_pending = None, False
