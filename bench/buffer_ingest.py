@@ -15,6 +15,9 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
   disk            write + fsync of the same bytes (each message's Arrow IPC form), one write and one
                   fsync per message, on the same filesystem
   pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
+The buffer server runs as `python -m buffer serve` does anywhere, with the buffer's malloc settings
+and a pre-faulted pool (buffer/memory.py); the raw receivers run as a plain ZeroMQ program would, with
+glibc's defaults (so `raw_zmq_keep` shows what the pool saves).
 The machine is shared and noisy, so each of `--runs` rounds measures every variant back to back, a
 ratio is taken within each round, and the median over rounds is reported with its spread (min-max).
 Prints one JSON line last; ratios (`memory_vs_raw_zmq`, `durable_vs_disk`, `vs_pickle`) are for 2k.
