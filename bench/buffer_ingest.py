@@ -15,6 +15,8 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
   disk            write + fsync of the same bytes (each message's Arrow IPC form), one write and one
                   fsync per message, on the same filesystem
   pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
+  memory_steady   (--steady) buffer/memory into a server that first took as much data and had all of
+                  it fetched: the memory of consumed samples is reused, as in a running pipeline
 The buffer server runs as `python -m buffer serve` does anywhere, with the buffer's malloc settings
 and a pre-faulted pool (buffer/memory.py); the raw receivers run as a plain ZeroMQ program would, with
 glibc's defaults (so `raw_zmq_keep` shows what the pool saves).
@@ -99,7 +101,9 @@ def make_messages(tokens: int, total_mb: float, msg_mb: float, prefix: str):
     return [synthetic_samples(groups, 4, tokens, 256, prefix=f"{prefix}{i}", seed=i) for i in range(n_msgs)]
 
 
-def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, dict]:
+def run_buffer(msgs, durable_dir: str | None, window: int, prefill=None) -> tuple[float, dict]:
+    """Time `msgs` into a fresh server; with `prefill`, into one that first ingested `prefill` and had
+    all of it fetched (consumed: its memory is free for reuse, the buffer's steady state)."""
     from buffer.client import BufferClient
 
     args = ["-m", "buffer", "serve", "--capacity", str(10**9)]
@@ -108,6 +112,13 @@ def run_buffer(msgs, durable_dir: str | None, window: int) -> tuple[float, dict]
     p, addr = spawn(args)
     c = BufferClient(addr, timeout_s=120, **({"window": window} if window else {}))
     c.stats()  # connected
+    if prefill:
+        for m in prefill:
+            c.submit(m)
+        c.flush()
+        while n_groups := c.stats()["complete_groups"]:
+            if c.fetch_table(min(256, n_groups), version=0, max_staleness=10**6, timeout_s=30) is None:
+                raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
     n = sum(len(m) if isinstance(m, list) else m.num_rows for m in msgs)
     t = time.perf_counter()
     for m in msgs:
@@ -172,6 +183,7 @@ def one_size(tokens: int, args, tmp: str) -> dict:
     msgs = make_messages(tokens, args.total_mb, args.msg_mb, f"t{tokens}-")
     batches = [samples_to_batch(m) for m in msgs]  # for the run that excludes Sample -> Arrow
     payloads = [ipc_bytes(b) for b in batches]  # every message's own bytes, for both baselines
+    prefill = make_messages(tokens, args.total_mb, args.msg_mb, f"p{tokens}-") if args.steady else None
     nbytes = sum(p.size for p in payloads)
     n = sum(len(m) for m in msgs)
     py = _pickle_messages(msgs) if tokens == 2048 else None
@@ -190,6 +202,8 @@ def one_size(tokens: int, args, tmp: str) -> dict:
             "durable_prebuilt_arrow": run_buffer(batches, tempfile.mkdtemp(dir=tmp), args.window)[0],
             "disk": run_disk(payloads, tmp),
         }
+        if prefill:
+            r["memory_steady"] = run_buffer(msgs, None, args.window, prefill)[0]
         if py:  # timed on fewer messages (pickling is slow), then scaled to the same sample count
             r["pickle"] = run_raw(py, "pickle") * n / n_py
         rounds.append(r)
@@ -213,6 +227,7 @@ def one_size(tokens: int, args, tmp: str) -> dict:
     for name, a, b in (
         ("memory_vs_raw_zmq", "memory", "raw_zmq"),
         ("memory_vs_raw_zmq_keep", "memory", "raw_zmq_keep"),
+        ("memory_steady_vs_raw_zmq", "memory_steady", "raw_zmq"),
         ("prebuilt_arrow_vs_raw_zmq", "memory_prebuilt_arrow", "raw_zmq"),
         ("prebuilt_arrow_vs_raw_zmq_keep", "memory_prebuilt_arrow", "raw_zmq_keep"),
         ("durable_vs_disk", "durable", "disk"),
@@ -236,6 +251,11 @@ def main() -> None:
     ap.add_argument("--msg-mb", type=float, default=4.0, help="target size of one ingest message")
     ap.add_argument("--runs", type=int, default=0, help="rounds (default: 5, or 3 with --quick)")
     ap.add_argument("--tokens", default="512,2048,8192", help="response lengths to measure")
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="also memory_steady: into a server whose earlier, as large ingest was all consumed",
+    )
     ap.add_argument("--_sink", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._sink:
@@ -256,12 +276,14 @@ def main() -> None:
     for k in (
         "memory_vs_raw_zmq",
         "memory_vs_raw_zmq_keep",
+        "memory_steady_vs_raw_zmq",
         "durable_vs_disk",
         "prebuilt_arrow_vs_raw_zmq",
         "prebuilt_arrow_vs_raw_zmq_keep",
         "durable_prebuilt_arrow_vs_disk",
     ):
-        result[k], result[f"{k}_spread"] = r2k[k], r2k[f"{k}_spread"]
+        if k in r2k:
+            result[k], result[f"{k}_spread"] = r2k[k], r2k[f"{k}_spread"]
     if "vs_pickle" in r2k:
         result["vs_pickle"], result["vs_pickle_spread"] = r2k["vs_pickle"], r2k["vs_pickle_spread"]
     result["by_tokens"] = {
