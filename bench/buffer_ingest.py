@@ -14,6 +14,10 @@ For responses of 512, 2k and 8k tokens, measured in the same run:
                   message, which no store can do): `memory_vs_raw_zmq_keep`, for reference
   disk            write + fsync of the same bytes (each message's Arrow IPC form), one write and one
                   fsync per message, on the same filesystem
+  raw_zmq_disk    raw_zmq whose receiver does what `disk` does with each message (write + fsync): the
+                  durable transport with no buffer work at all (no acks, no checksum, no index).
+                  `raw_zmq_disk_vs_disk` says how much of the disk rate ZeroMQ leaves on this
+                  machine, i.e. what `durable_vs_disk` could reach here at best
   pickle          naive baseline: pickled Python objects with list fields over PUSH/PULL
   memory_steady   (--steady) buffer/memory into a server that first took as much data and had all of
                   it fetched: the memory of consumed samples is reused, as in a running pipeline
@@ -28,6 +32,7 @@ Prints one JSON line last; ratios (`memory_vs_raw_zmq`, `durable_vs_disk`, `vs_p
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import pickle
@@ -46,8 +51,11 @@ sys.path.insert(0, str(REPO))
 
 def _sink(kind: str) -> None:
     """Child process: PULL until b"END", unpickling if kind == pickle, holding on to every message if
-    kind == keep (as a buffer must: its memory is never reused); report counts on stdout."""
+    kind == keep (as a buffer must: its memory is never reused), writing and fsyncing every message to
+    a file if kind == disk:PATH (the disk baseline fed over ZeroMQ); report counts on stdout."""
     import zmq
+
+    out = open(kind.split(":", 1)[1], "wb", buffering=0) if kind.startswith("disk:") else None  # noqa: SIM115
 
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 64)
@@ -55,26 +63,128 @@ def _sink(kind: str) -> None:
     print(s.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     n = nbytes = 0
     kept = []
+    ends = int(os.environ.get("BENCH_SINK_ENDS", "1"))  # one b"END" per pusher
     while True:
         f = s.recv(copy=False)
         if f.bytes == b"END" if len(f) == 3 else False:
-            break
+            ends -= 1
+            if not ends:
+                break
+            continue
         n += len(pickle.loads(f.buffer)) if kind == "pickle" else 1
         nbytes += len(f)
         if kind == "keep":
             kept.append(f)
+        elif out is not None:
+            out.write(f.buffer)
+            os.fsync(out.fileno())
     print(f"{n} {nbytes}", flush=True)
 
 
-def spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+def _producer(spec: str) -> None:
+    """Child process of `--producers N`: KIND,ADDR,TOKENS,MB,MSG_MB,PREFIX,WINDOW. Builds its messages,
+    connects, prints "ready", waits for a line on stdin, then sends them all (kind buffer: submit +
+    flush, every ack; kind raw: PUSH of each message's IPC bytes, then b"END") and prints "done"."""
+    kind, addr, tokens, mb, msg_mb, prefix, window = spec.split(",")
+    msgs = make_messages(int(tokens), float(mb), float(msg_mb), prefix)
+    n = sum(len(m) for m in msgs)
+    if kind == "buffer":
+        from buffer.client import BufferClient
+
+        c = BufferClient(addr, timeout_s=120, **({"window": int(window)} if int(window) else {}))
+        c.stats()
+    else:
+        import zmq
+
+        from buffer.server import ipc_bytes
+        from pipeline.sample import samples_to_batch
+
+        payloads = [ipc_bytes(samples_to_batch(m)) for m in msgs]
+        c = zmq.Context.instance().socket(zmq.PUSH)
+        c.setsockopt(zmq.SNDHWM, 64)
+        c.connect(addr)
+    print(f"ready {n}", flush=True)
+    sys.stdin.readline()
+    if kind == "buffer":
+        for m in msgs:
+            c.submit(m)
+        accepted = sum(a.accepted for a in c.flush())
+        assert accepted == n, f"{accepted} of {n} samples accepted"
+    else:
+        for pl in payloads:
+            c.send(pl, copy=False)
+        c.send(b"END")
+    if kind != "buffer":  # block until libzmq has sent everything (it would be lost at exit)
+        c.close(linger=-1)
+        zmq.Context.instance().term()
+    print("done", flush=True)
+    c.close()
+
+
+def producer_messages(tokens: int, args, tag: str) -> list:
+    """The messages of all `args.producers` producers together (what `_producer` builds in each)."""
+    mb = args.total_mb / args.producers
+    return [m for k in range(args.producers) for m in make_messages(tokens, mb, args.msg_mb, f"{tag}w{k}-")]
+
+
+def run_producers(kind: str, addr: str, tokens: int, args, tag: str, until=None) -> tuple[float, int]:
+    """(seconds from "go" until every producer is done, and `until()` has returned; samples sent) for
+    `args.producers` producer processes, each sending its share of `producer_messages`."""
+    mb = args.total_mb / args.producers
+    procs = []
+    for k in range(args.producers):
+        spec = f"{kind},{addr},{tokens},{mb},{args.msg_mb},{tag}w{k}-,{args.window}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--_produce", spec],
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=_child_env(),
+            )
+        )
+    n = 0
+    for p in procs:
+        line = p.stdout.readline().split()
+        if not line or line[0] != "ready":
+            raise RuntimeError(f"a producer exited ({p.wait(30)}) before it was ready: see its stderr above")
+        n += int(line[1])
+    t = time.perf_counter()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        if p.stdout.readline().strip() != "done":
+            raise RuntimeError(f"a producer failed ({p.wait(30)}): see its stderr above")
+    if until is not None:
+        until()
+    dt = time.perf_counter() - t
+    for p in procs:
+        p.wait(30)
+    return dt, n
+
+
+def _child_env() -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+
+
+def spawn(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
         [sys.executable, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**_child_env(), **(env or {})},
     )
     line = p.stdout.readline().strip()
+    if not line:
+        raise RuntimeError(
+            f"{' '.join(args)} exited ({p.wait(30)}) before printing its address: see its stderr above"
+        )
     return p, line.split()[-1]
 
 
@@ -101,9 +211,13 @@ def make_messages(tokens: int, total_mb: float, msg_mb: float, prefix: str):
     return [synthetic_samples(groups, 4, tokens, 256, prefix=f"{prefix}{i}", seed=i) for i in range(n_msgs)]
 
 
-def run_buffer(msgs, durable_dir: str | None, window: int, prefill=None) -> tuple[float, dict]:
+def run_buffer(
+    msgs, durable_dir: str | None, window: int, prefill=None, producers=None
+) -> tuple[float, dict]:
     """Time `msgs` into a fresh server; with `prefill`, into one that first ingested `prefill` and had
-    all of it fetched (consumed: its memory is free for reuse, the buffer's steady state)."""
+    all of it fetched (consumed: its memory is free for reuse, the buffer's steady state). With
+    `producers` = (tokens, args, tag), the timed ingest comes from `args.producers` processes instead
+    (`run_producers`; their messages are `msgs`, split between them)."""
     from buffer.client import BufferClient
 
     args = ["-m", "buffer", "serve", "--capacity", str(10**9)]
@@ -120,12 +234,16 @@ def run_buffer(msgs, durable_dir: str | None, window: int, prefill=None) -> tupl
             if c.fetch_table(min(256, n_groups), version=0, max_staleness=10**6, timeout_s=30) is None:
                 raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
     n = sum(len(m) if isinstance(m, list) else m.num_rows for m in msgs)
-    t = time.perf_counter()
-    for m in msgs:
-        c.submit(m)
-    acks = c.flush()
-    dt = time.perf_counter() - t
-    assert sum(a.accepted for a in acks) == n, "not every sample was accepted"
+    if producers:
+        dt, sent = run_producers("buffer", addr, *producers)
+        assert sent == n and c.stats()["rows"] >= n, "the producers did not send the same samples"
+    else:
+        t = time.perf_counter()
+        for m in msgs:
+            c.submit(m)
+        acks = c.flush()
+        dt = time.perf_counter() - t
+        assert sum(a.accepted for a in acks) == n, "not every sample was accepted"
     stats = c.stats()
     c.close()
     p.terminate()
@@ -135,9 +253,14 @@ def run_buffer(msgs, durable_dir: str | None, window: int, prefill=None) -> tupl
     return dt, stats
 
 
-def run_raw(payloads: list, kind: str) -> float:
+def run_raw(payloads: list, kind: str, producers=None) -> float:
     import zmq
 
+    if producers:  # (tokens, args, tag): the same bytes from args.producers pushing processes
+        p, addr = spawn([__file__, "--_sink", kind], {"BENCH_SINK_ENDS": str(producers[1].producers)})
+        dt = run_producers("raw", addr, *producers, until=p.stdout.readline)
+        p.wait(30)
+        return dt[0]
     p, addr = spawn([__file__, "--_sink", kind])
     s = zmq.Context.instance().socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 64)
@@ -180,6 +303,8 @@ def one_size(tokens: int, args, tmp: str) -> dict:
     from buffer.server import ipc_bytes
     from pipeline.sample import samples_to_batch
 
+    if args.producers > 1:
+        return many_producers(tokens, args, tmp)
     msgs = make_messages(tokens, args.total_mb, args.msg_mb, f"t{tokens}-")
     batches = [samples_to_batch(m) for m in msgs]  # for the run that excludes Sample -> Arrow
     payloads = [ipc_bytes(b) for b in batches]  # every message's own bytes, for both baselines
@@ -201,6 +326,7 @@ def one_size(tokens: int, args, tmp: str) -> dict:
             "durable": dt_durable,
             "durable_prebuilt_arrow": run_buffer(batches, tempfile.mkdtemp(dir=tmp), args.window)[0],
             "disk": run_disk(payloads, tmp),
+            "raw_zmq_disk": run_raw(payloads, f"disk:{tmp}/raw-zmq-disk.bin"),
         }
         if prefill:
             r["memory_steady"] = run_buffer(msgs, None, args.window, prefill)[0]
@@ -216,6 +342,46 @@ def one_size(tokens: int, args, tmp: str) -> dict:
         "runs": args.runs,
         "segment_fsyncs": fsyncs,
     }
+    return summarize(out, rounds)
+
+
+def many_producers(tokens: int, args, tmp: str) -> dict:
+    """`--producers N`: the buffer variants and raw ZeroMQ fed by N processes at once, each sending
+    its share of the same messages (a pipeline's generators); the disk baseline as before."""
+    from buffer.server import ipc_bytes
+    from pipeline.sample import samples_to_batch
+
+    tag = f"t{tokens}-"
+    msgs = producer_messages(tokens, args, tag)
+    payloads = [ipc_bytes(samples_to_batch(m)) for m in msgs]
+    prefill = make_messages(tokens, args.total_mb, args.msg_mb, f"p{tokens}-") if args.steady else None
+    spec = (tokens, args, tag)
+    rounds = []
+    for _ in range(args.runs):
+        r = {
+            "memory": run_buffer(msgs, None, args.window, producers=spec)[0],
+            "raw_zmq": run_raw(payloads, "raw", producers=spec),
+            "durable": run_buffer(msgs, tempfile.mkdtemp(dir=tmp), args.window, producers=spec)[0],
+            "disk": run_disk(payloads, tmp),
+        }
+        if prefill:
+            r["memory_steady"] = run_buffer(msgs, None, args.window, prefill, producers=spec)[0]
+        rounds.append(r)
+    out = {
+        "tokens": tokens,
+        "producers": args.producers,
+        "samples": sum(len(m) for m in msgs),
+        "bytes": sum(p.size for p in payloads),
+        "msgs": len(msgs),
+        "msg_samples": len(msgs[0]),
+        "runs": args.runs,
+    }
+    return summarize(out, rounds)
+
+
+def summarize(out: dict, rounds: list[dict]) -> dict:
+    """Median rates and within-round ratios over `rounds` ({variant: seconds}) into `out`."""
+    n, nbytes = out["samples"], out["bytes"]
     for k in rounds[0]:
         rates = [n / r[k] for r in rounds]
         out[f"{k}_samples_s"] = round(statistics.median(rates))
@@ -232,9 +398,11 @@ def one_size(tokens: int, args, tmp: str) -> dict:
         ("prebuilt_arrow_vs_raw_zmq_keep", "memory_prebuilt_arrow", "raw_zmq_keep"),
         ("durable_vs_disk", "durable", "disk"),
         ("durable_prebuilt_arrow_vs_disk", "durable_prebuilt_arrow", "disk"),
+        ("raw_zmq_disk_vs_disk", "raw_zmq_disk", "disk"),
+        ("durable_vs_raw_zmq_disk", "durable", "raw_zmq_disk"),
         ("vs_pickle", "memory", "pickle"),
     ):
-        if b not in rounds[0]:
+        if a not in rounds[0] or b not in rounds[0]:
             continue
         ratios = [r[b] / r[a] for r in rounds]  # a rate ratio = inverse ratio of times
         out[name] = round(statistics.median(ratios), 3)
@@ -256,10 +424,24 @@ def main() -> None:
         action="store_true",
         help="also memory_steady: into a server whose earlier, as large ingest was all consumed",
     )
+    ap.add_argument(
+        "--producers",
+        type=int,
+        default=1,
+        help="N > 1: the buffer and raw ZeroMQ fed by N producer processes at once (memory, durable, "
+        "raw_zmq, disk, steady)",
+    )
     ap.add_argument("--_sink", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--_produce", default="", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--timeout-s", type=float, default=3600, help="give up (printing every thread's stack) after this"
+    )
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)  # no silent hang on a stuck child
     if args._sink:
         return _sink(args._sink)
+    if args._produce:
+        return _producer(args._produce)
     args.total_mb = 96 if args.quick else 512
     args.runs = args.runs or (3 if args.quick else 5)
     sizes = [int(t) for t in args.tokens.split(",")]
@@ -272,7 +454,13 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r), file=sys.stderr)
     r2k = next((r for r in rows if r["tokens"] == 2048), rows[0])
-    result = {"bench": "buffer_ingest", "quick": args.quick, "runs": args.runs, "tokens": r2k["tokens"]}
+    result = {
+        "bench": "buffer_ingest",
+        "quick": args.quick,
+        "runs": args.runs,
+        "producers": args.producers,
+        "tokens": r2k["tokens"],
+    }
     for k in (
         "memory_vs_raw_zmq",
         "memory_vs_raw_zmq_keep",
@@ -281,6 +469,8 @@ def main() -> None:
         "prebuilt_arrow_vs_raw_zmq",
         "prebuilt_arrow_vs_raw_zmq_keep",
         "durable_prebuilt_arrow_vs_disk",
+        "raw_zmq_disk_vs_disk",
+        "durable_vs_raw_zmq_disk",
     ):
         if k in r2k:
             result[k], result[f"{k}_spread"] = r2k[k], r2k[f"{k}_spread"]
