@@ -418,6 +418,12 @@ def main() -> None:
     )
     ap.add_argument("--msg-mb", type=float, default=4.0, help="target size of one ingest message")
     ap.add_argument("--runs", type=int, default=0, help="rounds (default: 5, or 3 with --quick)")
+    ap.add_argument(
+        "--total-mb",
+        type=float,
+        default=0,
+        help="data per variant and round (default: 512, or 96 with --quick)",
+    )
     ap.add_argument("--tokens", default="512,2048,8192", help="response lengths to measure")
     ap.add_argument(
         "--steady",
@@ -442,7 +448,7 @@ def main() -> None:
         return _sink(args._sink)
     if args._produce:
         return _producer(args._produce)
-    args.total_mb = 96 if args.quick else 512
+    args.total_mb = args.total_mb or (96 if args.quick else 512)
     args.runs = args.runs or (3 if args.quick else 5)
     sizes = [int(t) for t in args.tokens.split(",")]
     # BENCH_DIR: where the durable buffer and the disk baseline write (default: the system temp dir).

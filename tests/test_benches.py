@@ -1,0 +1,75 @@
+"""The buffer benches run end to end and report what bench/RESULTS.md quotes (tiny volumes: these
+check that the benches work, not how fast anything is)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str, timeout: float = 240) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / args[0]), *args[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("extra", [[], ["--steady"]], ids=["plain", "steady"])
+def test_buffer_ingest_reports_every_goal(extra):
+    r = _bench(
+        "buffer_ingest.py", "--total-mb", "6", "--msg-mb", "1", "--runs", "1", "--tokens", "2048", *extra
+    )
+    for key in (
+        "memory_vs_raw_zmq",
+        "durable_vs_disk",
+        "vs_pickle",
+        "raw_zmq_disk_vs_disk",
+        "durable_vs_raw_zmq_disk",
+    ):
+        assert r[key] > 0, key
+    assert ("memory_steady_vs_raw_zmq" in r) == bool(extra)
+    rates = r["by_tokens"]["2048"]
+    assert all(
+        rates[f"{v}_GB_s"] > 0 for v in ("memory", "raw_zmq", "raw_zmq_keep", "durable", "disk", "pickle")
+    )
+
+
+def test_buffer_ingest_with_several_producers():
+    r = _bench(
+        "buffer_ingest.py",
+        "--total-mb",
+        "6",
+        "--msg-mb",
+        "1",
+        "--runs",
+        "1",
+        "--tokens",
+        "512",
+        "--producers",
+        "2",
+        "--steady",
+    )
+    assert r["producers"] == 2
+    for key in ("memory_vs_raw_zmq", "memory_steady_vs_raw_zmq", "durable_vs_disk"):
+        assert r[key] > 0, key
+    assert "vs_pickle" not in r  # the pickle baseline is single-producer only
+
+
+def test_ingest_threads_reports_server_and_client_threads():
+    r = _bench("ingest_threads.py", "--mb", "48", "--runs", "1", "--prebuilt")
+    (run,) = r["runs"]
+    assert run["wall_ms"] > 0 and run["GB_s"] > 0
+    # 48 MB take tens of ms of CPU on both ends (the counters tick every 10 ms)
+    assert sum(run["server"].values()) + sum(run["client"].values()) >= 10, run
+    assert r["cores"] >= 1
