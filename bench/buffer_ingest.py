@@ -49,13 +49,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+_WARM = b"WARM"  # a pusher's first message, sent before the clock starts: the sink ignores it
+
+
 def _sink(kind: str) -> None:
-    """Child process: PULL until b"END", unpickling if kind == pickle, holding on to every message if
-    kind == keep (as a buffer must: its memory is never reused), writing and fsyncing every message to
-    a file if kind == disk:PATH (the disk baseline fed over ZeroMQ); report counts on stdout."""
+    """Child process: PULL until b"END" (one per pusher), unpickling if kind == pickle, holding on to
+    every message if kind == keep (as a buffer must: its memory is never reused), writing and fsyncing
+    every message to a new file if kind == disk:PATH (the disk baseline fed over ZeroMQ; the file is
+    removed at the end); prints "messages bytes" (pickle: "samples bytes") once all have come."""
     import zmq
 
-    out = open(kind.split(":", 1)[1], "wb", buffering=0) if kind.startswith("disk:") else None  # noqa: SIM115
+    path = kind.split(":", 1)[1] if kind.startswith("disk:") else None
+    out = open(path, "xb", buffering=0) if path else None  # noqa: SIM115 - closed at the end
 
     s = zmq.Context.instance().socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 64)
@@ -66,7 +71,9 @@ def _sink(kind: str) -> None:
     ends = int(os.environ.get("BENCH_SINK_ENDS", "1"))  # one b"END" per pusher
     while True:
         f = s.recv(copy=False)
-        if f.bytes == b"END" if len(f) == 3 else False:
+        if len(f) in (3, 4) and f.bytes in (b"END", _WARM):
+            if f.bytes == _WARM:
+                continue
             ends -= 1
             if not ends:
                 break
@@ -79,6 +86,15 @@ def _sink(kind: str) -> None:
             out.write(f.buffer)
             os.fsync(out.fileno())
     print(f"{n} {nbytes}", flush=True)
+    if out is not None:
+        out.close()
+        os.unlink(path)
+
+
+def _check_sink(line: str, want_n: int, want_bytes: int | None) -> None:
+    n, nbytes = map(int, line.split())
+    if n != want_n or (want_bytes is not None and nbytes != want_bytes):
+        raise RuntimeError(f"the sink got {n} messages / {nbytes} bytes, expected {want_n} / {want_bytes}")
 
 
 def _producer(spec: str) -> None:
@@ -103,8 +119,10 @@ def _producer(spec: str) -> None:
         c = zmq.Context.instance().socket(zmq.PUSH)
         c.setsockopt(zmq.SNDHWM, 64)
         c.connect(addr)
+        c.send(_WARM)  # the connection is up before the clock starts
     print(f"ready {n}", flush=True)
-    sys.stdin.readline()
+    if sys.stdin.readline().strip() != "go":  # the parent is gone: send nothing
+        sys.exit(1)
     if kind == "buffer":
         for m in msgs:
             c.submit(m)
@@ -144,24 +162,30 @@ def run_producers(kind: str, addr: str, tokens: int, args, tag: str, until=None)
                 env=_child_env(),
             )
         )
-    n = 0
-    for p in procs:
-        line = p.stdout.readline().split()
-        if not line or line[0] != "ready":
-            raise RuntimeError(f"a producer exited ({p.wait(30)}) before it was ready: see its stderr above")
-        n += int(line[1])
-    t = time.perf_counter()
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    for p in procs:
-        if p.stdout.readline().strip() != "done":
-            raise RuntimeError(f"a producer failed ({p.wait(30)}): see its stderr above")
-    if until is not None:
-        until()
-    dt = time.perf_counter() - t
-    for p in procs:
-        p.wait(30)
+    try:
+        n = 0
+        for p in procs:
+            line = p.stdout.readline().split()
+            if not line or line[0] != "ready":
+                raise RuntimeError(
+                    f"a producer exited ({p.wait(30)}) before it was ready: see its stderr above"
+                )
+            n += int(line[1])
+        t = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            if p.stdout.readline().strip() != "done":
+                raise RuntimeError(f"a producer failed ({p.wait(30)}): see its stderr above")
+        if until is not None:
+            until()
+        dt = time.perf_counter() - t
+        for p in procs:
+            p.wait(30)
+    finally:
+        for p in procs:
+            _end(p)
     return dt, n
 
 
@@ -218,12 +242,22 @@ def run_buffer(
     all of it fetched (consumed: its memory is free for reuse, the buffer's steady state). With
     `producers` = (tokens, args, tag), the timed ingest comes from `args.producers` processes instead
     (`run_producers`; their messages are `msgs`, split between them)."""
-    from buffer.client import BufferClient
-
     args = ["-m", "buffer", "serve", "--capacity", str(10**9)]
     if durable_dir:
         args += ["--dir", durable_dir]
     p, addr = spawn(args)
+    try:
+        return _time_buffer(addr, msgs, window, prefill, producers)
+    finally:
+        p.terminate()
+        p.wait(30)
+        if durable_dir:
+            shutil.rmtree(durable_dir, ignore_errors=True)
+
+
+def _time_buffer(addr: str, msgs, window: int, prefill, producers) -> tuple[float, dict]:
+    from buffer.client import BufferClient
+
     c = BufferClient(addr, timeout_s=120, **({"window": window} if window else {}))
     c.stats()  # connected
     if prefill:
@@ -246,35 +280,53 @@ def run_buffer(
         assert sum(a.accepted for a in acks) == n, "not every sample was accepted"
     stats = c.stats()
     c.close()
-    p.terminate()
-    p.wait(30)
-    if durable_dir:
-        shutil.rmtree(durable_dir, ignore_errors=True)
     return dt, stats
 
 
 def run_raw(payloads: list, kind: str, producers=None) -> float:
+    """Seconds to PUSH `payloads` into a `_sink` of `kind` until it has them all (pickle: `payloads`
+    are lists of objects, pickled in the timed loop); checks that every message arrived."""
     import zmq
 
+    if kind.startswith("disk:"):  # a new file in that directory for every run
+        kind = f"disk:{os.path.join(kind[5:], f'raw-zmq-disk-{time.monotonic_ns()}.bin')}"
+    want_n = sum(len(pl) for pl in payloads) if kind == "pickle" else len(payloads)
+    want_bytes = None if kind == "pickle" else sum(len(pl) for pl in payloads)
     if producers:  # (tokens, args, tag): the same bytes from args.producers pushing processes
         p, addr = spawn([__file__, "--_sink", kind], {"BENCH_SINK_ENDS": str(producers[1].producers)})
-        dt = run_producers("raw", addr, *producers, until=p.stdout.readline)
-        p.wait(30)
-        return dt[0]
+        try:
+            got = []
+            dt, _ = run_producers("raw", addr, *producers, until=lambda: got.append(p.stdout.readline()))
+            _check_sink(got[0], want_n, want_bytes)
+            p.wait(30)
+        finally:
+            _end(p)
+        return dt
     p, addr = spawn([__file__, "--_sink", kind])
     s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.SNDHWM, 64)
-    s.connect(addr)
-    s.send(pickle.dumps([]) if kind == "pickle" else b"\0" * 8)  # warm the connection
-    t = time.perf_counter()
-    for pl in payloads:
-        s.send(pickle.dumps(pl, protocol=5) if kind == "pickle" else pl, copy=False)
-    s.send(b"END")
-    p.stdout.readline()
-    dt = time.perf_counter() - t
-    s.close(0)
-    p.wait(30)
+    try:
+        s.setsockopt(zmq.SNDHWM, 64)
+        s.connect(addr)
+        s.send(_WARM)  # the connection is up before the clock starts
+        t = time.perf_counter()
+        for pl in payloads:
+            s.send(pickle.dumps(pl, protocol=5) if kind == "pickle" else pl, copy=False)
+        s.send(b"END")
+        line = p.stdout.readline()
+        dt = time.perf_counter() - t
+        _check_sink(line, want_n, want_bytes)
+        p.wait(30)
+    finally:
+        s.close(0)
+        _end(p)
     return dt
+
+
+def _end(p: subprocess.Popen) -> None:
+    """Stop a child of this bench that is still running (only ours, by its handle)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(30)
 
 
 def run_disk(payloads: list, directory: str) -> float:
@@ -326,7 +378,7 @@ def one_size(tokens: int, args, tmp: str) -> dict:
             "durable": dt_durable,
             "durable_prebuilt_arrow": run_buffer(batches, tempfile.mkdtemp(dir=tmp), args.window)[0],
             "disk": run_disk(payloads, tmp),
-            "raw_zmq_disk": run_raw(payloads, f"disk:{tmp}/raw-zmq-disk.bin"),
+            "raw_zmq_disk": run_raw(payloads, f"disk:{tmp}"),
         }
         if prefill:
             r["memory_steady"] = run_buffer(msgs, None, args.window, prefill)[0]
@@ -440,9 +492,13 @@ def main() -> None:
     ap.add_argument("--_sink", default="", help=argparse.SUPPRESS)
     ap.add_argument("--_produce", default="", help=argparse.SUPPRESS)
     ap.add_argument(
-        "--timeout-s", type=float, default=3600, help="give up (printing every thread's stack) after this"
+        "--timeout-s",
+        type=float,
+        default=float(os.environ.get("BENCH_TIMEOUT_S", 3600)),
+        help="give up (printing every thread's stack) after this; children inherit it",
     )
     args = ap.parse_args()
+    os.environ["BENCH_TIMEOUT_S"] = str(args.timeout_s)
     faulthandler.dump_traceback_later(args.timeout_s, exit=True)  # no silent hang on a stuck child
     if args._sink:
         return _sink(args._sink)

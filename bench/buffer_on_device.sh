@@ -8,7 +8,7 @@
 set -euo pipefail
 out=${OUT:-device-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/cpu-site .whl/cpu/*.whl
+python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/cpu-site .whl/cpu/*.whl
 export PYTHONPATH=/tmp/cpu-site:.${PYTHONPATH:+:$PYTHONPATH}
 { nproc; lscpu | grep -E "Model name|^CPU\(s\)"; free -g | head -2; df -h /tmp | tail -1; python3 -V
   ldconfig -p | grep -c deflate || true; } > "$out/host.txt" 2>&1
@@ -27,7 +27,9 @@ for what in $sel; do
     fetch) run fetch bench/buffer_fetch.py ;;
     full) run ingest_full bench/buffer_ingest.py --tokens 2048 --runs 3 --steady ;;
     threads) run threads_steady bench/ingest_threads.py --steady --runs 2
-             run threads_steady_prebuilt bench/ingest_threads.py --steady --prebuilt --runs 2 ;;
+             run threads_steady_prebuilt bench/ingest_threads.py --steady --prebuilt --runs 2
+             run threads_fresh bench/ingest_threads.py --runs 2
+             run threads_fresh_prebuilt bench/ingest_threads.py --prebuilt --runs 2 ;;
     p*) run "ingest_full_producers_${what#p}" bench/buffer_ingest.py --tokens 2048 --runs 3 --steady --producers "${what#p}" ;;
   esac
 done

@@ -10,6 +10,7 @@ Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import glob
 import json
 import os
@@ -60,7 +61,9 @@ def main() -> None:
     ap.add_argument("--prebuilt", action="store_true", help="submit Arrow batches built beforehand")
     ap.add_argument("--durable", action="store_true", help="a durable buffer (in a temp dir)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--timeout-s", type=float, default=1800, help="give up (printing stacks) after this")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.timeout_s, exit=True)  # no silent hang
     rows = []
     for run in range(args.runs):
         msgs = bi.make_messages(args.tokens, args.mb, 4.0, f"r{run}-")
@@ -69,7 +72,7 @@ def main() -> None:
             import pyarrow as pa
 
             data = [
-                pa.RecordBatch.from_arrays([pa.concat_arrays([c]) for c in b.columns], schema=b.schema)
+                pa.RecordBatch.from_arrays([pa.concat_arrays([col]) for col in b.columns], schema=b.schema)
                 for b in data
             ]
         tmp = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR")) if args.durable else None
@@ -77,38 +80,15 @@ def main() -> None:
             ["-m", "buffer", "serve", "--capacity", str(10**9), *(["--dir", tmp] if tmp else [])]
         )
         c = BufferClient(addr, timeout_s=120)
-        c.stats()
-        if args.steady:
-            for m in bi.make_messages(args.tokens, args.mb, 4.0, f"p{run}-"):
-                c.submit(m)
-            c.flush()
-            while n := c.stats()["complete_groups"]:
-                c.fetch_table(min(256, n), version=0, max_staleness=10**6, timeout_s=30)
-        nbytes = (
-            sum(b.nbytes for b in data)
-            if args.prebuilt
-            else sum(samples_to_batch(m).nbytes for m in msgs[:1]) * len(msgs)
-        )
-        s0, c0 = thread_cpu_ms(p.pid), thread_cpu_ms(os.getpid())
-        t = time.perf_counter()
-        for m in data:
-            c.submit(m)
-        c.flush()
-        wall = time.perf_counter() - t
-        s1, c1 = thread_cpu_ms(p.pid), thread_cpu_ms(os.getpid())
-        c.close()
-        p.terminate()
-        p.wait(30)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        row = {
-            "wall_ms": round(wall * 1000, 1),
-            "GB_s": round(nbytes / wall / 1e9, 3),
-            "server": delta(s0, s1),
-            "client": delta(c0, c1),
-        }
-        print(json.dumps(row), file=sys.stderr)
-        rows.append(row)
+        try:
+            rows.append(_timed(c, p.pid, args, run, data, msgs))
+        finally:
+            c.close()
+            p.terminate()
+            p.wait(30)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(json.dumps(rows[-1]), file=sys.stderr)
     print(
         json.dumps(
             {
@@ -122,6 +102,38 @@ def main() -> None:
             }
         )
     )
+
+
+def _timed(c, server_pid: int, args, run: int, data: list, msgs: list) -> dict:
+    import buffer_ingest as bi
+
+    from pipeline.sample import samples_to_batch
+
+    c.stats()
+    if args.steady:
+        for m in bi.make_messages(args.tokens, args.mb, 4.0, f"p{run}-"):
+            c.submit(m)
+        c.flush()
+        while n := c.stats()["complete_groups"]:
+            if c.fetch_table(min(256, n), version=0, max_staleness=10**6, timeout_s=30) is None:
+                raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
+    if args.prebuilt:
+        nbytes = sum(b.nbytes for b in data)
+    else:
+        nbytes = sum(samples_to_batch(m).nbytes for m in msgs)
+    s0, c0 = thread_cpu_ms(server_pid), thread_cpu_ms(os.getpid())
+    t = time.perf_counter()
+    for m in data:
+        c.submit(m)
+    c.flush()
+    wall = time.perf_counter() - t
+    s1, c1 = thread_cpu_ms(server_pid), thread_cpu_ms(os.getpid())
+    return {
+        "wall_ms": round(wall * 1000, 1),
+        "GB_s": round(nbytes / wall / 1e9, 3),
+        "server": delta(s0, s1),
+        "client": delta(c0, c1),
+    }
 
 
 if __name__ == "__main__":

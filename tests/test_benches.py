@@ -4,6 +4,8 @@ check that the benches work, not how fast anything is)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +16,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench(*args: str, timeout: float = 240) -> dict:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / args[0]), *args[1:]],
+    p = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / args[0]), *args[1:], *(["--timeout-s", str(timeout)])],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,  # its servers, sinks and producers share its process group
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        out, err = p.communicate(timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the group this test started, by id
+        out, err = p.communicate()
+        pytest.fail(f"{args[0]} did not finish within {timeout + 30}s:\n{err[-3000:]}")
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("extra", [[], ["--steady"]], ids=["plain", "steady"])
