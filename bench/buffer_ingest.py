@@ -128,30 +128,32 @@ def _producer(spec: str) -> None:
             c.submit(m)
         accepted = sum(a.accepted for a in c.flush())
         assert accepted == n, f"{accepted} of {n} samples accepted"
+        c.close()
     else:
         for pl in payloads:
             c.send(pl, copy=False)
         c.send(b"END")
-    if kind != "buffer":  # block until libzmq has sent everything (it would be lost at exit)
-        c.close(linger=-1)
+        c.close(linger=-1)  # block until libzmq has sent everything (it would be lost at exit)
         zmq.Context.instance().term()
     print("done", flush=True)
-    c.close()
+
+
+def _shares(args, tag: str) -> list[tuple[float, str]]:
+    """(MB, uid prefix) of each of the `args.producers` producers."""
+    return [(args.total_mb / args.producers, f"{tag}w{k}-") for k in range(args.producers)]
 
 
 def producer_messages(tokens: int, args, tag: str) -> list:
     """The messages of all `args.producers` producers together (what `_producer` builds in each)."""
-    mb = args.total_mb / args.producers
-    return [m for k in range(args.producers) for m in make_messages(tokens, mb, args.msg_mb, f"{tag}w{k}-")]
+    return [m for mb, prefix in _shares(args, tag) for m in make_messages(tokens, mb, args.msg_mb, prefix)]
 
 
 def run_producers(kind: str, addr: str, tokens: int, args, tag: str, until=None) -> tuple[float, int]:
     """(seconds from "go" until every producer is done, and `until()` has returned; samples sent) for
     `args.producers` producer processes, each sending its share of `producer_messages`."""
-    mb = args.total_mb / args.producers
     procs = []
-    for k in range(args.producers):
-        spec = f"{kind},{addr},{tokens},{mb},{args.msg_mb},{tag}w{k}-,{args.window}"
+    for mb, prefix in _shares(args, tag):
+        spec = f"{kind},{addr},{tokens},{mb},{args.msg_mb},{prefix},{args.window}"
         procs.append(
             subprocess.Popen(
                 [sys.executable, __file__, "--_produce", spec],
@@ -255,18 +257,24 @@ def run_buffer(
             shutil.rmtree(durable_dir, ignore_errors=True)
 
 
+def prefill_and_consume(c, msgs) -> None:
+    """Ingest `msgs` through client `c`, then fetch every complete group: the server's memory of them
+    is free for reuse afterwards (the steady state of a running pipeline)."""
+    for m in msgs:
+        c.submit(m)
+    c.flush()
+    while n_groups := c.stats()["complete_groups"]:
+        if c.fetch_table(min(256, n_groups), version=0, max_staleness=10**6, timeout_s=30) is None:
+            raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
+
+
 def _time_buffer(addr: str, msgs, window: int, prefill, producers) -> tuple[float, dict]:
     from buffer.client import BufferClient
 
     c = BufferClient(addr, timeout_s=120, **({"window": window} if window else {}))
     c.stats()  # connected
     if prefill:
-        for m in prefill:
-            c.submit(m)
-        c.flush()
-        while n_groups := c.stats()["complete_groups"]:
-            if c.fetch_table(min(256, n_groups), version=0, max_staleness=10**6, timeout_s=30) is None:
-                raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
+        prefill_and_consume(c, prefill)
     n = sum(len(m) if isinstance(m, list) else m.num_rows for m in msgs)
     if producers:
         dt, sent = run_producers("buffer", addr, *producers)

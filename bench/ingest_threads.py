@@ -111,12 +111,7 @@ def _timed(c, server_pid: int, args, run: int, data: list, msgs: list) -> dict:
 
     c.stats()
     if args.steady:
-        for m in bi.make_messages(args.tokens, args.mb, 4.0, f"p{run}-"):
-            c.submit(m)
-        c.flush()
-        while n := c.stats()["complete_groups"]:
-            if c.fetch_table(min(256, n), version=0, max_staleness=10**6, timeout_s=30) is None:
-                raise RuntimeError("steady-state prefill: a fetch of complete groups came back empty")
+        bi.prefill_and_consume(c, bi.make_messages(args.tokens, args.mb, 4.0, f"p{run}-"))
     if args.prebuilt:
         nbytes = sum(b.nbytes for b in data)
     else:
