@@ -5,14 +5,28 @@ every score is rounded to 8 bits of mantissa before the (fp32) softmax. SGLang's
 keep the scores in fp32, so the two disagree on every token's logprob; fused SDPA kernels keep them in
 fp32 too. Same inputs, outputs and mask convention as DotProductAttention (its constructor is reused),
 so it drops into the local spec as `core_attention`. The transformer-engine spec has its own fused
-attention and does not use this.
+attention and does not use this. VarlenAttention (below) is the GPU path: packed rows, no mask.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+try:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    _HAVE_VARLEN = True
+    # the signature moved between torch releases: 2.10/2.11 take is_causal, later ones window_size
+    # and enable_gqa
+    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
+except ImportError:  # torch < 2.10
+    _HAVE_VARLEN = False
+    _VARLEN_ARGS = set()
 
 
 class SDPAttention(DotProductAttention):
@@ -54,3 +68,73 @@ class SDPAttention(DotProductAttention):
         )
         sq, b = query.shape[0], query.shape[1]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+class VarlenAttention(DotProductAttention):
+    """Causal attention over packed sequences without an s x s mask: one row [t, 1, heads, hn] holds
+    several sequences whose boundaries come in `packed_seq_params.cu_seqlens_q` (flash attention's
+    cumulative lengths). On CUDA with bf16/fp16 this is `torch.nn.attention.varlen.varlen_attn`
+    (FlashAttention: O(t) memory, no masked-out work); elsewhere each sequence goes through SDPA
+    with a plain causal mask, which gives the same numbers as the block-mask path on CPU.
+
+    The row keeps continuous positions (megatron's 'sbhd' layout with a batch of one), which is
+    exact under RoPE, whose scores depend only on relative positions within a sequence; see
+    packing.PackedRow for why `max_seqlen_q` carries the row length.
+    """
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is None or getattr(packed_seq_params, "cu_seqlens_q", None) is None:
+            raise ValueError("VarlenAttention needs packed_seq_params with cu_seqlens (trainer.attention=varlen)")
+        if attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None:
+            raise NotImplementedError("VarlenAttention has no bias, softmax offset or window: use 'sdpa'")
+        if query.shape[1] != 1:
+            raise ValueError(f"VarlenAttention takes one packed row (batch 1), got batch {query.shape[1]}")
+        t = query.shape[0]
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [t, heads, hn]
+        cu = packed_seq_params.cu_seqlens_q
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _HAVE_VARLEN:
+            ctx = _flash_varlen(q, k, v, cu, packed_seq_params.max_segment_len, scale)
+        else:
+            ctx = _per_segment_sdpa(q, k, v, cu, scale)
+        return ctx.reshape(t, 1, self.hidden_size_per_partition)
+
+
+def _flash_varlen(q, k, v, cu, longest: int, scale: float):
+    kw = {"scale": scale}
+    kw.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_ARGS else {"is_causal": True})
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        if "enable_gqa" in _VARLEN_ARGS:
+            kw["enable_gqa"] = True
+        else:  # FlashAttention takes fewer KV heads natively; this API version does not say so
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+def _per_segment_sdpa(q, k, v, cu, scale):
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [heads, s, hn]
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def varlen_available() -> bool:
+    """FlashAttention varlen kernels: torch >= 2.10 on a CUDA device."""
+    return _HAVE_VARLEN and torch.cuda.is_available()

@@ -63,9 +63,17 @@ class TrainerConfig(_Base):
     checkpoint_every: int = 0  # steps; 0 = only at the end of the run
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
-    # core attention of the local spec: sdpa keeps the scores in fp32 like SGLang's kernels; "unfused" is
-    # megatron's DotProductAttention, which rounds every score to bf16 in a bf16 run
-    attention: Literal["sdpa", "unfused"] = "sdpa"
+    # core attention of the local spec. auto: varlen on CUDA + bf16 (packed rows, FlashAttention over
+    # cu_seqlens, no s x s mask), else sdpa (block-diagonal mask; scores in fp32 like SGLang's kernels);
+    # "unfused" is megatron's DotProductAttention, which rounds every score to bf16 in a bf16 run
+    attention: Literal["auto", "varlen", "sdpa", "unfused"] = "auto"
+    # response positions per chunk of the fused LM head + logprob + entropy: peak memory of the head is
+    # a few chunk x vocab fp32 buffers (2048 x 152k: 1.2 GB each), whatever the micro-batch size
+    logits_chunk_tokens: int = 2048
+    # logp_old (the PPO / TIS anchor: the weights before this update). With one optimizer step per batch
+    # the training forward computes exactly it, so it is taken from there; "separate_pass" runs a no-grad
+    # forward over the batch first (twice the forward work; the same numbers up to kernel rounding)
+    old_logprobs: Literal["from_train_forward", "separate_pass"] = "from_train_forward"
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
     distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
@@ -82,5 +90,10 @@ class TrainerConfig(_Base):
             )
         if min(self.tp, self.pp, self.dp) < 1:
             raise ValueError("trainer.tp, trainer.pp and trainer.dp must be >= 1")
-        if self.lr <= 0 or self.min_lr < 0 or self.fetch_timeout_s <= 0:
-            raise ValueError("trainer.lr and trainer.fetch_timeout_s must be > 0, trainer.min_lr >= 0")
+        if self.lr < 0 or self.min_lr < 0 or self.fetch_timeout_s <= 0:
+            raise ValueError(
+                "trainer.lr and trainer.min_lr must be >= 0 (0 freezes the weights) and "
+                "trainer.fetch_timeout_s > 0"
+            )
+        if self.logits_chunk_tokens < 1:
+            raise ValueError("trainer.logits_chunk_tokens must be >= 1 (try 2048)")

@@ -1,5 +1,5 @@
-"""The policy as a megatron-core GPTModel: distributed setup, build from an HF folder, per-token
-logprobs under TP, and export back to full HF-named tensors on rank 0.
+"""The policy as a megatron-core GPTModel: distributed setup, build from an HF folder, the attention
+layout, and the LM head weight that stages/trainer/lm_head.py turns into per-token logprobs.
 
 Build order matters: GPTModel (fp32) -> load HF weights -> Float16Module (bf16 only) -> megatron DDP
 -> optimizer, because the optimizer takes its fp32 master copies from the parameters as they are
@@ -85,6 +85,31 @@ class Policy:
     config: object  # megatron TransformerConfig
     te: bool  # transformer-engine layer spec in use
     model_path: str
+    layout: str = "sdpa"  # how micro-batches are fed: "varlen" / "te" (packed row) or block-mask rows
+
+
+def head_weight(model) -> torch.Tensor | None:
+    """This rank's LM head weight [V/tp, h] as the forward uses it (the embedding when tied);
+    None on a pipeline stage that has no head."""
+    m = unwrap(model)
+    if not m.post_process:
+        return None
+    if m.share_embeddings_and_output_weights:
+        return m.shared_embedding_or_output_weight()
+    return m.output_layer.weight
+
+
+def bypass_output_layer(model) -> None:
+    """Make GPTModel return its final hidden states: the LM head runs in lm_head.head_logprobs,
+    only at response positions and in chunks, instead of as logits for every position."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        return input_, None
+
+    layer.forward = forward
 
 
 def use_te(spec: str) -> bool:
@@ -94,7 +119,7 @@ def use_te(spec: str) -> bool:
     return have if spec == "auto" else spec == "te"
 
 
-def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = False):
+def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: str | bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf_mapping.check_supported(hc)
@@ -129,9 +154,30 @@ def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = Fa
     )
     if pp > 1:  # micro-batches have different packed lengths; this validator wants alltoall even when dense
         kw.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    if recompute:
+    if not cpu:  # megatron's jit-fused SwiGLU (no bias): one kernel instead of silu, mul and their grads
+        kw.update(bias_activation_fusion=True)
+    if recompute in (True, "full"):  # every layer's activations recomputed in the backward
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)
+
+
+def resolve_attention(attention: str, te: bool, bf16: bool) -> str:
+    """trainer.attention -> the layout the trainer feeds the model:
+    "varlen" (one packed row, FlashAttention varlen, no mask: CUDA + bf16), "te" (transformer-engine's
+    fused attention over the same packed row, as 'thd'), or the block-mask rows of "sdpa" / "unfused"
+    (CPU, fp32, or a torch without varlen kernels)."""
+    from stages.trainer.attention import varlen_available
+
+    if te:
+        return "te"
+    if attention == "auto":
+        return "varlen" if (varlen_available() and bf16) else "sdpa"
+    if attention == "varlen" and not (varlen_available() and bf16):
+        raise ValueError(
+            "trainer.attention=varlen needs CUDA, torch >= 2.10 (torch.nn.attention.varlen) and "
+            "trainer.precision=bf16; use 'auto' or 'sdpa'"
+        )
+    return attention
 
 
 def _safetensors_getter(model_path: str):
@@ -168,11 +214,15 @@ def build_policy(
     distributed_optimizer: bool = False,
     fp32_lm_head: bool = False,
     attention: str = "sdpa",
+    output_hidden: bool = False,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first.
 
-    `attention` picks the local spec's core attention: "sdpa" (stages/trainer/attention.py: fp32
-    scores, as inference engines compute them) or "unfused" (megatron's DotProductAttention).
+    `attention` (see resolve_attention) picks the local spec's core attention: "varlen" (packed rows,
+    stages/trainer/attention.py), "sdpa" (block mask; fp32 scores, as inference engines compute them)
+    or "unfused" (megatron's DotProductAttention). `output_hidden`: the model returns the final
+    hidden states [b, s, h] instead of logits, for lm_head.head_logprobs (the trainer's path); the
+    logits path (tests, benches) keeps megatron's output layer, with `fp32_lm_head` as before.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -188,14 +238,16 @@ def build_policy(
     hc = AutoConfig.from_pretrained(model_path)
     cfg = transformer_config(hc, tp=tp, pp=pp, bf16=bf16, recompute=recompute)
     te = use_te(layer_spec)
+    layout = resolve_attention(attention, te, bf16)
     if te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
-        if attention == "sdpa":
-            from stages.trainer.attention import SDPAttention
+        from stages.trainer.attention import SDPAttention, VarlenAttention
 
-            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
+        core = {"sdpa": SDPAttention, "varlen": VarlenAttention}.get(layout)
+        if core is not None:
+            spec.submodules.self_attention.submodules.core_attention = core
     with cpu_shim.device_mode():  # tied embeddings under PP move the shared weight with .cuda()
         model = GPTModel(
             config=cfg,
@@ -209,7 +261,9 @@ def build_policy(
             rotary_base=int(hf_mapping.rope_theta(hc)),
         )
     load_hf_weights(model, model_path, hc, te)
-    if bf16 and fp32_lm_head:
+    if output_hidden:
+        bypass_output_layer(model)
+    elif bf16 and fp32_lm_head:
         use_fp32_lm_head(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -223,7 +277,7 @@ def build_policy(
         model = DistributedDataParallel(cfg, ddp_cfg, model)
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
-    return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path)
+    return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path, layout=layout)
 
 
 def use_fp32_lm_head(model) -> None:
@@ -268,46 +322,7 @@ def load_hf_weights(model, model_path: str, hc, te: bool) -> None:
         )
 
 
-# -- logprobs ------------------------------------------------------------------------------------------
-def logprobs_and_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    entropy: bool = False,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Vocab-parallel logits [b, s, V/tp] -> (log p(target) [b, s], entropy [b, s] or None).
-
-    The entropy carries gradient only with `entropy_grad` (an entropy bonus in the loss).
-    Works for any TP size: the reductions over the vocabulary go through megatron's autograd-aware
-    TP collectives (identity at TP=1), so gradients are exact.
-    """
-    from megatron.core import tensor_parallel as tpl
-
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = -tpl.vocab_parallel_cross_entropy(
-        z.transpose(0, 1).contiguous(), targets.transpose(0, 1).contiguous()
-    )
-    logp = logp.transpose(0, 1)
-    if not entropy:
-        return logp, None
-    from megatron.core import parallel_state as ps
-
-    if not entropy_grad:  # a metric only: keep it out of the autograd graph
-        z = z.detach()
-    zmax = z.detach().max(-1, keepdim=True).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    e = torch.exp(z - zmax)
-    sum_e = tpl.reduce_from_tensor_model_parallel_region(e.sum(-1))
-    sum_ez = tpl.reduce_from_tensor_model_parallel_region((e * (z - zmax)).sum(-1))
-    # H = log Z - E_p[z], with z shifted by zmax on both sides
-    ent = torch.log(sum_e) - sum_ez / sum_e
-    return logp, ent
-
-
+# -- attention layouts ---------------------------------------------------------------------------------
 def causal_block_mask(segments: torch.Tensor) -> torch.Tensor:
     """Segment ids [b, s] -> boolean mask [b, 1, s, s], True = masked (megatron's convention).
 
@@ -319,6 +334,28 @@ def causal_block_mask(segments: torch.Tensor) -> torch.Tensor:
     same = segments[:, :, None] == segments[:, None, :]
     causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
     return ~(same & causal)[:, None]
+
+
+def packed_row_params(mb, layout: str, device):
+    """PackedSeqParams for a packed-row micro-batch (layout "varlen" or "te").
+
+    te: megatron's 'thd' format, which TE's attention and RoPE understand (positions restart per
+    sequence). varlen: the 'sbhd' layout with a batch of one, so megatron's RoPE runs over the row as
+    one sequence; `max_seqlen_q` is therefore the row length (megatron sizes the rotary table from
+    it), and the longest segment, which the kernel needs, travels as `max_segment_len`.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb.cu_seqlens.to(device)
+    if layout == "te":
+        n = mb.max_segment_len
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
+        )
+    t = mb.tokens.numel()
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t, max_seqlen_kv=t)
+    params.max_segment_len = mb.max_segment_len
+    return params
 
 
 def read_hf_config(model_path: str) -> dict:

@@ -1,10 +1,13 @@
 """Arrow batch of complete groups -> per-token training tensors and packed micro-batches.
 
-Sequences (prompt + response, minus the last token) are packed first-fit-decreasing into rows as long
-as the longest sequence of the shard, so padding is only the tail of a row; each row carries segment
-ids for a block-diagonal causal mask (see model.causal_block_mask), and a micro-batch holds as many
-rows as fit under `micro_batch_tokens`. Response token j of a sample is predicted at input position
-prompt_len - 1 + j.
+Sequences (prompt + response, minus the last token) are packed first-fit-decreasing. Two layouts:
+- rows (the CPU / block-mask path): rows as long as the longest sequence of the shard, several rows
+  per micro-batch under `micro_batch_tokens`; each row carries segment ids for a block-diagonal causal
+  mask (see model.causal_block_mask).
+- packed row (the GPU / varlen path): one row per micro-batch, filled up to `micro_batch_tokens`,
+  with the sequence boundaries as cumulative lengths (`cu_seqlens`) for FlashAttention's varlen
+  kernels; no mask, and padding only to the next multiple of 8 tokens.
+Response token j of a sample is predicted at input position prompt_len - 1 + j.
 
 Samples that are not trainable (aborted / failed status, or no response tokens) keep their place in
 the group statistics (their reward counts for the advantage baseline) but get a zero loss mask.
@@ -50,6 +53,8 @@ class MicroBatch:
     resp_pos: torch.Tensor  # [t] flat positions (in b*s) whose logits predict response tokens
     tok_index: torch.Tensor  # [t] index of those tokens in the TokenBatch's flat arrays
     num_tokens: int  # real (non-padding) tokens in the micro-batch
+    cu_seqlens: torch.Tensor  # [k + 1] int32 segment boundaries over the flattened b*s positions
+    max_segment_len: int  # longest segment (padding tails included)
 
 
 def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
@@ -116,20 +121,25 @@ def shard_samples(tb: TokenBatch, dp: int) -> list[list[int]]:
 
 
 def pack(
-    tb: TokenBatch, samples: list[int], micro_batch_tokens: int, one_per_row: bool = False
+    tb: TokenBatch,
+    samples: list[int],
+    micro_batch_tokens: int,
+    one_per_row: bool = False,
+    packed_row: bool = False,
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches.
 
+    `packed_row`: one row per micro-batch holding up to `micro_batch_tokens` (the varlen layout).
     `one_per_row`: length-bucketed rows of one sequence each, for attention kernels that apply only
-    a plain causal mask (transformer-engine's fused attention ignores our block-diagonal mask).
+    a plain causal mask.
     """
     plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
     seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
     if not samples:
         return []
     longest = max(seq_len.values())
-    row_len = -(-longest // ROW_ALIGN) * ROW_ALIGN
-    if row_len > micro_batch_tokens:
+    row_len = micro_batch_tokens if packed_row else -(-longest // ROW_ALIGN) * ROW_ALIGN
+    if -(-longest // ROW_ALIGN) * ROW_ALIGN > micro_batch_tokens:
         raise ValueError(
             f"a sequence of {longest} tokens does not fit trainer.micro_batch_tokens={micro_batch_tokens}; "
             "raise micro_batch_tokens (or lower rollout.sampling.max_new_tokens / max_prompt_tokens)"
@@ -144,6 +154,10 @@ def pack(
             k = len(rows) - 1
         rows[k].append(i)
         room[k] -= seq_len[i]
+    if packed_row:  # each row its own micro-batch, trimmed to what it holds
+        return [
+            _build(tb, [row], -(-(row_len - left) // ROW_ALIGN) * ROW_ALIGN) for row, left in zip(rows, room)
+        ]
     per_mb = max(1, micro_batch_tokens // row_len)
     return [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
 
@@ -155,6 +169,7 @@ def _build(tb: TokenBatch, rows: list[list[int]], row_len: int) -> MicroBatch:
     # padding positions get ids that no real segment uses, so they only attend among themselves
     segments = np.full((b, row_len), -1, np.int64)
     resp_pos, tok_index = [], []
+    bounds = [0]  # segment boundaries over the flattened rows: each sequence, then each row's padding
     real = 0
     for r, row in enumerate(rows):
         at = 0
@@ -169,7 +184,11 @@ def _build(tb: TokenBatch, rows: list[list[int]], row_len: int) -> MicroBatch:
             resp_pos.append(r * row_len + at + len(p) - 1 + np.arange(len(y)))
             tok_index.append(tb.response_off[i] + np.arange(len(y)))
             at += n
+            bounds.append(r * row_len + at)
+        if at < row_len:
+            bounds.append((r + 1) * row_len)
         real += at
+    cu = np.asarray(bounds, np.int32)
     return MicroBatch(
         tokens=torch.from_numpy(tokens),
         targets=torch.from_numpy(targets),
@@ -177,4 +196,6 @@ def _build(tb: TokenBatch, rows: list[list[int]], row_len: int) -> MicroBatch:
         resp_pos=torch.from_numpy(np.concatenate(resp_pos)).long(),
         tok_index=torch.from_numpy(np.concatenate(tok_index)).long(),
         num_tokens=real,
+        cu_seqlens=torch.from_numpy(cu),
+        max_segment_len=int(np.diff(cu).max()),
     )

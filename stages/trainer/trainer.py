@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from pipeline.config import RunConfig
 from stages.trainer import checkpoint, cpu_shim, losses
+from stages.trainer.lm_head import head_logprobs
 from stages.trainer.model import (
     build_policy,
     causal_block_mask,
+    head_weight,
     init_distributed,
-    logprobs_and_entropy,
+    packed_row_params,
     unwrap,
 )
 from stages.trainer.packing import MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
@@ -73,8 +75,8 @@ class Trainer:
             pp=self.tc.pp,
             bf16=bf16,
             layer_spec=self.tc.layer_spec,
-            fp32_lm_head=cfg.model.fp32_lm_head,
             attention=self.tc.attention,
+            output_hidden=True,  # the LM head runs fused with the logprob (lm_head.head_logprobs)
         )
         self.policy = build_policy(
             model_path, **arch, recompute=self.tc.recompute, distributed_optimizer=self.dist_opt
@@ -185,10 +187,14 @@ class Trainer:
             valid=tb.trainable,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
-        mbs = pack(tb, shard, self.tc.micro_batch_tokens, one_per_row=self.policy.te)
-        old = self._logprobs(self.policy.model, tb, mbs)  # logp_old: current weights, no grad
+        mbs = pack(tb, shard, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
+        # logp_old = the current weights' logprobs, before the update. With one optimizer step per batch
+        # the training forward computes exactly these (same weights, no dropout), so by default they
+        # are taken from it (detached) instead of from a second forward over the batch
+        separate = self.tc.old_logprobs == "separate_pass"
+        old = self._logprobs(self.policy.model, tb, mbs) if separate else None
         ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
-        stats = self._train(tb, mbs, adv, old, ref)
+        stats, old = self._train(tb, mbs, adv, old, ref)
         stats.update(_engine_mismatch(tb, old, shard, self.version))
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
@@ -211,15 +217,18 @@ class Trainer:
     def _run_schedule(self, model, mbs, loss_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        layout = self.policy.layout
+        extra = {"fp32_output": False} if self.tc.precision == "bf16" else {}  # hidden stays bf16
+
         def forward_step(it, m):
             mb = next(it)
-            seg = mb.segments.to(self.device)
-            pos = torch.arange(seg.shape[1], device=self.device)[None].expand_as(seg)
-            # local spec: explicit block-diagonal mask (W3, and it keeps packed sequences apart);
-            # TE spec: rows hold one sequence each and TE applies its own causal mask
-            mask = None if self.policy.te else causal_block_mask(seg)
-            out = m(mb.tokens.to(self.device), pos, mask)
-            return out, lambda logits: loss_fn(mb, logits)
+            tokens = mb.tokens.to(self.device)
+            pos = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
+            if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
+                out = m(tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **extra)
+            else:  # explicit block-diagonal mask (W3, and it keeps packed sequences apart)
+                out = m(tokens, pos, causal_block_mask(mb.segments.to(self.device)), **extra)
+            return out, lambda hidden: loss_fn(mb, hidden)
 
         with cpu_shim.device_mode():
             return get_forward_backward_func()(
@@ -232,46 +241,66 @@ class Trainer:
                 forward_only=forward_only,
             )
 
-    def _mb_logprobs(self, mb: MicroBatch, logits, entropy=False, entropy_grad=False):
-        logp, ent = logprobs_and_entropy(
-            logits, mb.targets.to(logits.device), self.temperature, entropy=entropy, entropy_grad=entropy_grad
+    def _mb_logprobs(self, model, mb: MicroBatch, hidden, entropy=False, entropy_grad=False):
+        """hidden [b, s, h] of a micro-batch -> logprob (and entropy) of its response tokens [t]."""
+        pick = mb.resp_pos.to(hidden.device)
+        return head_logprobs(
+            hidden.reshape(-1, hidden.shape[-1])[pick],
+            head_weight(model),
+            mb.targets.reshape(-1).to(hidden.device)[pick],
+            temperature=self.temperature,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
+            chunk=self.tc.logits_chunk_tokens,
+            fp32_logits=self.cfg.model.fp32_lm_head,
         )
-        pick = mb.resp_pos.to(logits.device)
-        return logp.reshape(-1)[pick], (ent.reshape(-1)[pick] if ent is not None else None)
 
     @torch.no_grad()
     def _logprobs(self, model, tb: TokenBatch, mbs) -> torch.Tensor:
-        """Per-token logprobs of `model` for this rank's micro-batches (filled on the last PP stage)."""
-        out = torch.zeros_like(tb.rollout_logprobs)
+        """Per-token logprobs of `model` for this rank's micro-batches (filled on the last PP stage),
+        on the trainer's device."""
+        out = torch.zeros(len(tb.rollout_logprobs), dtype=torch.float32, device=self.device)
         model.eval()
 
-        def loss_fn(mb, logits):
-            lp, _ = self._mb_logprobs(mb, logits)
-            out[mb.tok_index] = lp.float().cpu()
-            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+        def loss_fn(mb, hidden):
+            lp, _ = self._mb_logprobs(model, mb, hidden)
+            out[mb.tok_index.to(self.device)] = lp.float()
+            return hidden.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
         self._run_schedule(model, mbs, loss_fn, forward_only=True)
         model.train()
         return out
 
-    def _train(self, tb: TokenBatch, mbs, adv, old, ref) -> dict:
+    def _train(self, tb: TokenBatch, mbs, adv, old, ref) -> tuple[dict, torch.Tensor]:
+        """Forward/backward over the micro-batches and one optimizer step. Returns the statistics
+        and logp_old ([T], this rank's tokens; taken from the training forward when `old` is None)."""
         lc = self.tc.loss
         acc: dict[str, torch.Tensor] = {}
-        adv_tok = adv[tb.seq]
+        dev = self.device
+        # token tensors go to the device once per step, not once per micro-batch
+        rollout, mask, seq = (x.to(dev) for x in (tb.rollout_logprobs, tb.mask, tb.seq))
+        adv_tok = adv.to(dev)[seq]
+        from_train = old is None
+        if from_train:
+            old = torch.zeros_like(rollout)
 
-        def loss_fn(mb: MicroBatch, logits):
-            logp, ent = self._mb_logprobs(mb, logits, entropy=True, entropy_grad=lc.entropy_coef > 0)
-            ix, dev = mb.tok_index, logits.device
+        def loss_fn(mb: MicroBatch, hidden):
+            logp, ent = self._mb_logprobs(
+                self.policy.model, mb, hidden, entropy=True, entropy_grad=lc.entropy_coef > 0
+            )
+            ix = mb.tok_index.to(dev)
+            if from_train:
+                old[ix] = logp.detach()
             num, den, st = losses.policy_loss(
                 logp,
-                old[ix].to(dev),
-                tb.rollout_logprobs[ix].to(dev),
-                adv_tok[ix].to(dev),
-                tb.mask[ix].to(dev),
-                tb.seq[ix].to(dev),
+                old[ix],
+                rollout[ix],
+                adv_tok[ix],
+                mask[ix],
+                seq[ix],
                 tb.n,
                 lc,
-                logp_ref=ref[ix].to(dev) if ref is not None else None,
+                logp_ref=ref[ix] if ref is not None else None,
                 entropy=ent,
             )
             _accumulate(acc, st)
@@ -285,9 +314,10 @@ class Trainer:
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             log.warning("optimizer step skipped (non-finite gradients) at version %d", self.version)
+        acc = {k: v.cpu() for k, v in acc.items()}  # one transfer per step, after the GPU work
         acc["sum/grad_norm"] = torch.tensor(float(grad_norm or 0.0))
         acc["sum/lr"] = torch.tensor(lr)
-        return acc
+        return acc, old.cpu()
 
     def _finish_metrics(self, tb: TokenBatch, adv, stats) -> dict:
         """Reduce statistics over micro-batches and ranks into one flat dict (same on every rank)."""
@@ -445,7 +475,7 @@ def _engine_mismatch(tb: TokenBatch, old: torch.Tensor, shard: list[int], versio
 
 def _accumulate(acc: dict, st: dict) -> None:
     for k, v in st.items():
-        v = v.detach().double().cpu()
+        v = v.detach().double()  # stays on the device: no sync per micro-batch
         if k not in acc:
             acc[k] = v
         elif k.startswith("min/"):

@@ -1,0 +1,371 @@
+"""Trainer speed and memory on GPUs at real shapes, against a plain HF loop on the same tokens.
+
+One invocation measures, on the same card(s): the bf16 matmul peak (8192^3), then per shape the
+megatron trainer (`Trainer.step()` on synthetic GRPO groups from an in-process buffer) and a plain
+HF `Qwen2ForCausalLM` loop (SDPA, bf16 weights, fused AdamW; the same two passes per step as a
+trainer that recomputes logp_old: a no-grad forward and a forward/backward with the GRPO token loss)
+on the same samples. Models are random-weight Qwen2.5 shapes built on the machine.
+
+  python bench/trainer_gpu.py --shapes 0.5b,1.5b             # one GPU
+  torchrun --nproc-per-node 2 bench/trainer_gpu.py --shapes 7b --tp 2 --no-hf
+
+Per shape one JSON object (`shape`, `tokens_per_s`, `mfu`, `vs_hf`, `peak_mem_gb`, ...) is printed
+and, with --results, appended to that file with `device` and `date`; the last line printed is the
+JSON of the last shape. `mfu` = 6 x params x tokens/s over the measured peak (the convention of the
+issue; a step does more work than 6N: the logp_old pass and any recompute are not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {  # Qwen2.5 configs (vocab 151936 in the 0.5B/1.5B releases, 152064 in 7B)
+    "0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+    ),
+}
+SHAPES["1.5b-32k"] = SHAPES["1.5b"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="0.5b,1.5b", help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--micro-batch-tokens", default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192")
+    ap.add_argument("--hf-micro-batch-tokens", type=int, default=8192, help="halved on OOM")
+    ap.add_argument("--recompute", default="1.5b-32k,7b", help="shapes trained with full recompute")
+    ap.add_argument("--old-logprobs", default="separate_pass,from_train_forward",
+                    help="trainer.old_logprobs modes to measure (the first is judged against HF)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--parity", action="store_true", help="also: |logp - HF fp32| for the new and old head")
+    ap.add_argument("--results", default="", help="append each shape's JSON to this .jsonl")
+    ap.add_argument("--profile", default="", help="write a kernel table of one trainer step to this file")
+    ap.add_argument("--workdir", default=tempfile.gettempdir())
+    return ap.parse_args()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def log(*a):
+    if rank() == 0:
+        print(*a, flush=True)
+
+
+def build_model(shape: str, root: str) -> str:
+    """A random-weight HF folder of the shape (bf16 safetensors), built once on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = os.path.join(root, f"qwen2.5-{shape.split('-')[0]}-random")
+    if rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                          torch_dtype="bfloat16")
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        m.save_pretrained(path)
+        del m
+        torch.cuda.empty_cache()
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def matmul_peak() -> float:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def workload(shape: str, a, vocab: int, step: int):
+    from stages.trainer.testing import make_samples
+
+    if shape.endswith("32k"):  # one group of 2 sequences of prompt 1k + response 31k
+        return make_samples(1, 2, vocab=vocab, seed=step, prompt_len=(1024, 1025),
+                            response_len=(31 * 1024, 31 * 1024 + 1), prefix=f"s{step}-")
+    return make_samples(a.groups, a.group_size, vocab=vocab, seed=step, prompt_len=(128, 257),
+                        response_len=(512, 1025), prefix=f"s{step}-")
+
+
+def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
+    import torch
+
+    from buffer.config import BufferConfig
+    from buffer.inproc import InProcBuffer
+    from pipeline.config import RunConfig
+    from stages.trainer.trainer import Trainer
+
+    cfg = RunConfig()
+    tc = cfg.trainer
+    tc.batch_groups = 1 if shape.endswith("32k") else a.groups
+    tc.micro_batch_tokens, tc.precision, tc.recompute, tc.tp = mbt, "bf16", recompute, a.tp
+    tc.old_logprobs, tc.fetch_timeout_s, tc.resume, tc.lr = old_mode, 600.0, False, 1e-6
+    cfg.run.max_staleness, cfg.run.steps = 10**6, a.steps + a.warmup
+    tmp = tempfile.mkdtemp(prefix="bench-trainer-gpu-", dir=a.workdir)
+    src = None
+    vocab = SHAPES[shape]["vocab_size"]
+    if rank() == 0:
+        src = InProcBuffer(cfg=BufferConfig(policy="fifo", durable=False, capacity_samples=10**6),
+                           directory=f"{tmp}/buf")
+        for i in range(a.steps + a.warmup):
+            src.put(workload(shape, a, vocab, i))
+    torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg, src, path, f"{tmp}/run")
+    tokens = secs = 0.0
+    if a.profile and rank() == 0:
+        src.put(workload(shape, a, vocab, 10**4))
+    for s in range(a.steps + a.warmup):
+        if a.profile and s == a.warmup and rank() == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trainer.step()
+                torch.cuda.synchronize()
+            with open(a.profile, "a") as f:
+                f.write(f"# {shape} {old_mode} micro_batch_tokens={mbt}\n")
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = trainer.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        log(f"  trainer {shape} [{old_mode}] step {s}: {m['tokens/total']:.0f} tokens {dt:.3f}s "
+            f"loss {m['loss']:.4f} mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        if s >= a.warmup:
+            tokens += m["tokens/total"]
+            secs += dt
+    out = {"tokens_per_s": tokens / secs, "step_s": secs / a.steps,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+           "params": sum(p.numel() for p in trainer.policy.model.parameters()) * a.tp}
+    parity_trainer = trainer if a.parity else None
+    return out, parity_trainer
+
+
+def run_hf(shape, path, a) -> dict:
+    """A plain HF loop: length-sorted padded micro-batches, no-grad forward, then forward/backward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer import losses
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    vocab = SHAPES[shape]["vocab_size"]
+    mbt = a.hf_micro_batch_tokens
+    torch.cuda.reset_peak_memory_stats()
+
+    def batches(samples):
+        seqs = sorted(samples, key=lambda s: -(len(s.array("prompt_ids")) + len(s.array("response_ids"))))
+        out, cur = [], []
+        for s in seqs:
+            n = len(s.array("prompt_ids")) + len(s.array("response_ids")) - 1
+            longest = max([n] + [len(c.array("prompt_ids")) + len(c.array("response_ids")) - 1 for c in cur[:1]])
+            if cur and longest * (len(cur) + 1) > mbt:
+                out.append(cur)
+                cur = []
+            cur.append(s)
+        return out + [cur]
+
+    def tensors(group, adv):
+        L = max(len(s.array("prompt_ids")) + len(s.array("response_ids")) for s in group) - 1
+        ids = torch.zeros(len(group), L, dtype=torch.long)
+        tgt = torch.zeros_like(ids)
+        att = torch.zeros_like(ids)
+        w = torch.zeros(len(group), L)
+        for r, s in enumerate(group):
+            p, y = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
+            full = p + y
+            n = len(full) - 1
+            ids[r, :n], tgt[r, :n], att[r, :n] = torch.tensor(full[:-1]), torch.tensor(full[1:]), 1
+            w[r, len(p) - 1 : n] = adv[s.uid]
+        return ids.cuda(), tgt.cuda(), att.cuda(), w.cuda()
+
+    def token_logp(ids, att, tgt):
+        # no attention_mask: rows are right-padded, so causal attention keeps real tokens off the
+        # padding and SDPA can take its flash kernel (a padding mask would force the slower kernels)
+        logits = model(input_ids=ids).logits.float()
+        return torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
+
+    tokens = secs = 0.0
+    for step in range(a.steps + a.warmup):
+        samples = workload(shape, a, vocab, step)
+        r = torch.tensor([s.reward for s in samples])
+        g = losses.group_ids_to_index([s.group_id for s in samples])
+        adv = dict(zip([s.uid for s in samples], losses.advantages(r, g).tolist()))
+        mbs = [tensors(b, adv) for b in batches(samples)]
+        ntok = sum(len(s.array("prompt_ids")) + len(s.array("response_ids")) for s in samples)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            old = [token_logp(ids, att, tgt) for ids, tgt, att, _ in mbs]
+        opt.zero_grad(set_to_none=True)
+        denom = sum(float((w != 0).sum()) for *_, w in mbs) or 1.0
+        for (ids, tgt, att, w), lo in zip(mbs, old):
+            lp = token_logp(ids, att, tgt)
+            ratio = torch.exp(lp - lo)
+            (-(ratio * w).sum() / denom).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        log(f"  hf {shape} step {step}: {ntok} tokens {dt:.3f}s mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        if step >= a.warmup:
+            tokens += ntok
+            secs += dt
+    out = {"tokens_per_s": tokens / secs, "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+           "micro_batch_tokens": mbt}
+    del model, opt
+    return out
+
+
+def hf_with_retries(shape, path, a) -> dict:
+    import torch
+
+    while True:
+        try:
+            return run_hf(shape, path, a)
+        except torch.OutOfMemoryError as e:
+            gc.collect()
+            torch.cuda.empty_cache()
+            if shape.endswith("32k"):  # one sequence is the whole micro-batch: nothing to halve
+                return {"error": f"out of memory on one 32k-token sequence: {str(e)[:160]}"}
+            if a.hf_micro_batch_tokens <= 1024:
+                return {"error": "out of memory at 1024-token micro-batches"}
+            a.hf_micro_batch_tokens //= 2
+            log(f"  hf {shape}: out of memory, micro-batch tokens -> {a.hf_micro_batch_tokens}")
+
+
+def parity(trainer, path, shape, a) -> dict:
+    """Mean |logp - HF fp32 logp| on 4 sequences: the trainer's path (fused head, varlen) and the
+    previous path (megatron output layer with fp32 logits, block mask), same tokens, same run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer.model import build_policy, causal_block_mask
+    from stages.trainer.packing import pack, to_token_batch
+    from pipeline.sample import samples_to_batch
+
+    samples = workload(shape, a, SHAPES[shape]["vocab_size"], 999)[:4]
+    tb = to_token_batch(samples_to_batch(samples))
+    packed = trainer.policy.layout in ("varlen", "te")
+    new = trainer._logprobs(trainer.policy.model, tb, pack(tb, list(range(4)), 16384, packed_row=packed)).cpu()
+    old_policy = build_policy(path, bf16=True, fp32_lm_head=True, attention="sdpa", ddp=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ref, prev = [], []
+    with torch.no_grad():
+        for s in samples:
+            p, y = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
+            ids = torch.tensor([p + y], device="cuda")
+            lp = torch.log_softmax(hf(ids).logits[0].float(), -1)[len(p) - 1 : -1]
+            ref.append(lp.gather(-1, ids[0, len(p):, None]).squeeze(-1).cpu())
+            x = ids[:, :-1]
+            logits = old_policy.model(x, torch.arange(x.shape[1], device="cuda")[None],
+                                      causal_block_mask(torch.zeros_like(x)))[0].float()
+            lq = torch.log_softmax(logits, -1)[len(p) - 1 :]
+            prev.append(lq.gather(-1, ids[0, len(p):, None]).squeeze(-1).cpu())
+    ref, prev = torch.cat(ref), torch.cat(prev)
+    del hf, old_policy
+    torch.cuda.empty_cache()
+    return {"parity_new_vs_hf_fp32": float((new - ref).abs().mean()),
+            "parity_prev_vs_hf_fp32": float((prev - ref).abs().mean())}
+
+
+def main() -> None:
+    a = parse()
+    import torch
+
+    mbt = dict(kv.split("=") for kv in a.micro_batch_tokens.split(","))
+    recompute = set(a.recompute.split(",")) if a.recompute else set()
+    peak = matmul_peak()
+    dev = torch.cuda.get_device_name()
+    n_gpu = int(os.environ.get("WORLD_SIZE", 1))
+    log(f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s on {dev}")
+    last = None
+    for shape in a.shapes.split(","):
+        path = build_model(shape, a.workdir)
+        row = {"shape": shape, "micro_batch_tokens": int(mbt[shape]), "recompute": shape in recompute,
+               "tp": a.tp, "gpus": n_gpu, "peak_tflops": round(peak / 1e12, 1)}
+        for i, mode in enumerate(a.old_logprobs.split(",")):
+            try:
+                res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode)
+            except torch.OutOfMemoryError as e:
+                res, tr = {"error": f"out of memory: {str(e)[:200]}"}, None
+            key = "" if i == 0 else f"_{mode}"
+            if "error" in res:
+                row["error" + key] = res["error"]
+            else:
+                mfu = 6 * res["params"] * res["tokens_per_s"] / (peak * n_gpu)
+                row.update({f"tokens_per_s{key}": round(res["tokens_per_s"], 1), f"mfu{key}": round(mfu, 4),
+                            f"peak_mem_gb{key}": round(res["peak_mem_gb"], 1), "params": res["params"]})
+                if i == 0:
+                    row["old_logprobs"] = mode
+                if tr is not None and i == 0:
+                    row.update(parity(tr, path, shape, a))
+            del tr
+            gc.collect()
+            torch.cuda.empty_cache()
+        if not a.no_hf and rank() == 0 and a.tp == 1:
+            hf = hf_with_retries(shape, path, a)
+            row["hf_tokens_per_s"] = round(hf.get("tokens_per_s", 0.0), 1) or None
+            row["hf_micro_batch_tokens"] = hf.get("micro_batch_tokens")
+            row["hf_peak_mem_gb"] = round(hf.get("peak_mem_gb", 0.0), 1) or None
+            if row["hf_tokens_per_s"] and "tokens_per_s" in row:
+                row["vs_hf"] = round(row["tokens_per_s"] / row["hf_tokens_per_s"], 3)
+                if "tokens_per_s_from_train_forward" in row:
+                    row["vs_hf_from_train_forward"] = round(
+                        row["tokens_per_s_from_train_forward"] / row["hf_tokens_per_s"], 3)
+            gc.collect()
+            torch.cuda.empty_cache()
+        row.update(device=f"{n_gpu}x {dev}", date=datetime.date.today().isoformat(),
+                   torch=torch.__version__)
+        if rank() == 0:
+            print(json.dumps(row), flush=True)
+            if a.results:
+                with open(a.results, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        last = row
+    if rank() == 0 and last is not None:
+        print(json.dumps(last), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
