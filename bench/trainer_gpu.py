@@ -27,6 +27,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# both loops allocate chunks of varying size every micro-batch; without expandable segments the caching
+# allocator fragments and falls back to synchronising cudaFree/cudaMalloc (seen as CPU time in aten::mm)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 SHAPES = {  # Qwen2.5 configs (vocab 151936 in the 0.5B/1.5B releases, 152064 in 7B)
     "0.5b": dict(
@@ -58,8 +61,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--old-logprobs", default="separate_pass,from_train_forward",
                     help="trainer.old_logprobs modes to measure (the first is judged against HF)")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--parity", action="store_true", help="also: |logp - HF fp32| for the new and old head")
+    ap.add_argument("--parity", action="store_true",
+                    help="also: |logp - HF fp32| for the new and old head (not for 1.5b-32k)")
     ap.add_argument("--results", default="", help="append each shape's JSON to this .jsonl")
     ap.add_argument("--profile", default="", help="write a kernel table of one trainer step to this file")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
@@ -94,6 +99,16 @@ def build_model(shape: str, root: str) -> str:
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def param_count(shape: str) -> int:
+    """Parameters of the HF model of this shape (embeddings, and the head when untied, included)."""
+    c = SHAPES[shape]
+    h, f, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * f + 2 * h  # qkv(+bias), o, mlp, 2 norms
+    return v * h * (1 if c["tie_word_embeddings"] else 2) + L * layer + h
 
 
 def matmul_peak() -> float:
@@ -135,6 +150,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
     tc.batch_groups = 1 if shape.endswith("32k") else a.groups
     tc.micro_batch_tokens, tc.precision, tc.recompute, tc.tp = mbt, "bf16", recompute, a.tp
     tc.old_logprobs, tc.fetch_timeout_s, tc.resume, tc.lr = old_mode, 600.0, False, 1e-6
+    tc.logits_chunk_tokens = a.logits_chunk_tokens
     cfg.run.max_staleness, cfg.run.steps = 10**6, a.steps + a.warmup
     tmp = tempfile.mkdtemp(prefix="bench-trainer-gpu-", dir=a.workdir)
     src = None
@@ -146,6 +162,9 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
             src.put(workload(shape, a, vocab, i))
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, src, path, f"{tmp}/run")
+    torch.cuda.empty_cache()
+    log(f"  trainer {shape}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after init "
+        f"(weights, grad buffer, fp32 master copy; Adam state comes at the first step)")
     tokens = secs = 0.0
     if a.profile and rank() == 0:
         src.put(workload(shape, a, vocab, 10**4))
@@ -171,7 +190,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
             secs += dt
     out = {"tokens_per_s": tokens / secs, "step_s": secs / a.steps,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-           "params": sum(p.numel() for p in trainer.policy.model.parameters()) * a.tp}
+           "params": param_count(shape)}
     parity_trainer = trainer if a.parity else None
     return out, parity_trainer
 
@@ -183,6 +202,9 @@ def run_hf(shape, path, a) -> dict:
 
     from stages.trainer import losses
 
+    # SDPA's cuDNN backend builds a new plan for every new sequence length (~4 ms of CPU per backward call
+    # here, and every micro-batch has another length): the flash backend gives the HF loop its best time
+    torch.backends.cuda.enable_cudnn_sdp(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     vocab = SHAPES[shape]["vocab_size"]
@@ -222,7 +244,13 @@ def run_hf(shape, path, a) -> dict:
         return torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).squeeze(-1)
 
     tokens = secs = 0.0
+    prof = None
     for step in range(a.steps + a.warmup):
+        if a.profile and step == a.warmup:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         samples = workload(shape, a, vocab, step)
         r = torch.tensor([s.reward for s in samples])
         g = losses.group_ids_to_index([s.group_id for s in samples])
@@ -243,6 +271,12 @@ def run_hf(shape, path, a) -> dict:
         opt.step()
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            with open(a.profile, "a") as f:
+                f.write(f"# hf {shape} micro_batch_tokens={mbt}\n")
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+            prof = None
         log(f"  hf {shape} step {step}: {ntok} tokens {dt:.3f}s mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         if step >= a.warmup:
             tokens += ntok
@@ -283,7 +317,8 @@ def parity(trainer, path, shape, a) -> dict:
     samples = workload(shape, a, SHAPES[shape]["vocab_size"], 999)[:4]
     tb = to_token_batch(samples_to_batch(samples))
     packed = trainer.policy.layout in ("varlen", "te")
-    new = trainer._logprobs(trainer.policy.model, tb, pack(tb, list(range(4)), 16384, packed_row=packed)).cpu()
+    mbs = pack(tb, list(range(len(samples))), trainer.tc.micro_batch_tokens, packed_row=packed)
+    new = trainer._logprobs(trainer.policy.model, tb, mbs).cpu()
     old_policy = build_policy(path, bf16=True, fp32_lm_head=True, attention="sdpa", ddp=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ref, prev = [], []
@@ -309,6 +344,10 @@ def main() -> None:
     a = parse()
     import torch
 
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun: the world and this rank's GPU before anything
+        from stages.trainer.model import init_distributed
+
+        init_distributed(tp=a.tp)
     mbt = dict(kv.split("=") for kv in a.micro_batch_tokens.split(","))
     recompute = set(a.recompute.split(",")) if a.recompute else set()
     peak = matmul_peak()
@@ -334,7 +373,7 @@ def main() -> None:
                             f"peak_mem_gb{key}": round(res["peak_mem_gb"], 1), "params": res["params"]})
                 if i == 0:
                     row["old_logprobs"] = mode
-                if tr is not None and i == 0:
+                if tr is not None and i == 0 and not shape.endswith("32k"):  # HF fp32 can't hold 32k
                     row.update(parity(tr, path, shape, a))
             del tr
             gc.collect()
@@ -344,6 +383,8 @@ def main() -> None:
             row["hf_tokens_per_s"] = round(hf.get("tokens_per_s", 0.0), 1) or None
             row["hf_micro_batch_tokens"] = hf.get("micro_batch_tokens")
             row["hf_peak_mem_gb"] = round(hf.get("peak_mem_gb", 0.0), 1) or None
+            if "error" in hf:
+                row["hf_error"] = hf["error"]
             if row["hf_tokens_per_s"] and "tokens_per_s" in row:
                 row["vs_hf"] = round(row["tokens_per_s"] / row["hf_tokens_per_s"], 3)
                 if "tokens_per_s_from_train_forward" in row:

@@ -99,6 +99,8 @@ class Trainer:
         )
         with cpu_shim.device_mode():
             self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
+        if self.device.type == "cuda":
+            use_fused_adam(self.optimizer)
         self.temperature = cfg.rollout.sampling.temperature
         self.version = 0
         self.pending_push = None
@@ -461,6 +463,20 @@ STAT_KEYS = (
     "sum/grad_norm",
     "sum/lr",
 )
+
+
+def use_fused_adam(optimizer) -> None:
+    """Switch the torch Adam that megatron falls back to (no apex / transformer-engine) to its fused
+    CUDA kernel. Megatron builds it with torch's default, the multi-tensor "foreach" path, whose step
+    allocates temporaries the size of all fp32 master weights (14 GB per GPU for a 7B model at TP=2:
+    the difference between fitting on two 80 GB cards and not); the fused kernel allocates none and
+    launches fewer kernels. Set before the first step, when the state (and its step counters) is made."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                group["foreach"], group["fused"] = False, True
+            inner.defaults.update(foreach=False, fused=True)
 
 
 def _engine_mismatch(tb: TokenBatch, old: torch.Tensor, shard: list[int], version: int) -> dict:
