@@ -65,3 +65,18 @@ def test_parallel_layout_matches_tp1(baseline, layout):
     assert set(w) == set(ref_w)
     for k in ref_w:
         assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+
+
+def test_tp2_pads_a_vocabulary_tp_does_not_divide(tmp_path):
+    """vocab 259 at TP=2: megatron holds 260 rows (one zero padding row, left out of every softmax);
+    losses, gradient norms and the exported (trimmed) weights equal TP=1's."""
+    path = make_tiny_hf(str(tmp_path / "odd"), "qwen2", vocab_size=259)
+    ref_m, ref_w = _run(path, str(tmp_path / "tp1"), 1)
+    m, w = _run(path, str(tmp_path / "tp2"), 2, "--tp", "2")
+    for a, b in zip(ref_m, m):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+    assert w["model.embed_tokens.weight"].shape[0] == 259
+    for k in ref_w:
+        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k

@@ -118,6 +118,21 @@ def hf_to_mcore_layer(get: Callable[[str], torch.Tensor], hc, hf_i: int, tp: int
     return out
 
 
+def padded_vocab(hc, tp: int) -> int:
+    """The vocabulary megatron is built with: HF's, rounded up to a multiple of TP so every rank holds
+    an equal shard (Qwen2.5's 151936 divides; a byte-level 259 does not). The padded rows are zero,
+    masked out of every softmax (lm_head.head_logprobs) and trimmed on export."""
+    return -(-hc.vocab_size // tp) * tp
+
+
+def _vocab_rows(w: torch.Tensor, hc, tp: int, r: int) -> torch.Tensor:
+    """Rank r's shard of an embedding / LM-head matrix [V, h], zero-padded to padded_vocab rows."""
+    pad = padded_vocab(hc, tp) - w.shape[0]
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, w.shape[1])])
+    return w.chunk(tp, 0)[r].contiguous()
+
+
 def hf_to_mcore(get, hc, *, tp, r, layers: list[int], pre: bool, post: bool, te: bool = False) -> dict:
     """HF tensors (by name, via `get`) -> local megatron state dict for one TP rank of one PP stage.
 
@@ -126,15 +141,13 @@ def hf_to_mcore(get, hc, *, tp, r, layers: list[int], pre: bool, post: bool, te:
     out: dict[str, torch.Tensor] = {}
     tied = hc.tie_word_embeddings
     if pre:
-        out["embedding.word_embeddings.weight"] = (
-            get("model.embed_tokens.weight").chunk(tp, 0)[r].contiguous()
-        )
+        out["embedding.word_embeddings.weight"] = _vocab_rows(get("model.embed_tokens.weight"), hc, tp, r)
     if post:
         out["decoder.final_layernorm.weight"] = get("model.norm.weight")
         # tied + PP>1: the last stage's output_layer is a copy of the embedding; tied + PP=1: no key
         if not tied or not pre:
             src = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            out["output_layer.weight"] = get(src).chunk(tp, 0)[r].contiguous()
+            out["output_layer.weight"] = _vocab_rows(get(src), hc, tp, r)
     for local_i, hf_i in enumerate(layers):
         for k, v in hf_to_mcore_layer(get, hc, hf_i, tp, r, te).items():
             out[f"decoder.layers.{local_i}.{k}"] = v
@@ -172,12 +185,12 @@ def mcore_to_hf(
     key: str, full: torch.Tensor, hc, hf_layer: int | None, te: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
     """One full (TP-merged) megatron parameter -> HF (name, tensor) pairs. [] for keys HF does not have."""
-    if key == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", full)]
+    if key == "embedding.word_embeddings.weight":  # TP padding rows trimmed (padded_vocab)
+        return [("model.embed_tokens.weight", full[: hc.vocab_size])]
     if key == "decoder.final_layernorm.weight":
         return [("model.norm.weight", full)]
     if key == "output_layer.weight":
-        return [] if hc.tie_word_embeddings else [("lm_head.weight", full)]
+        return [] if hc.tie_word_embeddings else [("lm_head.weight", full[: hc.vocab_size])]
     if hf_layer is None:
         raise KeyError(f"megatron parameter {key!r} has no HF counterpart in the mapping")
     p = f"model.layers.{hf_layer}."

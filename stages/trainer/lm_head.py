@@ -24,8 +24,15 @@ import torch.distributed as dist
 _MM_OUT_DTYPE: bool | None = None  # does this build's torch.mm take out_dtype for bf16 on this device?
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float, round_bf16: bool) -> torch.Tensor:
-    """fp32 logits [c, V] of bf16 (or fp32) h [c, d] and w [V, d], divided by the temperature."""
+# Logit of a vocabulary-padding column: exp() of it is 0, and unlike -inf it keeps 0 * logit finite
+PAD_LOGIT = -1e30
+
+
+def _logits(
+    h: torch.Tensor, w: torch.Tensor, temperature: float, round_bf16: bool, real_cols: int
+) -> torch.Tensor:
+    """fp32 logits [c, V] of bf16 (or fp32) h [c, d] and w [V, d], divided by the temperature; columns
+    from `real_cols` on are TP padding of the vocabulary and get PAD_LOGIT."""
     global _MM_OUT_DTYPE
     if h.dtype == torch.float32:
         z = h @ w.t()
@@ -40,6 +47,8 @@ def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float, round_bf16: bo
             z = z.to(h.dtype).float()
     if temperature != 1.0:
         z.div_(temperature)
+    if real_cols < z.shape[1]:
+        z[:, max(real_cols, 0) :] = PAD_LOGIT
     return z
 
 
@@ -120,7 +129,7 @@ def _fused(fn, device: torch.device):
 
 class _HeadLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, want_entropy, round_bf16):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, want_entropy, round_bf16, vocab):
         ctx.set_materialize_grads(False)  # an unused output (the metric-only entropy) gets None, not zeros
         group, tp, rank = _tp()
         t, v = hidden.shape[0], weight.shape[0]
@@ -131,7 +140,7 @@ class _HeadLogprob(torch.autograd.Function):
         ent = torch.empty_like(logp) if want_entropy else None
         for s in range(0, t, chunk):
             e_ = min(t, s + chunk)
-            z = _logits(hidden[s:e_], weight, temperature, round_bf16)
+            z = _logits(hidden[s:e_], weight, temperature, round_bf16, vocab - v0)
             local, inside = _local_targets(targets[s:e_], v0, v)
             zmax, z_y = max_and_target(z, local, inside)
             if tp > 1:
@@ -146,7 +155,7 @@ class _HeadLogprob(torch.autograd.Function):
             if want_entropy:  # H = log Z - E_p[z - zmax]
                 ent[s:e_] = log_z - sums[1] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, lse, ent if want_entropy else lse)
-        ctx.cfg = (temperature, chunk, want_entropy, round_bf16)
+        ctx.cfg = (temperature, chunk, want_entropy, round_bf16, vocab)
         if want_entropy:
             return logp, ent
         return logp, torch.zeros(0, device=hidden.device)
@@ -154,7 +163,7 @@ class _HeadLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        temperature, chunk, want_entropy, round_bf16 = ctx.cfg
+        temperature, chunk, want_entropy, round_bf16, vocab = ctx.cfg
         group, tp, rank = _tp()
         t, v = hidden.shape[0], weight.shape[0]
         v0 = rank * v
@@ -167,7 +176,7 @@ class _HeadLogprob(torch.autograd.Function):
         grad_logits = _fused(_grad_logits, hidden.device)
         for s in range(0, t, chunk):
             e_ = min(t, s + chunk)
-            z = _logits(hidden[s:e_], weight, temperature, round_bf16)
+            z = _logits(hidden[s:e_], weight, temperature, round_bf16, vocab - v0)
             local, inside = _local_targets(targets[s:e_], v0, v)
             # dz = onehot(y) * g_logp - p * (g_logp + g_ent * (log p + H)), over the temperature
             gz = grad_logits(
@@ -187,7 +196,7 @@ class _HeadLogprob(torch.autograd.Function):
                     grad_w.addmm_(gz.t().float(), h.float())
         if need_h and tp > 1:  # each rank saw only its vocabulary shard
             dist.all_reduce(grad_h, group=group)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -200,12 +209,14 @@ def head_logprobs(
     entropy_grad: bool = False,
     chunk: int = 2048,
     fp32_logits: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [t, d] at the positions that predict `targets` [t]; weight [V/tp, d] (this rank's
     vocabulary shard) -> (log p(target) [t] fp32, entropy [t] fp32 or None).
 
     `fp32_logits=False` rounds the logits to the activation dtype first, as an engine without an
-    fp32 LM head does. The entropy carries gradient only with `entropy_grad` (an entropy bonus).
+    fp32 LM head does. `vocab_size`: the real vocabulary when the weight's rows are padded to a
+    multiple of TP (hf_mapping.padded_vocab); the padding columns are left out of the softmax. The entropy carries gradient only with `entropy_grad` (an entropy bonus).
     """
     if hidden.ndim != 2 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: need [t, d] and [t]")
@@ -216,7 +227,9 @@ def head_logprobs(
         z = hidden.new_zeros(0, dtype=torch.float32) + weight.sum() * 0  # keeps the graph connected
         return z, (z.clone() if entropy else None)
     round_bf16 = not fp32_logits and weight.dtype != torch.float32
-    logp, ent = _HeadLogprob.apply(hidden, weight, targets, float(temperature), chunk, entropy, round_bf16)
+    _, tp, _ = _tp()
+    vocab = weight.shape[0] * tp if vocab_size is None else vocab_size
+    logp, ent = _HeadLogprob.apply(hidden, weight, targets, float(temperature), chunk, entropy, round_bf16, vocab)
     if not entropy:
         return logp, None
     return logp, (ent if entropy_grad else ent.detach())

@@ -252,7 +252,7 @@ def build_policy(
         model = GPTModel(
             config=cfg,
             transformer_layer_spec=spec,
-            vocab_size=hc.vocab_size,
+            vocab_size=hf_mapping.padded_vocab(hc, tp),
             max_sequence_length=hc.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),

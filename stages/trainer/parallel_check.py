@@ -39,7 +39,9 @@ def main() -> None:
     cfg.trainer.checkpoint_every = a.checkpoint_every
     cfg.trainer.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
     tr_offset = 100 if os.path.exists(a.out + "/run/checkpoints/latest") else 0  # resumed: new data
-    src = ListSource([make_batch(2, 4, seed=i + tr_offset) for i in range(a.steps)])
+    with open(os.path.join(a.model_path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    src = ListSource([make_batch(2, 4, seed=i + tr_offset, vocab=vocab) for i in range(a.steps)])
     tr = Trainer(cfg, src if int(os.environ.get("RANK", 0)) == 0 else None, a.model_path, a.out + "/run")
     if a.push and tr.rank == 0:
         from stages.weights.zmq_transport import ZmqWeightSender

@@ -255,6 +255,7 @@ class Trainer:
             entropy_grad=entropy_grad,
             chunk=self.tc.logits_chunk_tokens,
             fp32_logits=self.cfg.model.fp32_lm_head,
+            vocab_size=self.policy.hf_config.vocab_size,
         )
 
     @torch.no_grad()
