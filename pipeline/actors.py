@@ -116,38 +116,59 @@ class GeneratorActor:
 
 @ray.remote
 class TrainerActor:
-    """The megatron trainer (rank 0 of a world of 1 here) with its weight sender bound for the engines."""
+    """One rank of the megatron trainer. The ranks of a run form one torch.distributed world (gloo on
+    CPU, NCCL on GPUs) whose address rank 0 hands out; rank 0 alone fetches from the buffer (and
+    broadcasts each batch), holds the weight sender and answers the driver. All ranks step together."""
 
-    def __init__(
+    def __init__(self, rank: int, world: int, cpus: int = 1):
+        self.rank, self.world, self.cpus = rank, world, cpus
+        self.trainer = self.sender = self.source = None
+
+    def master_address(self, loopback: bool) -> str:
+        """host:port for the process group, from rank 0's node (loopback on a one-node cluster)."""
+        from stages.trainer.model import free_port
+
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        return f"{host}:{free_port(host)}"
+
+    def setup(
         self,
         cfg,
+        master: str,
         buffer_address: str,
         model_path: str,
         run_dir: str,
         num_engines: int,
         engine_urls: list[str] | None = None,
-        cpus: int = 1,
-    ):
-        _threads(cfg.trainer.threads or cpus)
+    ) -> None:
+        _threads(cfg.trainer.threads or self.cpus)
         _quiet()
+        host, port = master.rsplit(":", 1)
+        # torch.distributed's env:// rendezvous; one node: rank r drives cuda:r (LOCAL_RANK)
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank),
+            MASTER_ADDR=host, MASTER_PORT=port,
+        )
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
 
-        self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
-        sg = cfg.rollout.sglang
-        self.sender = make_sender(
-            cfg.weights,
-            engine_urls=engine_urls,
-            min_engines=num_engines,
-            engine_tp_sizes=[sg.tp_size] * len(engine_urls or []),
-            pause_mode=sg.pause_mode,
-        )
+        if self.rank == 0:
+            self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
+            sg = cfg.rollout.sglang
+            self.sender = make_sender(
+                cfg.weights,
+                engine_urls=engine_urls,
+                min_engines=num_engines,
+                engine_tp_sizes=[sg.tp_size] * len(engine_urls or []),
+                pause_mode=sg.pause_mode,
+            )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
         if self.trainer.version > 0:
             # resumed from a checkpoint: the engines start from the base model at version 0, and their
             # groups would all be too stale; send them the checkpoint's weights first (in the background:
-            # the sender waits for the engines to connect, and they are started after this actor)
+            # the sender waits for the engines to connect, and they are started after the trainer).
+            # Collective: every rank takes part in gathering the weights.
             self.trainer.push_weights()
         self.sync = cfg.run.mode == "sync"
         self._idle_s = 0.0
@@ -171,16 +192,20 @@ class TrainerActor:
         self._idle_s += m.get("time/data_wait_s", 0.0)
         m["version"] = self.trainer.version
         m["trainer/idle_share"] = self._idle_s / max(time.perf_counter() - self._t0, 1e-9)
+        m["trainer/ranks"] = self.world
         return m
 
     def finish(self, export_hf: bool = True) -> dict:
-        """Wait for the last push, save the final checkpoint and an HF export of the policy."""
+        """Wait for the last push, save the final checkpoint and an HF export of the policy (every
+        rank: both are collective; rank 0 writes the HF folder)."""
         self.trainer.close(save=True)
         out = {"version": self.trainer.version}
         if export_hf:
             out["hf_export"] = self.trainer.save_hf()
-        self.sender.close()
-        self.source.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.source is not None:
+            self.source.close()
         return out
 
 

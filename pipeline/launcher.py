@@ -93,7 +93,8 @@ class Pipeline:
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
         self.cfg, self.run_dir = effective(cfg), run_dir
-        self.buffer = self.trainer = self.evaluator = None
+        self.buffer = self.trainer = self.evaluator = None  # self.trainer: rank 0 of self.trainers
+        self.trainers: list = []
         self.generators: list = []
         self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
         self.pg = None
@@ -110,14 +111,19 @@ class Pipeline:
         cfg, r = self.cfg, self.cfg.rollout
         model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
         n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
-        bundles = [{"CPU": 1}] + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
+        tc = cfg.trainer
+        n_ranks = tc.tp * tc.pp * tc.dp
+        # bundle 0: buffer + trainer rank 0; then trainer ranks 1.., the generators, the evaluator
+        bundles = [{"CPU": 1}] * n_ranks + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
         self.pg = placement_group(bundles, strategy="PACK")
         self._wait(
             self.pg.ready(),
             "placement group",
-            f"the cluster has no room for {len(bundles)} one-CPU bundles (trainer, {n_gen} generator(s)"
-            f"{', eval' if use_eval else ''}); lower rollout.num_generators or set cluster.num_cpus",
+            f"the cluster has no room for {len(bundles)} one-CPU bundles ({n_ranks} trainer rank(s) = "
+            f"trainer.tp*pp*dp, {n_gen} generator(s){', eval' if use_eval else ''}); lower "
+            "rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus",
         )
+        gen_bundle = n_ranks
 
         def on(i: int) -> dict:
             return {
@@ -142,14 +148,24 @@ class Pipeline:
 
         def generators(weights_addr):
             return [
-                GeneratorActor.options(**on(1 + i)).remote(cfg, i, buffer_addr, weights_addr, shares[i])
+                GeneratorActor.options(**on(gen_bundle + i)).remote(cfg, i, buffer_addr, weights_addr, shares[i])
                 for i in range(n_gen)
             ]
 
         def trainer(urls):
-            return TrainerActor.options(**on(0)).remote(
-                cfg, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls
-            )
+            """All ranks set up together (each blocks in the process-group rendezvous until all are in)."""
+            import ray
+
+            self.trainers = [TrainerActor.options(**on(k)).remote(k, n_ranks) for k in range(n_ranks)]
+            one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
+            master = self._wait(self.trainers[0].master_address.remote(one_node), "trainer rank 0")
+            setups = [
+                t.setup.remote(cfg, master, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls)
+                for t in self.trainers
+            ]
+            for k, ref in enumerate(setups):
+                self._wait(ref, f"trainer rank {k}")
+            return self.trainers[0]
 
         if r.engine == "sglang":  # servers first: the trainer's transport needs their addresses
             self.generators = generators(None)
@@ -161,7 +177,7 @@ class Pipeline:
             weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
             self.generators = generators(weights_addr)
         if use_eval:
-            self.evaluator = EvalActor.options(**on(1 + n_gen)).remote(cfg, weights_addr)
+            self.evaluator = EvalActor.options(**on(gen_bundle + n_gen)).remote(cfg, weights_addr)
         for i, g in enumerate(self.generators):
             self.gen_runs[g.run.remote()] = f"generator gen-{i}"
 
@@ -196,20 +212,7 @@ class Pipeline:
                 )
                 step -= 1
                 break
-            step_ref = self.trainer.step.remote()
-            while True:  # wait for the step, but notice at once when a generator dies
-                ready, _ = ray.wait([step_ref, *self.gen_runs], num_returns=1, timeout=cfg.run.timeout_s)
-                if not ready:
-                    raise StageFailed(
-                        f"trainer step {step} did not finish within run.timeout_s="
-                        f"{cfg.run.timeout_s:.0f}s; see the trainer's log above"
-                    )
-                if ready[0] is step_ref:
-                    break
-                name = self.gen_runs.pop(ready[0])
-                self._wait(ready[0], name)  # raises the generator's error
-                raise StageFailed(f"{name} stopped before the run ended")
-            m = self._wait(step_ref, "trainer")
+            m = self._trainer_step(step)
             m.update(self._generator_metrics())
             m.update(self._buffer_metrics())
             self._rates(m)
@@ -224,6 +227,33 @@ class Pipeline:
             m = self._wait(eval_ref, "evaluator")
             metrics.log(step, m)
         return step
+
+    def _trainer_step(self, step: int) -> dict:
+        """One step on every trainer rank; rank 0's metrics. Notices at once when a generator or any
+        rank dies (the other ranks would otherwise wait in a collective until its timeout)."""
+        import ray
+
+        refs = [t.step.remote() for t in self.trainers]
+        rank_of = {ref: k for k, ref in enumerate(refs)}
+        pending, m = set(refs), None
+        while pending:
+            ready, _ = ray.wait([*pending, *self.gen_runs], num_returns=1, timeout=self.cfg.run.timeout_s)
+            if not ready:
+                raise StageFailed(
+                    f"trainer step {step} did not finish within run.timeout_s={self.cfg.run.timeout_s:.0f}s "
+                    f"(ranks still running: {sorted(rank_of[r] for r in pending)}); see the trainer's log above"
+                )
+            ref = ready[0]
+            if ref in pending:
+                pending.discard(ref)
+                out = self._wait(ref, "trainer" if len(refs) == 1 else f"trainer rank {rank_of[ref]}")
+                if rank_of[ref] == 0:
+                    m = out
+                continue
+            name = self.gen_runs.pop(ref)
+            self._wait(ref, name)  # raises the generator's error
+            raise StageFailed(f"{name} stopped before the run ended")
+        return m
 
     def _generator_metrics(self) -> dict:
         stats = [self._wait(g.stats.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
@@ -282,9 +312,10 @@ class Pipeline:
             g.stop.remote()
         if self.gen_runs and not failed:
             ray.wait(list(self.gen_runs), num_returns=len(self.gen_runs), timeout=grace)
-        if self.trainer is not None and not failed:
+        if self.trainers and not failed:
             try:
-                out = ray.get(self.trainer.finish.remote(), timeout=max(grace, self.cfg.weights.timeout_s))
+                refs = [t.finish.remote() for t in self.trainers]
+                out = ray.get(refs, timeout=max(grace, self.cfg.weights.timeout_s))[0]
             except Exception as e:  # noqa: BLE001 - reported, the rest still shuts down
                 out["finish_error"] = _root_error(e)
         closers = [g.close.remote() for g in self.generators]
@@ -296,7 +327,7 @@ class Pipeline:
                 ray.get(self.buffer.stop.remote(), timeout=grace)
             except Exception as e:  # noqa: BLE001
                 out["buffer_error"] = _root_error(e)
-        for a in [*self.generators, self.trainer, self.evaluator, self.buffer]:
+        for a in [*self.generators, *self.trainers, self.evaluator, self.buffer]:
             if a is not None:
                 ray.kill(a)
         if self.pg is not None:

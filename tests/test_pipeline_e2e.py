@@ -84,3 +84,21 @@ def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_
     )
     assert again.status == "completed", again.error
     assert [h["version"] for h in again.history if "version" in h] == [5, 6]
+
+
+@pytest.mark.parametrize("layout", ["trainer.dp=2", "trainer.tp=2"])
+def test_trainer_of_two_ranks_runs_in_the_pipeline(tmp_path, ray_session, layout):
+    """bin/run-pipeline trainer.tp=2 (or dp=2): two trainer actors form one gloo world, rank 0 fetches and
+    broadcasts, pushes reach the engine, and the final HF export has the model's own vocabulary (the
+    default tiny model's 259 rows are padded to 260 at TP=2)."""
+    from safetensors import safe_open
+
+    res = run_pipeline(_cfg(tmp_path, layout, "run.steps=3"), stop_ray=False)
+    assert res.status == "completed", res.error
+    train = [h for h in res.history if "version" in h]
+    assert [r["version"] for r in train] == [1, 2, 3]
+    assert all(r["trainer/ranks"] == 2 for r in train)
+    assert max(r["generator/engine_version_min"] for r in train) >= 1
+    vocab = json.loads((res.run_dir / "hf" / "step_000003" / "config.json").read_text())["vocab_size"]
+    with safe_open(str(next((res.run_dir / "hf" / "step_000003").glob("*.safetensors"))), "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == vocab

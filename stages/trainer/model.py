@@ -23,9 +23,9 @@ from stages.trainer import cpu_shim, hf_mapping
 from stages.weights.base import align_nccl_env
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
