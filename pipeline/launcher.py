@@ -115,14 +115,18 @@ class Pipeline:
         n_ranks = tc.tp * tc.pp * tc.dp
         # bundle 0: buffer + trainer rank 0; then trainer ranks 1.., the generators, the evaluator
         bundles = [{"CPU": 1}] * n_ranks + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
-        self.pg = placement_group(bundles, strategy="PACK")
-        self._wait(
-            self.pg.ready(),
-            "placement group",
+        no_room = (
             f"the cluster has no room for {len(bundles)} one-CPU bundles ({n_ranks} trainer rank(s) = "
             f"trainer.tp*pp*dp, {n_gen} generator(s){', eval' if use_eval else ''}); lower "
-            "rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus",
+            "rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus"
         )
+        import ray
+
+        have = ray.cluster_resources().get("CPU", 0)
+        if have < len(bundles):  # say so now, not after run.timeout_s of waiting for the placement group
+            raise StageFailed(f"{no_room} (Ray has {have:g} CPUs)")
+        self.pg = placement_group(bundles, strategy="PACK")
+        self._wait(self.pg.ready(), "placement group", no_room)
         gen_bundle = n_ranks
 
         def on(i: int) -> dict:
