@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status, min_versions
+from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status, min_versions, value_problem
 from pipeline.wire import ProtocolError
 
 _STATUS_SET = frozenset(str(s) for s in Status)
@@ -63,6 +63,38 @@ def _nonempty(col: pa.Array) -> bool:
     return bool((offs[1:] > offs[:-1]).all())
 
 
+def _values(col: pa.Array) -> np.ndarray:
+    """The flat values of a list column (honouring slicing) as numpy, zero-copy where Arrow allows."""
+    return col.flatten().to_numpy(zero_copy_only=False)
+
+
+def _check_values(batch: pa.RecordBatch) -> None:
+    """Value bounds (pipeline.sample.value_problem) over whole columns; on a violation, redo the check
+    row by row to name the sample."""
+    cols = {
+        "reward": batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
+        "group_size": batch.column("group_size").to_numpy(),
+        "token_ids": np.concatenate([_values(batch.column("prompt_ids")), _values(batch.column("response_ids"))]),
+        "logprobs": _values(batch.column("rollout_logprobs")),
+        "versions": _values(batch.column("versions")),
+        "loss_mask": _values(batch.column("loss_mask")),
+    }
+    if not value_problem(**cols):
+        return
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        problem = value_problem(
+            reward=row.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
+            group_size=row.column("group_size").to_numpy(),
+            token_ids=np.concatenate([_values(row.column("prompt_ids")), _values(row.column("response_ids"))]),
+            logprobs=_values(row.column("rollout_logprobs")),
+            versions=_values(row.column("versions")),
+            loss_mask=_values(row.column("loss_mask")),
+        )
+        if problem:
+            raise ProtocolError(f"sample {row.column('uid')[0].as_py()}: {problem}", "invalid_sample")
+
+
 def check_batch(batch: pa.RecordBatch) -> None:
     """Raise ProtocolError if any row of `batch` would not pass Sample.validate (and then some).
 
@@ -86,6 +118,7 @@ def check_batch(batch: pa.RecordBatch) -> None:
         raise ProtocolError("a sample has an empty uid: every sample needs a unique id", "invalid_sample")
     if not _nonempty(batch.column("group_id")):
         raise ProtocolError("a sample has an empty group_id", "invalid_sample")
+    _check_values(batch)
     gi = batch.column("group_index").to_numpy()
     gs = batch.column("group_size").to_numpy()
     if (gi < 0).any() or (gi >= gs).any():

@@ -37,6 +37,32 @@ PACKED_FIELDS: dict[str, np.dtype] = {
 }
 RESPONSE_ALIGNED = ("response_ids", "rollout_logprobs", "versions", "loss_mask")
 
+# Value bounds every sample must meet (Sample.validate; the buffer's columnar check_batch applies the same).
+# A NaN or infinite reward or logprob poisons the loss of its whole batch (and every later step through
+# the weights); a group that can never complete holds buffer capacity forever.
+MAX_GROUP_SIZE = 4096
+LOGPROB_SLACK = 1e-4  # a logprob is log p <= 0; float rounding of an engine's log-softmax may exceed 0 by less
+
+
+def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mask) -> str:
+    """The first out-of-range value among these arrays, described with the bound and the fix; "" if none.
+    Shared by Sample.validate (one sample) and buffer.validate.check_batch (whole columns)."""
+    if not np.isfinite(reward).all():
+        return f"reward {reward[~np.isfinite(reward)][0]} is not finite; a reward must be a real number"
+    if ((group_size < 1) | (group_size > MAX_GROUP_SIZE)).any():
+        bad = group_size[(group_size < 1) | (group_size > MAX_GROUP_SIZE)][0]
+        return f"group_size {bad} outside [1, {MAX_GROUP_SIZE}]"
+    if len(token_ids) and token_ids.min() < 0:
+        return f"token id {token_ids.min()} is negative; token ids index the vocabulary"
+    if len(logprobs) and not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_SLACK):
+        bad = logprobs[~np.isfinite(logprobs) | (logprobs > LOGPROB_SLACK)][0]
+        return f"rollout_logprobs holds {bad}; a logprob must be finite and <= 0"
+    if len(versions) and versions.min() < 0:
+        return f"versions holds {versions.min()}; a token's policy version is >= 0"
+    if len(loss_mask) and loss_mask.max() > 1:
+        return f"loss_mask holds {loss_mask.max()}; it must be 0 or 1 per token"
+    return ""
+
 
 class Status(enum.StrEnum):
     COMPLETED = "completed"  # finished with a stop token
@@ -116,6 +142,16 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
                     f"Sample {self.uid}: {name} has {m} entries but response_ids has {n}; "
                     "every response token needs a logprob, a version and a mask entry"
                 )
+        problem = value_problem(
+            reward=np.asarray([self.reward], np.float64),
+            group_size=np.asarray([self.group_size]),
+            token_ids=np.concatenate([self.array("prompt_ids"), self.array("response_ids")]),
+            logprobs=self.array("rollout_logprobs"),
+            versions=self.array("versions"),
+            loss_mask=self.array("loss_mask"),
+        )
+        if problem:
+            raise ValueError(f"Sample {self.uid}: {problem}")
 
     @classmethod
     def build(cls, *, prompt_ids, response_ids, rollout_logprobs, versions, loss_mask=None, **kw) -> Sample:

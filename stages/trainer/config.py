@@ -74,6 +74,9 @@ class TrainerConfig(_Base):
     # the training forward computes exactly it, so it is taken from there; "separate_pass" runs a no-grad
     # forward over the batch first (twice the forward work; the same numbers up to kernel rounding)
     old_logprobs: Literal["from_train_forward", "separate_pass"] = "from_train_forward"
+    # a step whose loss or gradient is NaN/inf: "skip" leaves the weights as they were (counted in the
+    # optimizer/skipped metrics), "stop" fails the trainer with an error naming the version
+    on_nonfinite: Literal["skip", "stop"] = "skip"
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
     distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists

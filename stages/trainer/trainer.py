@@ -103,6 +103,7 @@ class Trainer:
             use_fused_adam(self.optimizer)
         self.temperature = cfg.rollout.sampling.temperature
         self.version = 0
+        self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
         self.pending_push = None
         self.last_checkpoint = -1
         if self.tc.resume:
@@ -313,14 +314,43 @@ class Trainer:
         self.optimizer.zero_grad()
         lr = self._set_lr()
         self._run_schedule(self.policy.model, mbs, loss_fn, forward_only=False)
-        with cpu_shim.device_mode():
-            ok, grad_norm, _ = self.optimizer.step()
+        if self._loss_and_grads_finite(acc):
+            with cpu_shim.device_mode():
+                ok, grad_norm, _ = self.optimizer.step()
+        else:  # one NaN reward or logprob would otherwise turn every weight into NaN, for good
+            if self.tc.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"trainer at version {self.version}: the loss or a gradient is not finite (NaN/inf); "
+                    "nothing was applied. Check the batch's rewards and logprobs, or set "
+                    "trainer.on_nonfinite=skip to skip such steps"
+                )
+            ok, grad_norm = False, float("nan")
         if not ok:
-            log.warning("optimizer step skipped (non-finite gradients) at version %d", self.version)
+            self.skipped_steps += 1
+            log.warning(
+                "optimizer step skipped at version %d (non-finite loss or gradients); %d skipped so far",
+                self.version,
+                self.skipped_steps,
+            )
         acc = {k: v.cpu() for k, v in acc.items()}  # one transfer per step, after the GPU work
-        acc["sum/grad_norm"] = torch.tensor(float(grad_norm or 0.0))
+        acc["sum/skipped"] = torch.tensor(float(not ok))
+        acc["sum/grad_norm"] = torch.tensor(float(0.0 if grad_norm is None else grad_norm))
         acc["sum/lr"] = torch.tensor(lr)
         return acc, old.cpu()
+
+    def _loss_and_grads_finite(self, acc: dict) -> bool:
+        """The step's loss and every gradient are finite, agreed by all ranks (TP/PP ranks hold
+        different gradient shards; DP replicas hold the same reduced ones)."""
+        bad = torch.zeros((), device=self.device)
+        if "sum/loss_num" in acc:
+            bad += (~torch.isfinite(acc["sum/loss_num"].to(self.device))).float()
+        model = self.policy.model
+        buffers = model.buffers if isinstance(getattr(model, "buffers", None), list) else []
+        for buf in buffers + list(getattr(model, "expert_parallel_buffers", [])):
+            bad += (~torch.isfinite(buf.grad_data)).any().float()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad)
+        return bool(bad.item() == 0)
 
     def _finish_metrics(self, tb: TokenBatch, adv, stats) -> dict:
         """Reduce statistics over micro-batches and ranks into one flat dict (same on every rank)."""
@@ -348,6 +378,9 @@ class Trainer:
             "version": self.version,
             "loss": red["sum/loss_num"] / max(red["sum/loss_den"], 1.0),
             "grad_norm": red["sum/grad_norm"] / dp_div,
+            # 1 when this step's update was not applied (non-finite loss or gradients), and the count so far
+            "optimizer/skipped": float(red["sum/skipped"] > 0),
+            "optimizer/skipped_total": self.skipped_steps,
             "lr": red["sum/lr"] / dp_div,
             "tis/weight_mean": red["sum/tis_weight"] / ntok,
             "tis/weight_min": red["min/tis_weight"],
@@ -426,6 +459,11 @@ class Trainer:
         return res
 
     def save_checkpoint(self) -> str:
+        for name, p in unwrap(self.policy.model).named_parameters():
+            if not torch.isfinite(p.detach()).all():  # a NaN checkpoint would poison every resume
+                raise FloatingPointError(
+                    f"not saving a checkpoint at version {self.version}: parameter {name} is not finite"
+                )
         path = checkpoint.save(self)
         self.last_checkpoint = self.version
         return path
@@ -449,6 +487,7 @@ class Trainer:
 
 
 STAT_KEYS = (
+    "sum/skipped",
     "sum/tokens",
     "sum/tis_weight",
     "min/tis_weight",
