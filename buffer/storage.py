@@ -351,6 +351,12 @@ class Buffer:
         never be served). Returns the number of samples evicted."""
         pool = self._groups if self.policy.evicts_incomplete else self._complete
         stale = [g for g in pool.values() if g.staleness(version) > max_staleness]
+        # Tokens newer than the trainer (negative staleness) come from a run in this directory whose
+        # trainer got further than this one's checkpoint: weights that no longer exist. Counted apart.
+        future = [g for g in self._groups.values() if g.staleness(version) < 0]
+        if future:
+            self.counters["evicted_future"] += sum(len(g.uids) for g in future)
+            stale = list({id(g): g for g in [*stale, *future]}.values())
         if not stale:
             return 0
         uids = [u for g in stale for u in g.uids]

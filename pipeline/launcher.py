@@ -205,9 +205,14 @@ class Pipeline:
         import ray
 
         cfg = self.cfg
-        eval_ref, step = None, 0
+        # run.steps is the total: a run resumed from a checkpoint at version v trains steps v+1 .. run.steps
+        start = self._wait(self.trainer.version.remote(), "trainer")
+        metrics.resume_at(start)
+        if start:
+            log.warning("resuming at step %d of run.steps=%d (the checkpoint's version)", start, cfg.run.steps)
+        eval_ref, step = None, start
         deadline = time.monotonic() + cfg.run.time_limit_s if cfg.run.time_limit_s else float("inf")
-        for step in range(1, cfg.run.steps + 1):
+        for step in range(start + 1, cfg.run.steps + 1):
             if time.monotonic() > deadline:
                 log.warning(
                     "run.time_limit_s=%.0f reached after %d steps: ending the run",
@@ -297,6 +302,7 @@ class Pipeline:
             "rows",
             "complete_groups",
             "evicted_stale",
+            "evicted_future",
             "evicted_groups",
             "duplicates",
             "rejected_messages",

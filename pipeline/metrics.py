@@ -50,6 +50,29 @@ class MetricsWriter:
                 project=wandb_project, name=run_name, config=config, dir=str(self.run_dir)
             )
 
+    def resume_at(self, step: int) -> None:
+        """A run continuing in this directory from `step` (its checkpoint; 0 = from scratch): keep
+        only the lines of steps <= `step`, so the file holds one series with one line per step, and
+        mark where the new part starts."""
+        self._file.close()
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a kill
+                dropped += 1
+                continue
+            if isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line)
+            else:
+                dropped += 1
+        if kept or dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            marker = {"event": "resume", "step": step, "time": time.time(), "lines_dropped": dropped}
+            tmp.write_text("".join(x + "\n" for x in [*kept, json.dumps(marker)]))
+            tmp.replace(self.path)
+        self._file = self.path.open("a", buffering=1)
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         row = {"step": step, "time": time.time(), **values}
         self.history.append(row)

@@ -154,7 +154,12 @@ def test_no_ack_before_the_segment_fsync_returns(seg_gate, sock, buf_dir):
     seg_gate.release()
     ack, _ = next_reply(sock)
     assert isinstance(ack, wire.IngestAck) and (ack.seq, ack.accepted) == (1, 2)
-    stored = [u for p in sorted(buf_dir.glob(SEGMENT_GLOB)) for b in read_segment(p)[0] for u in b["uid"].to_pylist()]
+    stored = [
+        u
+        for p in sorted(buf_dir.glob(SEGMENT_GLOB))
+        for b in read_segment(p)[0]
+        for u in b["uid"].to_pylist()
+    ]
     assert stored == uids
 
 
@@ -163,7 +168,7 @@ def test_an_fsync_acks_only_the_batches_it_covered(seg_gate, sock):
     that fsync's return must ack only the earlier ingest; the later one waits for the next fsync."""
     seg_gate.hold()
     send_ingest(sock, 1, "a")
-    assert seg_gate.wait_entered(1)
+    assert seg_gate.wait_entered(1), "the segment writer never fsynced the first ingest"
     send_ingest(sock, 2, "b")  # committed while the first fsync is held
     early, stats = replies_before_barrier(sock)
     assert early == [] and stats["unacked_ingests"] == 2
@@ -188,9 +193,11 @@ def test_no_fetch_reply_before_the_consumption_log_fsync_returns(server, log_gat
     assert isinstance(next_reply(sock)[0], wire.IngestAck)
 
     log_gate.hold()
-    sock.send(wire.encode(wire.Fetch(req=7, consumer="t", num_groups=1, version=0, max_staleness=0, timeout_s=5)))
+    sock.send(
+        wire.encode(wire.Fetch(req=7, consumer="t", num_groups=1, version=0, max_staleness=0, timeout_s=5))
+    )
     if not log_gate.wait_entered(1):
-        early = next_reply(sock)[0] if sock.poll(0) else None
+        early = type(next_reply(sock)[0]).__name__ if sock.poll(0) else "nothing"
         pytest.fail(f"the fetch never fsynced {LOG_NAME}; the server sent {early}")
     # The loop thread itself is in that fsync, so no stats barrier can pass: listen for a while.
     assert not sock.poll(QUIET_MS), f"sent while the log fsync was held: {next_reply(sock)[0]}"

@@ -56,10 +56,22 @@ def test_default_pipeline_flows_versions_advance_and_pushes_land(tmp_path, ray_s
         assert train[-1]["buffer/malloc_settings"] == 1 and train[-1]["buffer/reserved_mb"] == 256
 
 
-def test_sync_mode_trains_on_policy(tmp_path, ray_session):
-    res = run_pipeline(_cfg(tmp_path, "run.mode=sync", "run.steps=3"), stop_ray=False)
+def test_sync_mode_trains_on_policy_with_the_pushed_weights(tmp_path, ray_session):
+    """run.mode=sync trains every batch on samples of the previous step's weights (staleness 0), and the
+    engine samples with exactly the weights the trainer pushed: the trainer's logp_old of tokens the
+    engine tagged with the trainer's current version equals the engine's logprob (~2e-7 in fp32; an
+    engine that bumps its version but keeps stale weights is ~0.5 off), so the importance ratios and
+    the off-policy correction are computed on what was really sampled."""
+    res = run_pipeline(_cfg(tmp_path, "run.mode=sync", "run.steps=5"), stop_ray=False)
     assert res.status == "completed", res.error
-    assert [h["staleness/max"] for h in res.history] == [0, 0, 0]
+    train = [h for h in res.history if "version" in h]
+    assert [h["staleness/max"] for h in train] == [0] * 5
+    fresh = [h for h in train if h["logp/same_version_tokens"] > 0]
+    # sync: every batch is generated after the previous push landed, so (nearly) every step has such
+    # tokens (all 5 today); step 1's are the engine's own load of the model, steps 2.. the pushed weights
+    assert len(fresh) >= 4, [h["logp/same_version_tokens"] for h in train]
+    diffs = {h["version"]: h["logp/abs_diff_same_version"] for h in fresh}
+    assert all(d <= 1e-4 for d in diffs.values()), f"engine logprobs differ from the trainer's: {diffs}"
 
 
 def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
@@ -79,11 +91,16 @@ def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_
     assert first.status == "completed", first.error
     # same directory: the buffer recovers the old uids and the trainer its checkpoint; new samples must
     # not collide with the recovered uids (they would be dropped as duplicates and the trainer would starve)
+    # run.steps is the total: the checkpoint is at 4, so the re-run trains steps 5 and 6 only
     again = run_pipeline(
-        _cfg(tmp_path, "run.steps=2", "run.timeout_s=60", "trainer.fetch_timeout_s=60"), stop_ray=False
+        _cfg(tmp_path, "run.steps=6", "run.timeout_s=60", "trainer.fetch_timeout_s=60"), stop_ray=False
     )
     assert again.status == "completed", again.error
     assert [h["version"] for h in again.history if "version" in h] == [5, 6]
+    # one series in metrics.jsonl: one line per step 1..6, and the resume marked where it happened
+    rows = [json.loads(line) for line in (again.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "version" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if r.get("event") == "resume"] == [4]
 
 
 @pytest.mark.parametrize("layout", ["trainer.dp=2", "trainer.tp=2"])
