@@ -90,6 +90,13 @@ class GeneratorActor:
         self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
 
+    def ident(self) -> str:
+        """This incarnation's generator id (the weight receiver's engine name, the uid prefix)."""
+        return self.id
+
+    def pid(self) -> int:
+        return os.getpid()
+
     def engine_urls(self) -> list[str]:
         """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
         return list(getattr(self.engine, "urls", []))
@@ -114,7 +121,9 @@ class GeneratorActor:
         self.sink.close()
 
 
-@ray.remote
+# "control" calls run on their own thread, beside a step in progress: a step can be waiting for a
+# weight push to a generator that died, and only forgetting that engine lets it finish
+@ray.remote(concurrency_groups={"control": 1})
 class TrainerActor:
     """One rank of the megatron trainer. The ranks of a run form one torch.distributed world (gloo on
     CPU, NCCL on GPUs) whose address rank 0 hands out; rank 0 alone fetches from the buffer (and
@@ -177,6 +186,12 @@ class TrainerActor:
     def weights_address(self) -> str | None:
         """Where torch engines connect for weights (None: the sender pushes to SGLang servers itself)."""
         return getattr(self.sender, "address", None)
+
+    @ray.method(concurrency_group="control")
+    def forget_engine(self, name: str) -> None:
+        """A generator died: pushes stop waiting for its engine (rank 0 holds the sender)."""
+        if self.sender is not None and hasattr(self.sender, "forget"):
+            self.sender.forget(name)
 
     def version(self) -> int:
         return self.trainer.version

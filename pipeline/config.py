@@ -57,6 +57,10 @@ class RunSection(Base):
     mode: Literal["async", "sync"] = "async"
     max_staleness: int = 2  # max (trainer version - oldest token version) a trained sample may have
     timeout_s: float = 600.0  # a stage that makes no progress for this long fails the run
+    # a generator that dies is restarted (a new incarnation, re-synced to the current weights) up to
+    # max_restarts times within restart_window_s; one more death stops the run with its name and error
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
 
 
 class ClusterConfig(Base):

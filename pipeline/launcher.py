@@ -99,6 +99,9 @@ class Pipeline:
         self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
         self.pg = None
         self._last: tuple[float, int] | None = None  # (time, generated tokens) at the previous step
+        self.gen_ids: list[str] = []  # each generator's current incarnation id
+        self.deaths: dict[str, list[float]] = {}  # stage name -> times it died (healing budget)
+        self._new_generator = None  # (index) -> actor; set by start()
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,10 +154,13 @@ class Pipeline:
         shares = [bg // n_gen + (i < bg % n_gen) for i in range(n_gen)]
 
         def generators(weights_addr):
-            return [
-                GeneratorActor.options(**on(gen_bundle + i)).remote(cfg, i, buffer_addr, weights_addr, shares[i])
-                for i in range(n_gen)
-            ]
+            def one(i: int):
+                return GeneratorActor.options(**on(gen_bundle + i)).remote(
+                    cfg, i, buffer_addr, weights_addr, shares[i]
+                )
+
+            self._new_generator = one
+            return [one(i) for i in range(n_gen)]
 
         def trainer(urls):
             """All ranks set up together (each blocks in the process-group rendezvous until all are in)."""
@@ -182,6 +188,7 @@ class Pipeline:
             self.generators = generators(weights_addr)
         if use_eval:
             self.evaluator = EvalActor.options(**on(gen_bundle + n_gen)).remote(cfg, weights_addr)
+        self.gen_ids = [self._wait(g.ident.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
         for i, g in enumerate(self.generators):
             self.gen_runs[g.run.remote()] = f"generator gen-{i}"
 
@@ -222,6 +229,7 @@ class Pipeline:
                 step -= 1
                 break
             m = self._trainer_step(step)
+            m["run/restarts"] = sum(len(v) for v in self.deaths.values())
             m.update(self._generator_metrics())
             m.update(self._buffer_metrics())
             self._rates(m)
@@ -259,10 +267,39 @@ class Pipeline:
                 if rank_of[ref] == 0:
                     m = out
                 continue
-            name = self.gen_runs.pop(ref)
-            self._wait(ref, name)  # raises the generator's error
-            raise StageFailed(f"{name} stopped before the run ended")
+            self._heal_generator(ref)
         return m
+
+    def _heal_generator(self, ref) -> None:
+        """A generator's run ended before the run did (its process died, or it raised): start a new
+        incarnation in its place, which connects to the trainer's weight sender and gets the current
+        weights at once. A generator that dies `run.max_restarts` times within
+        `run.restart_window_s` stops the run with its name and last error."""
+        import ray
+
+        name = self.gen_runs.pop(ref)
+        i = int(name.rsplit("-", 1)[1])
+        try:
+            ray.get(ref, timeout=self.cfg.run.timeout_s)
+            error = "its generation loop returned before the run ended"
+        except Exception as e:  # noqa: BLE001 - the error is what we report
+            error = _root_error(e)
+        now = time.monotonic()
+        deaths = [t for t in self.deaths.get(name, []) if now - t < self.cfg.run.restart_window_s] + [now]
+        self.deaths[name] = deaths
+        if len(deaths) > self.cfg.run.max_restarts or self.cfg.rollout.engine == "sglang":
+            why = (
+                f"died {len(deaths)} times within run.restart_window_s={self.cfg.run.restart_window_s:.0f}s"
+                if self.cfg.rollout.engine != "sglang"
+                else "stopped (SGLang generators are not restarted yet)"
+            )
+            raise StageFailed(f"{name} {why}; last error: {error}")
+        log.warning("%s died (%s); starting a new incarnation (%d in the window)", name, error, len(deaths))
+        ray.kill(self.generators[i], no_restart=True)
+        self._wait(self.trainer.forget_engine.remote(self.gen_ids[i]), "trainer")
+        self.generators[i] = self._new_generator(i)
+        self.gen_ids[i] = self._wait(self.generators[i].ident.remote(), name)
+        self.gen_runs[self.generators[i].run.remote()] = name
 
     def _generator_metrics(self) -> dict:
         stats = [self._wait(g.stats.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]

@@ -147,11 +147,13 @@ def stormed(tmp_path_factory):
     sock = _dealer(srv.address)
     try:
         tally = _storm(sock)
-        # One stats round trip on the storm's own socket: the first reply must be its answer, so no
-        # message of the storm was answered twice (or late).
+        # One stats round trip on the storm's own socket. ZeroMQ keeps a connection's order, so any
+        # reply that arrives before its answer is a second (or late) answer to a storm message.
         sock.send_multipart([wire.encode(wire.StatsRequest(req=424242))])
-        first = wire.decode(_reply(sock)[0])
-        yield srv, tally, first
+        stray = []
+        while not isinstance(reply := wire.decode(_reply(sock)[0]), wire.StatsReply) or reply.req != 424242:
+            stray.append(reply)
+        yield srv, tally, stray, reply.stats
     finally:
         sock.close()
         srv.stop()
@@ -167,10 +169,10 @@ def fresh_server(tmp_path):
 def test_server_survives_hostile_input(stormed):
     """A buffer shared by many producers must survive any bytes a buggy or hostile peer sends:
     every message gets exactly one answer, and the server handled each one it was sent."""
-    srv, tally, first = stormed
+    srv, tally, stray, stats = stormed
     assert tally["messages"] >= 1000, "hypothesis sent fewer messages than intended"
-    assert isinstance(first, wire.StatsReply) and first.req == 424242, f"a stray reply: {first}"
-    assert first.stats["messages"] == tally["messages"] + 1  # the storm plus that stats request
+    assert stray == [], f"{len(stray)} replies beyond one per message, e.g. {stray[0]}"
+    assert stats["messages"] == tally["messages"] + 1  # the storm plus that stats request
 
 
 def test_oversized_frames_are_rejected(fresh_server):
@@ -188,8 +190,7 @@ def test_oversized_frames_are_rejected(fresh_server):
 def test_still_correct_after_the_storm(stormed):
     """After the storm every reject is counted under a named category (none is an internal error),
     and the server still accepts and serves new data, in order and completely."""
-    srv, tally, first = stormed
-    st_ = first.stats
+    srv, tally, _, st_ = stormed
     assert st_["rejected_messages"] == tally["errors"] > 100
     assert set(st_["rejects"]) >= {
         "undecodable",
@@ -203,9 +204,9 @@ def test_still_correct_after_the_storm(stormed):
     try:
         fresh = synthetic_samples(3, group_size=2, prefix="after")
         assert c.put(fresh).accepted == 6
-        ready = c.stats()["complete_groups"]
-        assert ready >= 3
-        served = c.fetch(ready, 0, 0, timeout_s=0).column("uid").to_pylist()  # everything complete
+        served = []
+        while (b := c.fetch(1, 0, 0, timeout_s=0)) is not None:  # timeout 0: answered at once
+            served += b.column("uid").to_pylist()
         assert [u for u in served if u.startswith("after")] == [s.uid for s in fresh]
         assert c.stats()["complete_groups"] == 0
     finally:

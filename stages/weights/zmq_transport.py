@@ -74,6 +74,7 @@ class ZmqWeightSender(WeightSender):
         self._latest: tuple[int, list] | None = None
         self._stop = threading.Event()
         self._queue_lock = threading.Lock()
+        self._forget: set[str] = set()  # engine names to drop (dead peers), handed to the I/O thread
         self._thread = threading.Thread(target=self._run, name="weights-sender", daemon=True)
         self._thread.start()
 
@@ -89,6 +90,12 @@ class ZmqWeightSender(WeightSender):
         # the I/O thread enforces timeout_s itself and names the missing engines; the handle's own
         # deadline is a little later so that more specific error is the one the trainer sees
         return PushHandle(version, fut, self.timeout_s + 2.0, f"torch engines via {self.address}")
+
+    def forget(self, engine: str) -> None:
+        """Stop waiting for `engine` (its process died without a bye): later pushes, and one in
+        progress, no longer wait for its ack. A replacement says hello under its own name."""
+        with self._queue_lock:
+            self._forget.add(engine)
 
     def close(self) -> None:
         """Stop the I/O thread; a delivery in progress fails with WeightPushError("closed"). The
@@ -134,8 +141,14 @@ class ZmqWeightSender(WeightSender):
             )
 
     def _poll_once(self, ms: int) -> list[tuple[bytes, dict]]:
-        """Handle hellos; return acks seen."""
+        """Handle hellos (and engines to forget); return acks seen."""
         acks = []
+        if self._forget:
+            with self._queue_lock:
+                gone, self._forget = self._forget, set()
+            for ident in [i for i, hello in self.engines.items() if hello.get("engine") in gone]:
+                self.engines.pop(ident)
+                acks.append((ident, {"kind": "bye"}))  # a push in progress stops waiting for it
         while self._sock.poll(ms):
             ms = 0
             ident, raw = self._sock.recv_multipart()[:2]

@@ -1,0 +1,102 @@
+"""A generator killed with SIGKILL mid-run: the run heals itself (a new incarnation, re-synced to the
+current weights) and finishes all run.steps, exit status "completed", with nothing trained twice and
+every acknowledged sample accounted for; a generator that keeps dying stops the run, named."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.launcher import Pipeline, StageFailed, start_ray
+from pipeline.metrics import MetricsWriter
+from pipeline.progress import Progress
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    start_ray(load_config(None, ["cluster.num_cpus=4"]))
+    yield
+    ray.shutdown()
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.timeout_s=120",
+            "metrics.progress=false",
+            "metrics.tensorboard=false",
+            "trainer.batch_groups=4",
+            "rollout.group_size=4",
+            *extra,
+        ],
+    )
+
+
+def _kill_generator_at_step(pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list) -> threading.Thread:
+    """SIGKILL generator 0's process once the driver has logged `step` (waits at most 120 s)."""
+    import ray
+
+    def run():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(h.get("step", 0) >= step for h in metrics.history):
+            time.sleep(0.02)
+        pid = ray.get(pipe.generators[0].pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        kills.append(pid)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _run(cfg, tmp_path, kill_at: list[int]):
+    from pathlib import Path
+
+    run_dir = Path(cfg.run.dir)
+    metrics = MetricsWriter(run_dir, tensorboard=False)
+    pipe = Pipeline(cfg, run_dir)
+    kills: list = []
+    failed = True
+    try:
+        pipe.start()
+        for s in kill_at:
+            _kill_generator_at_step(pipe, metrics, s, kills)
+        steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
+        failed = False
+        return steps, metrics.history, kills, run_dir
+    finally:
+        pipe.shutdown(failed=failed)
+        metrics.close()
+
+
+def test_killed_generator_is_replaced_and_the_run_finishes(tmp_path, ray_session):
+    from buffer.segments import iter_log, recover_segments
+
+    cfg = _cfg(tmp_path, "run.steps=10")
+    steps, history, kills, run_dir = _run(cfg, tmp_path, kill_at=[3])
+    assert len(kills) == 1
+    assert steps == 10 and [h["version"] for h in history if "version" in h] == list(range(1, 11))
+    assert history[-1]["run/restarts"] == 1
+    # the replacement's groups were trained: the last steps hold samples of a second incarnation
+    served = collections.Counter(u for r in iter_log(run_dir / "buffer") if r.op == "served" for u in r.uids)
+    assert served and max(served.values()) == 1, "a sample was served (trained) twice"
+    incarnations = {u.split("-", 2)[0] + "-" + u.split("-", 2)[1].split(".")[1] for u in served}
+    assert len(incarnations) == 2, incarnations
+    # every acknowledged (stored) sample is still on disk: served, evicted, or waiting
+    stored = {u for _, b in recover_segments(run_dir / "buffer").batches for u in b.column("uid").to_pylist()}
+    assert set(served) <= stored
+
+
+def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_session):
+    cfg = _cfg(tmp_path, "run.steps=40", "run.max_restarts=1")
+    with pytest.raises(StageFailed, match=r"generator gen-0 died 2 times within run.restart_window_s"):
+        _run(cfg, tmp_path, kill_at=[2, 5])
