@@ -31,19 +31,32 @@ def _threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"watch": 1})
 class BufferActor:
     """Hosts the ZeroMQ buffer server in a thread; its data lives in the run directory."""
 
     def __init__(self, cfg, directory: str):
+        import threading
+
         from buffer.memory import reserve
         from buffer.server import BufferServer
 
         self.memory = reserve(cfg.buffer.reserve_mb)  # before the server's socket exists
         self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None).start()
+        self.stopped = threading.Event()
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> str:
+        """Returns when the buffer is stopped; fails at once if its process dies, which is how the
+        driver notices a dead buffer while the trainer waits for a batch from it."""
+        self.stopped.wait()
+        return "stopped"
 
     def address(self) -> str:
         return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stats(self) -> dict:
         from buffer.memory import MARKER
@@ -57,6 +70,7 @@ class BufferActor:
 
     def stop(self) -> None:
         self.server.stop()
+        self.stopped.set()
 
 
 @ray.remote

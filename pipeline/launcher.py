@@ -102,6 +102,7 @@ class Pipeline:
         self.gen_ids: list[str] = []  # each generator's current incarnation id
         self.deaths: dict[str, list[float]] = {}  # stage name -> times it died (healing budget)
         self._new_generator = None  # (index) -> actor; set by start()
+        self.buffer_watch = None  # completes (with an error) when the buffer's process dies
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,6 +149,7 @@ class Pipeline:
         env["env_vars"] = buffer_env({**env["env_vars"], **user})
         self.buffer = BufferActor.options(runtime_env=env, **on(0)).remote(cfg, buffer_dir)
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
+        self.buffer_watch = self.buffer.watch.remote()
         # each generator's share of a trainer batch (admission control); together exactly batch_groups,
         # else the generators could never admit a full batch per version and the trainer would starve
         bg = cfg.trainer.batch_groups
@@ -253,14 +255,19 @@ class Pipeline:
         refs = [t.step.remote() for t in self.trainers]
         rank_of = {ref: k for k, ref in enumerate(refs)}
         pending, m = set(refs), None
+        watch = [self.buffer_watch] if self.buffer_watch is not None else []
         while pending:
-            ready, _ = ray.wait([*pending, *self.gen_runs], num_returns=1, timeout=self.cfg.run.timeout_s)
+            ready, _ = ray.wait([*pending, *self.gen_runs, *watch], num_returns=1, timeout=self.cfg.run.timeout_s)
             if not ready:
                 raise StageFailed(
                     f"trainer step {step} did not finish within run.timeout_s={self.cfg.run.timeout_s:.0f}s "
                     f"(ranks still running: {sorted(rank_of[r] for r in pending)}); see the trainer's log above"
                 )
             ref = ready[0]
+            if watch and ref is watch[0]:  # the buffer's process died (or it was stopped) mid-run
+                self.buffer_watch = None
+                self._wait(ref, "buffer")
+                raise StageFailed("buffer stopped before the run ended")
             if ref in pending:
                 pending.discard(ref)
                 out = self._wait(ref, "trainer" if len(refs) == 1 else f"trainer rank {rank_of[ref]}")

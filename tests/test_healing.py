@@ -100,3 +100,24 @@ def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_sessio
     cfg = _cfg(tmp_path, "run.steps=40", "run.max_restarts=1")
     with pytest.raises(StageFailed, match=r"generator gen-0 died 2 times within run.restart_window_s"):
         _run(cfg, tmp_path, kill_at=[2, 5])
+
+
+def test_a_killed_buffer_stops_the_run_at_once_with_its_name(tmp_path, ray_session):
+    """Before: the run hung with no step and no error (the trainer waiting for a batch)."""
+    import ray
+
+    cfg = _cfg(tmp_path, "run.steps=200")
+    run_dir = tmp_path / "run"
+    metrics = MetricsWriter(run_dir, tensorboard=False)
+    pipe = Pipeline(cfg, run_dir)
+    try:
+        pipe.start()
+        pid = ray.get(pipe.buffer.pid.remote(), timeout=30)
+        t0 = time.monotonic()
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(StageFailed, match="^buffer failed"):
+            pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
+        assert time.monotonic() - t0 < 30  # named within seconds, not after run.timeout_s
+    finally:
+        pipe.shutdown(failed=True)
+        metrics.close()

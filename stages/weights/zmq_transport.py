@@ -163,7 +163,10 @@ class ZmqWeightSender(WeightSender):
                 self.engines[ident] = msg
                 log.info("weights: engine %s registered (version %s)", msg.get("engine"), msg.get("version"))
                 if self._latest is not None:  # late joiner: bring it up to date right away
-                    self._send_all(ident, *self._latest)
+                    try:
+                        self._send_all(ident, *self._latest)
+                    except WeightPushError as e:
+                        log.warning("weights: %s before it got version %d", e, self._latest[0])
             elif msg.get("kind") == "ack":
                 acks.append((ident, msg))
             elif msg.get("kind") == "bye":
@@ -212,8 +215,15 @@ class ZmqWeightSender(WeightSender):
         parts = self._encode(version, named)
         self._latest = (version, parts)
         waiting = set(self.engines)
+        lost = 0
         for ident in list(waiting):
-            self._send_all(ident, version, parts)
+            try:
+                self._send_all(ident, version, parts)
+            except WeightPushError as e:  # its process died: the launcher restarts (or names) it, and
+                # the new incarnation gets the latest snapshot when it says hello
+                log.warning("weights: %s; version %d goes to the others", e, version)
+                waiting.discard(ident)
+                lost += 1
         nbytes = sum(f.nbytes for _, frames in parts for f in frames)
         while waiting:
             self._check_open(version)
@@ -237,6 +247,7 @@ class ZmqWeightSender(WeightSender):
         return {
             "version": version,
             "engines": len(self.engines),
+            "engines_lost": lost,
             "bytes": nbytes,
             "seconds": time.monotonic() - t0,
         }
