@@ -67,6 +67,18 @@ def test_staleness_eviction_counts_and_logs(tmp_path):
     assert "evicted" in ops and "served" in ops
 
 
+def test_the_staleness_bound_is_exact(tmp_path):
+    """At trainer version 5 with max_staleness 2, a group of version 3 (staleness 2) is served and one
+    of version 2 (staleness 3) is evicted: the bound is `staleness <= max_staleness`, not one more."""
+    buf = Buffer(cfg(), tmp_path)
+    buf.insert(synthetic_samples(1, version=2, prefix="three"))
+    buf.insert(synthetic_samples(1, version=3, prefix="two"))
+    res = buf.fetch(2, version=5, max_staleness=2)
+    assert res.batch is None and res.evicted == 4  # the staleness-3 group is gone, 1 group left < 2
+    res = buf.fetch(1, version=5, max_staleness=2)
+    assert res.batch is not None and {u.split("-")[0] for u in uids(res.batch)} == {"two"}
+
+
 def test_fifo_ignores_staleness_uniform_reuses():
     buf = Buffer(cfg(durable=False, policy="fifo"))
     buf.insert(synthetic_samples(2, version=0))
