@@ -88,8 +88,8 @@ MUTATIONS = [
     Mutation(
         "staleness_bound_off_by_one", "groups one version past the staleness bound are still served",
         "buffer/storage.py",
-        "        stale = [g for g in pool.values() if g.staleness(version) > max_staleness]\n",
-        "        stale = [g for g in pool.values() if g.staleness(version) > max_staleness + 1]\n",
+        "[g for g in pool.values() if g.staleness(version) > max_staleness], version)\n",
+        "[g for g in pool.values() if g.staleness(version) > max_staleness + 1], version)\n",
         ("tests/test_buffer_storage.py",),
     ),
     Mutation(

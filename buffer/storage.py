@@ -310,6 +310,12 @@ class Buffer:
 
     # -- serving -----------------------------------------------------------------------------------
     def set_version(self, version: int) -> None:
+        if version < self.version:
+            # The trainer went back: a re-run in this directory resumed from a checkpoint older than the
+            # version the buffer last heard. Rows newer than it were made by weights that no longer
+            # exist; they would train at negative staleness. Evicted, and counted apart.
+            future = [g for g in self._groups.values() if g.staleness(version) < 0]
+            self.counters["evicted_future"] += self._evict(future, version)
         if version != self.version:
             self.version = version
             if self._log is not None:
@@ -350,13 +356,9 @@ class Buffer:
         """Evict every group too stale to be trained at `version` (staleness only grows, so these can
         never be served). Returns the number of samples evicted."""
         pool = self._groups if self.policy.evicts_incomplete else self._complete
-        stale = [g for g in pool.values() if g.staleness(version) > max_staleness]
-        # Tokens newer than the trainer (negative staleness) come from a run in this directory whose
-        # trainer got further than this one's checkpoint: weights that no longer exist. Counted apart.
-        future = [g for g in self._groups.values() if g.staleness(version) < 0]
-        if future:
-            self.counters["evicted_future"] += sum(len(g.uids) for g in future)
-            stale = list({id(g): g for g in [*stale, *future]}.values())
+        return self._evict([g for g in pool.values() if g.staleness(version) > max_staleness], version)
+
+    def _evict(self, stale: list, version: int) -> int:
         if not stale:
             return 0
         uids = [u for g in stale for u in g.uids]

@@ -1,5 +1,5 @@
 """A re-run in the same directory continues one run: rows left by a trainer that got further than the
-checkpoint are evicted and counted (never trained at negative staleness), and metrics.jsonl keeps one
+checkpoint are evicted and counted when the new trainer announces its (lower) version (never trained at negative staleness), and metrics.jsonl keeps one
 line per step with the resume marked."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from stages.trainer.testing import make_samples
 def test_rows_newer_than_the_trainer_are_evicted_and_counted(tmp_path):
     # the default policy (staleness_fifo) enforces the staleness bound
     buf = InProcBuffer(cfg=BufferConfig(durable=False), directory=str(tmp_path / "b"))
-    buf.put(make_samples(1, 4, version=40, prefix="old-"))  # left by a run whose trainer reached 40+
+    buf.set_version(41)  # the old run's trainer got to 41 ...
+    buf.put(make_samples(1, 4, version=40, prefix="old-"))  # ... and left rows of version 40
     buf.put(make_samples(1, 4, version=2, prefix="new-", seed=1))
+    buf.set_version(3)  # the re-run's trainer resumed from a checkpoint at 3
     batch = buf.fetch(1, version=3, max_staleness=2, timeout_s=5)
     assert batch is not None and set(batch.column("group_id").to_pylist()) == {"new-g0-s1"}
     st = buf.stats()

@@ -104,12 +104,17 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
 
 
 def test_push_runs_in_background_while_training(tmp_path):
-    """A slow engine does not slow the step; the next push first waits for the previous one."""
+    """A slow engine does not hold up the step; the next push first waits for the previous one. The
+    engine blocks on an event (no wall-clock bounds): the step finishes while it is still held."""
+    import threading
+
     from stages.trainer.trainer import Trainer
+
+    gate = threading.Event()
 
     class SlowEngine(FakeEngine):
         def update_weights(self, named, version):
-            time.sleep(3.0)
+            gate.wait(60)
             super().update_weights(named, version)
 
     path = make_tiny_hf(str(tmp_path / "m"), "llama")
@@ -117,19 +122,25 @@ def test_push_runs_in_background_while_training(tmp_path):
     cfg.trainer.batch_groups = 1
     src = ListSource([make_batch(1, 2, seed=i) for i in range(2)])
     trainer = Trainer(cfg, src, path, str(tmp_path / "run"))
-    sender = ZmqWeightSender(timeout_s=30, min_engines=1)
+    sender = ZmqWeightSender(timeout_s=60, min_engines=1)
     engine = SlowEngine()
     receiver = WeightReceiver(sender.address, engine, name="slow")
     trainer.attach_sender(sender)
     try:
-        t0 = time.monotonic()
-        trainer.step()
-        assert time.monotonic() - t0 < 3.0 and not trainer.pending_push.done()
-        m = trainer.step()  # pushes again: must first see version 1 applied
-        assert m["push/wait_prev_s"] > 0.5 and engine.version == 1
+        trainer.step()  # returns although the engine has not applied version 1
+        assert not gate.is_set() and not trainer.pending_push.done() and engine.version == 0
+        out = {}
+        second = threading.Thread(target=lambda: out.update(m=trainer.step()))
+        second.start()  # its push must wait for version 1 to be applied
+        second.join(0.5)
+        assert second.is_alive() and engine.version == 0
+        gate.set()
+        second.join(60)
+        assert not second.is_alive() and out["m"]["push/wait_prev_s"] > 0 and engine.version >= 1
         trainer.wait_push()
         assert engine.version == 2 and "model.embed_tokens.weight" in engine.got
     finally:
+        gate.set()
         receiver.close(), sender.close()
 
 
@@ -140,7 +151,9 @@ def test_closed_receiver_deregisters():
     while not sender.engines and time.monotonic() < deadline:
         sender.push(0, []).result()  # pushes also let the sender see hellos
     r.close()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while sender.engines and time.monotonic() < deadline:  # the I/O thread handles the bye
+        time.sleep(0.01)
     stats = sender.push(1, [("a", torch.ones(2))]).result()  # must not wait for the closed engine
     assert stats["engines"] == 0
     sender.close()
