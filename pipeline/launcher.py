@@ -278,8 +278,8 @@ class Pipeline:
         return m
 
     def _heal_generator(self, ref) -> None:
-        """A generator's run ended before the run did (its process died, or it raised): start a new
-        incarnation in its place, which connects to the trainer's weight sender and gets the current
+        """A generator's run ended before the run did. If it raised, the run stops with its error (a
+        restart would raise again). If its process died, start a new incarnation in its place, which connects to the trainer's weight sender and gets the current
         weights at once. A generator that dies `run.max_restarts` times within
         `run.restart_window_s` stops the run with its name and last error."""
         import ray
@@ -288,9 +288,11 @@ class Pipeline:
         i = int(name.rsplit("-", 1)[1])
         try:
             ray.get(ref, timeout=self.cfg.run.timeout_s)
-            error = "its generation loop returned before the run ended"
-        except Exception as e:  # noqa: BLE001 - the error is what we report
+            raise StageFailed(f"{name} stopped before the run ended")
+        except ray.exceptions.RayActorError as e:  # the process died (killed, OOM, segfault): heal
             error = _root_error(e)
+        except ray.exceptions.RayTaskError as e:  # it raised: a restart would raise the same again
+            raise StageFailed(f"{name} failed: {_root_error(e)}") from None
         now = time.monotonic()
         deaths = [t for t in self.deaths.get(name, []) if now - t < self.cfg.run.restart_window_s] + [now]
         self.deaths[name] = deaths
@@ -391,6 +393,32 @@ class Pipeline:
         return out
 
 
+def preflight(cfg: RunConfig) -> None:
+    """What can be checked before Ray starts, so that a typo fails in a second with one line instead
+    of inside an actor's traceback: the model folder, and every line of a dataset file."""
+    from pipeline.models import ModelError, resolve_model
+    from stages.rollout.data import DataError, is_task, read_examples
+
+    try:
+        resolve_model(cfg.model)
+    except ModelError as e:
+        raise StageFailed(str(e)) from None
+    data = cfg.rollout.data
+    if data.source and not is_task(data.source):
+        counters = {"bad_lines": 0}
+        try:
+            read_examples(Path(data.source).expanduser(), data, counters)
+        except DataError as e:
+            hint = "" if data.on_bad_line == "skip" else "; or set rollout.data.on_bad_line=skip to skip bad lines"
+            raise StageFailed(f"rollout.data.source: {e}{hint}") from None
+        if counters["bad_lines"]:
+            log.warning(
+                "rollout.data.source %s: %d bad line(s) will be skipped (rollout.data.on_bad_line=skip)",
+                data.source,
+                counters["bad_lines"],
+            )
+
+
 def _root_error(e: BaseException) -> str:
     """The innermost error of a Ray task failure, without Ray's wrapping."""
     cause = getattr(e, "cause", None)
@@ -417,6 +445,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool 
     progress = Progress(cfg.run.steps, enabled=cfg.metrics.progress)
     pipe, status, error, steps = None, "completed", "", 0
     try:
+        preflight(cfg)
         start_ray(cfg)
         pipe = Pipeline(cfg, run_dir)
         pipe.start()

@@ -74,14 +74,22 @@ def test_sync_mode_trains_on_policy_with_the_pushed_weights(tmp_path, ray_sessio
     assert all(d <= 1e-4 for d in diffs.values()), f"engine logprobs differ from the trainer's: {diffs}"
 
 
-def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
+def test_a_bad_dataset_line_fails_before_any_stage_starts(tmp_path, ray_session):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "12", "label": "12"}\n{"prompt": "34", "label": \n')
     res = run_pipeline(
         _cfg(tmp_path, f"rollout.data.source={bad}", "rollout.reward.fn=exact_match"), stop_ray=False
     )
+    assert res.status == "failed" and res.elapsed_s < 30  # checked in the driver, before Ray starts
+    assert "prompts.jsonl:2: not valid JSON" in res.error and "rollout.data.on_bad_line=skip" in res.error
+
+
+def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
+    """A generator that raises (here: every prompt is longer than max_prompt_tokens, overlong=skip) stops
+    the run with its name and error at once; it is not restarted, since it would raise again."""
+    res = run_pipeline(_cfg(tmp_path, "rollout.data.max_prompt_tokens=1"), stop_ray=False)
     assert res.status == "failed"
-    assert "generator gen-0" in res.error and "prompts.jsonl:2: not valid JSON" in res.error
+    assert res.error.startswith("generator gen-0 failed") and "max_prompt_tokens" in res.error
 
 
 def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_path, ray_session):
