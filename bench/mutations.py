@@ -37,107 +37,124 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
-        "adv_sign", "the trainer climbs the wrong way (advantage sign flipped)",
+        "adv_sign",
+        "the trainer climbs the wrong way (advantage sign flipped)",
         "stages/trainer/trainer.py",
         "        shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]\n",
         "        adv = -adv\n        shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]\n",
         ("tests/test_trainer_direction.py", "tests/test_learning.py"),
     ),
     Mutation(
-        "lr_zero", "the learning rate never reaches the optimizer",
+        "lr_zero",
+        "the learning rate never reaches the optimizer",
         "stages/trainer/trainer.py",
         '        for g in self.optimizer.param_groups:\n            g["lr"] = lr\n',
         '        for g in self.optimizer.param_groups:\n            g["lr"] = 0.0\n',
         ("tests/test_trainer_direction.py",),
     ),
     Mutation(
-        "skip_optimizer_step", "gradients are computed but never applied",
+        "skip_optimizer_step",
+        "gradients are computed but never applied",
         "stages/trainer/trainer.py",
         "                ok, grad_norm, _ = self.optimizer.step()\n",
         "                ok, grad_norm = True, 0.0\n",
         ("tests/test_trainer_direction.py",),
     ),
     Mutation(
-        "logp_old_is_rollout", "logp_old replaced by the engine's logprobs (the correction silently off)",
+        "logp_old_is_rollout",
+        "logp_old replaced by the engine's logprobs (the correction silently off)",
         "stages/trainer/trainer.py",
         "                old[ix] = logp.detach()\n",
         "                old[ix] = rollout[ix]\n",
         ("tests/test_trainer_direction.py",),
     ),
     Mutation(
-        "tis_negated", "the truncated importance weight flips the sign of every token's term",
+        "tis_negated",
+        "the truncated importance weight flips the sign of every token's term",
         "stages/trainer/losses.py",
         "    per_token = w * pg\n",
         "    per_token = -w * pg\n",
         ("tests/test_losses.py", "tests/test_trainer_direction.py"),
     ),
     Mutation(
-        "fsync_segment", "acks leave before the segment is durable",
+        "fsync_segment",
+        "acks leave before the segment is durable",
         "buffer/segments.py",
         "                self._sink.flush()\n                os.fsync(self._sink.fileno())\n",
         "                self._sink.flush()\n",
         ("tests/test_buffer_durability.py",),
     ),
     Mutation(
-        "engine_keeps_old_weights", "a push bumps the engine's version but not its weights",
+        "engine_keeps_old_weights",
+        "a push bumps the engine's version but not its weights",
         "stages/rollout/torch_engine.py",
         "                dst.data.copy_(t.to(device=dst.device, dtype=dst.dtype))\n",
         "                pass\n",
         ("tests/test_pipeline_e2e.py::test_sync_mode_trains_on_policy_with_the_pushed_weights",),
     ),
     Mutation(
-        "staleness_bound_off_by_one", "groups one version past the staleness bound are still served",
+        "staleness_bound_off_by_one",
+        "groups one version past the staleness bound are still served",
         "buffer/storage.py",
         "[g for g in pool.values() if g.staleness(version) > max_staleness], version)\n",
         "[g for g in pool.values() if g.staleness(version) > max_staleness + 1], version)\n",
         ("tests/test_buffer_storage.py",),
     ),
     Mutation(
-        "admission_unbounded", "generators run ahead of the staleness bound",
+        "admission_unbounded",
+        "generators run ahead of the staleness bound",
         "stages/rollout/generator.py",
         "        return live < (self.admission_version() + self.max_staleness + 1) * self.batch_groups\n",
         "        return live < (self.admission_version() + self.max_staleness + 2) * self.batch_groups\n",
         ("tests/test_rollout_generator.py",),
     ),
     Mutation(
-        "entropy_grad_sign", "the entropy bonus pushes entropy down",
+        "entropy_grad_sign",
+        "the entropy bonus pushes entropy down",
         "stages/trainer/lm_head.py",
         "        coef = coef + g_ent[:, None] * (logp + ent[:, None])\n",
         "        coef = coef - g_ent[:, None] * (logp + ent[:, None])\n",
         ("tests/test_trainer_head.py",),
     ),
     Mutation(
-        "vocab_padding_in_softmax", "TP padding rows of the vocabulary take probability mass",
+        "vocab_padding_in_softmax",
+        "TP padding rows of the vocabulary take probability mass",
         "stages/trainer/lm_head.py",
         "    if real_cols < z.shape[1]:\n",
         "    if False:\n",
         ("tests/test_trainer_parallel.py::test_tp2_pads_a_vocabulary_tp_does_not_divide",),
     ),
     Mutation(
-        "nan_reward_accepted", "the buffer acks a NaN reward",
+        "nan_reward_accepted",
+        "the buffer acks a NaN reward",
         "pipeline/sample.py",
         "    if not np.isfinite(reward).all():\n",
         "    if False:\n",
         ("tests/test_bad_values.py",),
     ),
     Mutation(
-        "nonfinite_step_applied", "a NaN loss reaches the weights",
+        "nonfinite_step_applied",
+        "a NaN loss reaches the weights",
         "stages/trainer/trainer.py",
         "        if self._loss_and_grads_finite(acc):\n",
         "        if True:\n",
         ("tests/test_bad_values.py",),
     ),
     Mutation(
-        "resume_reruns_steps", "a resumed run trains run.steps more steps instead of up to run.steps",
+        "resume_reruns_steps",
+        "a resumed run trains run.steps more steps instead of up to run.steps",
         "pipeline/launcher.py",
         "        for step in range(start + 1, cfg.run.steps + 1):\n",
         "        for step in range(1, cfg.run.steps + 1):\n",
-        ("tests/test_pipeline_e2e.py::test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates",),
+        (
+            "tests/test_pipeline_e2e.py::test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates",
+        ),
     ),
     Mutation(
-        "dead_engine_blocks_push", "a push waits for an engine whose process died",
+        "dead_engine_blocks_push",
+        "a push waits for an engine whose process died",
         "stages/weights/zmq_transport.py",
-        "            for ident in [i for i, hello in self.engines.items() if hello.get(\"engine\") in gone]:\n",
+        '            for ident in [i for i, hello in self.engines.items() if hello.get("engine") in gone]:\n',
         "            for ident in []:\n",
         ("tests/test_healing.py::test_killed_generator_is_replaced_and_the_run_finishes",),
     ),
@@ -174,7 +191,11 @@ def run_tests(copy: str, tests: tuple[str, ...], timeout_s: float) -> tuple[int,
     try:
         r = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *tests],
-            cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s,
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
         rc, tail = r.returncode, (r.stdout + r.stderr).strip().splitlines()[-1:]
     except subprocess.TimeoutExpired:
@@ -199,14 +220,25 @@ def main() -> None:
             rc, secs, tail = run_tests(copy, m.tests, a.timeout_s)
             # 1: tests failed (caught). 0: all passed (missed). Anything else: the run itself broke.
             verdict = {0: "MISSED", 1: "caught"}.get(rc, f"error rc={rc}")
-            rows.append({"name": m.name, "verdict": verdict, "seconds": round(secs, 1), "why": m.why, "tail": tail})
+            rows.append(
+                {"name": m.name, "verdict": verdict, "seconds": round(secs, 1), "why": m.why, "tail": tail}
+            )
             print(f"{m.name:28s} {verdict:8s} {secs:6.1f}s  {m.why}", flush=True)
             shutil.rmtree(copy, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     missed = [r["name"] for r in rows if r["verdict"] != "caught"]
-    print(json.dumps({"caught": len(rows) - len(missed), "total": len(rows), "missed": missed,
-                      "seconds": round(time.monotonic() - t0, 1), "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "caught": len(rows) - len(missed),
+                "total": len(rows),
+                "missed": missed,
+                "seconds": round(time.monotonic() - t0, 1),
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def main() -> None:
     flat = [("flat", [sum(torch.Size(s).numel() for _, s in spec)])]
     out["d2d_copy_flat_s"] = round(statistics.median(d2d(flat, dtype, gpus[0], a.runs)), 5)
     if torch.cuda.device_count() >= 2 and len(gpus) == 2:
-        from stages.trainer.model import free_port
+        from pipeline.net import free_port
 
         ctx = mp.get_context("spawn")
         q = ctx.Queue()

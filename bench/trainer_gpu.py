@@ -33,16 +33,31 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 SHAPES = {  # Qwen2.5 configs (vocab 151936 in the 0.5B/1.5B releases, 152064 in 7B)
     "0.5b": dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     ),
     "1.5b": dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     ),
     "7b": dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
     ),
 }
 SHAPES["1.5b-32k"] = SHAPES["1.5b"]
@@ -58,13 +73,19 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192")
     ap.add_argument("--hf-micro-batch-tokens", type=int, default=8192, help="halved on OOM")
     ap.add_argument("--recompute", default="1.5b-32k,7b", help="shapes trained with full recompute")
-    ap.add_argument("--old-logprobs", default="separate_pass,from_train_forward",
-                    help="trainer.old_logprobs modes to measure (the first is judged against HF)")
+    ap.add_argument(
+        "--old-logprobs",
+        default="separate_pass,from_train_forward",
+        help="trainer.old_logprobs modes to measure (the first is judged against HF)",
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--parity", action="store_true",
-                    help="also: |logp - HF fp32| for the new and old head (not for 1.5b-32k)")
+    ap.add_argument(
+        "--parity",
+        action="store_true",
+        help="also: |logp - HF fp32| for the new and old head (not for 1.5b-32k)",
+    )
     ap.add_argument("--results", default="", help="append each shape's JSON to this .jsonl")
     ap.add_argument("--profile", default="", help="write a kernel table of one trainer step to this file")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
@@ -88,8 +109,13 @@ def build_model(shape: str, root: str) -> str:
 
     path = os.path.join(root, f"qwen2.5-{shape.split('-')[0]}-random")
     if rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                          torch_dtype="bfloat16")
+        cfg = Qwen2Config(
+            **SHAPES[shape],
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            torch_dtype="bfloat16",
+        )
         torch.manual_seed(0)
         with torch.device("cuda"):
             m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -131,10 +157,24 @@ def workload(shape: str, a, vocab: int, step: int):
     from stages.trainer.testing import make_samples
 
     if shape.endswith("32k"):  # one group of 2 sequences of prompt 1k + response 31k
-        return make_samples(1, 2, vocab=vocab, seed=step, prompt_len=(1024, 1025),
-                            response_len=(31 * 1024, 31 * 1024 + 1), prefix=f"s{step}-")
-    return make_samples(a.groups, a.group_size, vocab=vocab, seed=step, prompt_len=(128, 257),
-                        response_len=(512, 1025), prefix=f"s{step}-")
+        return make_samples(
+            1,
+            2,
+            vocab=vocab,
+            seed=step,
+            prompt_len=(1024, 1025),
+            response_len=(31 * 1024, 31 * 1024 + 1),
+            prefix=f"s{step}-",
+        )
+    return make_samples(
+        a.groups,
+        a.group_size,
+        vocab=vocab,
+        seed=step,
+        prompt_len=(128, 257),
+        response_len=(512, 1025),
+        prefix=f"s{step}-",
+    )
 
 
 def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
@@ -156,15 +196,18 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
     src = None
     vocab = SHAPES[shape]["vocab_size"]
     if rank() == 0:
-        src = InProcBuffer(cfg=BufferConfig(policy="fifo", durable=False, capacity_samples=10**6),
-                           directory=f"{tmp}/buf")
+        src = InProcBuffer(
+            cfg=BufferConfig(policy="fifo", durable=False, capacity_samples=10**6), directory=f"{tmp}/buf"
+        )
         for i in range(a.steps + a.warmup):
             src.put(workload(shape, a, vocab, i))
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, src, path, f"{tmp}/run")
     torch.cuda.empty_cache()
-    log(f"  trainer {shape}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after init "
-        f"(weights, grad buffer, fp32 master copy; Adam state comes at the first step)")
+    log(
+        f"  trainer {shape}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after init "
+        f"(weights, grad buffer, fp32 master copy; Adam state comes at the first step)"
+    )
     tokens = secs = 0.0
     if a.profile and rank() == 0:
         src.put(workload(shape, a, vocab, 10**4))
@@ -177,20 +220,29 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
                 torch.cuda.synchronize()
             with open(a.profile, "a") as f:
                 f.write(f"# {shape} {old_mode} micro_batch_tokens={mbt}\n")
-                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+                f.write(
+                    prof.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+                    )
+                )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         m = trainer.step()
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        log(f"  trainer {shape} [{old_mode}] step {s}: {m['tokens/total']:.0f} tokens {dt:.3f}s "
-            f"loss {m['loss']:.4f} mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        log(
+            f"  trainer {shape} [{old_mode}] step {s}: {m['tokens/total']:.0f} tokens {dt:.3f}s "
+            f"loss {m['loss']:.4f} mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        )
         if s >= a.warmup:
             tokens += m["tokens/total"]
             secs += dt
-    out = {"tokens_per_s": tokens / secs, "step_s": secs / a.steps,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-           "params": param_count(shape)}
+    out = {
+        "tokens_per_s": tokens / secs,
+        "step_s": secs / a.steps,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "params": param_count(shape),
+    }
     parity_trainer = trainer if a.parity else None
     return out, parity_trainer
 
@@ -205,7 +257,9 @@ def run_hf(shape, path, a) -> dict:
     # SDPA's cuDNN backend builds a new plan for every new sequence length (~4 ms of CPU per backward call
     # here, and every micro-batch has another length): the flash backend gives the HF loop its best time
     torch.backends.cuda.enable_cudnn_sdp(False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     vocab = SHAPES[shape]["vocab_size"]
     mbt = a.hf_micro_batch_tokens
@@ -216,7 +270,9 @@ def run_hf(shape, path, a) -> dict:
         out, cur = [], []
         for s in seqs:
             n = len(s.array("prompt_ids")) + len(s.array("response_ids")) - 1
-            longest = max([n] + [len(c.array("prompt_ids")) + len(c.array("response_ids")) - 1 for c in cur[:1]])
+            longest = max(
+                [n] + [len(c.array("prompt_ids")) + len(c.array("response_ids")) - 1 for c in cur[:1]]
+            )
             if cur and longest * (len(cur) + 1) > mbt:
                 out.append(cur)
                 cur = []
@@ -275,15 +331,24 @@ def run_hf(shape, path, a) -> dict:
             prof.__exit__(None, None, None)
             with open(a.profile, "a") as f:
                 f.write(f"# hf {shape} micro_batch_tokens={mbt}\n")
-                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+                f.write(
+                    prof.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
+                    )
+                )
             prof = None
-        log(f"  hf {shape} step {step}: {ntok} tokens {dt:.3f}s mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        log(
+            f"  hf {shape} step {step}: {ntok} tokens {dt:.3f}s mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        )
         if step >= a.warmup:
             tokens += ntok
             secs += dt
-    out = {"tokens_per_s": tokens / secs, "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-           "micro_batch_tokens": mbt}
-    del model, opt
+    out = {
+        "tokens_per_s": tokens / secs,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "micro_batch_tokens": mbt,
+    }
+    model = opt = None  # frees the GPU memory before the next shape (the closure above shares the name)
     return out
 
 
@@ -310,9 +375,9 @@ def parity(trainer, path, shape, a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pipeline.sample import samples_to_batch
     from stages.trainer.model import build_policy, causal_block_mask
     from stages.trainer.packing import pack, to_token_batch
-    from pipeline.sample import samples_to_batch
 
     samples = workload(shape, a, SHAPES[shape]["vocab_size"], 999)[:4]
     tb = to_token_batch(samples_to_batch(samples))
@@ -327,17 +392,20 @@ def parity(trainer, path, shape, a) -> dict:
             p, y = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()
             ids = torch.tensor([p + y], device="cuda")
             lp = torch.log_softmax(hf(ids).logits[0].float(), -1)[len(p) - 1 : -1]
-            ref.append(lp.gather(-1, ids[0, len(p):, None]).squeeze(-1).cpu())
+            ref.append(lp.gather(-1, ids[0, len(p) :, None]).squeeze(-1).cpu())
             x = ids[:, :-1]
-            logits = old_policy.model(x, torch.arange(x.shape[1], device="cuda")[None],
-                                      causal_block_mask(torch.zeros_like(x)))[0].float()
+            logits = old_policy.model(
+                x, torch.arange(x.shape[1], device="cuda")[None], causal_block_mask(torch.zeros_like(x))
+            )[0].float()
             lq = torch.log_softmax(logits, -1)[len(p) - 1 :]
-            prev.append(lq.gather(-1, ids[0, len(p):, None]).squeeze(-1).cpu())
+            prev.append(lq.gather(-1, ids[0, len(p) :, None]).squeeze(-1).cpu())
     ref, prev = torch.cat(ref), torch.cat(prev)
     del hf, old_policy
     torch.cuda.empty_cache()
-    return {"parity_new_vs_hf_fp32": float((new - ref).abs().mean()),
-            "parity_prev_vs_hf_fp32": float((prev - ref).abs().mean())}
+    return {
+        "parity_new_vs_hf_fp32": float((new - ref).abs().mean()),
+        "parity_prev_vs_hf_fp32": float((prev - ref).abs().mean()),
+    }
 
 
 def main() -> None:
@@ -357,8 +425,14 @@ def main() -> None:
     last = None
     for shape in a.shapes.split(","):
         path = build_model(shape, a.workdir)
-        row = {"shape": shape, "micro_batch_tokens": int(mbt[shape]), "recompute": shape in recompute,
-               "tp": a.tp, "gpus": n_gpu, "peak_tflops": round(peak / 1e12, 1)}
+        row = {
+            "shape": shape,
+            "micro_batch_tokens": int(mbt[shape]),
+            "recompute": shape in recompute,
+            "tp": a.tp,
+            "gpus": n_gpu,
+            "peak_tflops": round(peak / 1e12, 1),
+        }
         for i, mode in enumerate(a.old_logprobs.split(",")):
             try:
                 res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode)
@@ -369,8 +443,14 @@ def main() -> None:
                 row["error" + key] = res["error"]
             else:
                 mfu = 6 * res["params"] * res["tokens_per_s"] / (peak * n_gpu)
-                row.update({f"tokens_per_s{key}": round(res["tokens_per_s"], 1), f"mfu{key}": round(mfu, 4),
-                            f"peak_mem_gb{key}": round(res["peak_mem_gb"], 1), "params": res["params"]})
+                row.update(
+                    {
+                        f"tokens_per_s{key}": round(res["tokens_per_s"], 1),
+                        f"mfu{key}": round(mfu, 4),
+                        f"peak_mem_gb{key}": round(res["peak_mem_gb"], 1),
+                        "params": res["params"],
+                    }
+                )
                 if i == 0:
                     row["old_logprobs"] = mode
                 if tr is not None and i == 0 and not shape.endswith("32k"):  # HF fp32 can't hold 32k
@@ -389,11 +469,11 @@ def main() -> None:
                 row["vs_hf"] = round(row["tokens_per_s"] / row["hf_tokens_per_s"], 3)
                 if "tokens_per_s_from_train_forward" in row:
                     row["vs_hf_from_train_forward"] = round(
-                        row["tokens_per_s_from_train_forward"] / row["hf_tokens_per_s"], 3)
+                        row["tokens_per_s_from_train_forward"] / row["hf_tokens_per_s"], 3
+                    )
             gc.collect()
             torch.cuda.empty_cache()
-        row.update(device=f"{n_gpu}x {dev}", date=datetime.date.today().isoformat(),
-                   torch=torch.__version__)
+        row.update(device=f"{n_gpu}x {dev}", date=datetime.date.today().isoformat(), torch=torch.__version__)
         if rank() == 0:
             print(json.dumps(row), flush=True)
             if a.results:

@@ -149,7 +149,7 @@ class TrainerActor:
 
     def master_address(self, loopback: bool) -> str:
         """host:port for the process group, from rank 0's node (loopback on a one-node cluster)."""
-        from stages.trainer.model import free_port
+        from pipeline.net import free_port
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return f"{host}:{free_port(host)}"
@@ -169,8 +169,11 @@ class TrainerActor:
         host, port = master.rsplit(":", 1)
         # torch.distributed's env:// rendezvous; one node: rank r drives cuda:r (LOCAL_RANK)
         os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank),
-            MASTER_ADDR=host, MASTER_PORT=port,
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK=str(self.rank),
+            MASTER_ADDR=host,
+            MASTER_PORT=port,
         )
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer

@@ -172,7 +172,9 @@ class Pipeline:
             one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
             master = self._wait(self.trainers[0].master_address.remote(one_node), "trainer rank 0")
             setups = [
-                t.setup.remote(cfg, master, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls)
+                t.setup.remote(
+                    cfg, master, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls
+                )
                 for t in self.trainers
             ]
             for k, ref in enumerate(setups):
@@ -190,7 +192,9 @@ class Pipeline:
             self.generators = generators(weights_addr)
         if use_eval:
             self.evaluator = EvalActor.options(**on(gen_bundle + n_gen)).remote(cfg, weights_addr)
-        self.gen_ids = [self._wait(g.ident.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
+        self.gen_ids = [
+            self._wait(g.ident.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)
+        ]
         for i, g in enumerate(self.generators):
             self.gen_runs[g.run.remote()] = f"generator gen-{i}"
 
@@ -218,7 +222,9 @@ class Pipeline:
         start = self._wait(self.trainer.version.remote(), "trainer")
         metrics.resume_at(start)
         if start:
-            log.warning("resuming at step %d of run.steps=%d (the checkpoint's version)", start, cfg.run.steps)
+            log.warning(
+                "resuming at step %d of run.steps=%d (the checkpoint's version)", start, cfg.run.steps
+            )
         eval_ref, step = None, start
         deadline = time.monotonic() + cfg.run.time_limit_s if cfg.run.time_limit_s else float("inf")
         for step in range(start + 1, cfg.run.steps + 1):
@@ -257,7 +263,9 @@ class Pipeline:
         pending, m = set(refs), None
         watch = [self.buffer_watch] if self.buffer_watch is not None else []
         while pending:
-            ready, _ = ray.wait([*pending, *self.gen_runs, *watch], num_returns=1, timeout=self.cfg.run.timeout_s)
+            ready, _ = ray.wait(
+                [*pending, *self.gen_runs, *watch], num_returns=1, timeout=self.cfg.run.timeout_s
+            )
             if not ready:
                 raise StageFailed(
                     f"trainer step {step} did not finish within run.timeout_s={self.cfg.run.timeout_s:.0f}s "
@@ -409,7 +417,11 @@ def preflight(cfg: RunConfig) -> None:
         try:
             read_examples(Path(data.source).expanduser(), data, counters)
         except DataError as e:
-            hint = "" if data.on_bad_line == "skip" else "; or set rollout.data.on_bad_line=skip to skip bad lines"
+            hint = (
+                ""
+                if data.on_bad_line == "skip"
+                else "; or set rollout.data.on_bad_line=skip to skip bad lines"
+            )
             raise StageFailed(f"rollout.data.source: {e}{hint}") from None
         if counters["bad_lines"]:
             log.warning(

@@ -18,8 +18,16 @@ from pipeline.wire import SCHEMA_VERSION, Ingest, ProtocolError, decode
 
 def _sample(**over) -> Sample:
     kw = dict(
-        uid="s-1", group_id="g", group_index=0, group_size=2, prompt_ids=[1, 2, 3], response_ids=[4, 5],
-        rollout_logprobs=[-0.5, -1.0], versions=[0, 0], loss_mask=[1, 1], reward=1.0,
+        uid="s-1",
+        group_id="g",
+        group_index=0,
+        group_size=2,
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        rollout_logprobs=[-0.5, -1.0],
+        versions=[0, 0],
+        loss_mask=[1, 1],
+        reward=1.0,
     )
     kw.update(over)
     return Sample.build(**kw)
@@ -41,7 +49,9 @@ BAD = {  # the inputs that were acked before, and the words the rejection must c
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 def test_msgpack_ingest_rejects_bad_values_naming_field_and_uid(case):
     over, words = BAD[case]
-    msg = msgspec.msgpack.encode(Ingest(schema=SCHEMA_VERSION, producer="p", seq=7, samples=[_sample(**over)]))
+    msg = msgspec.msgpack.encode(
+        Ingest(schema=SCHEMA_VERSION, producer="p", seq=7, samples=[_sample(**over)])
+    )
     with pytest.raises(ProtocolError, match="s-1") as e:
         decode(msg)
     assert words in str(e.value) and e.value.category == "invalid_sample"
@@ -62,7 +72,9 @@ def test_arrow_batches_reject_the_same_values(case):
 
 
 def test_group_index_past_int32_is_invalid_input_not_an_internal_error():
-    msg = msgspec.msgpack.encode(Ingest(schema=SCHEMA_VERSION, producer="p", seq=1, samples=[_sample(group_index=2**31)]))
+    msg = msgspec.msgpack.encode(
+        Ingest(schema=SCHEMA_VERSION, producer="p", seq=1, samples=[_sample(group_index=2**31)])
+    )
     with pytest.raises(ProtocolError, match="group_index 2147483648 outside") as e:
         decode(msg)
     assert e.value.category == "invalid_sample"

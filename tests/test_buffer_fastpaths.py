@@ -93,7 +93,9 @@ def random_samples(rng: random.Random, n: int) -> list[Sample]:
                 prompt_ids=np.array([rng.randrange(2**31) for _ in range(prompt)], dtype=np.int32),
                 response_ids=np.array([rng.randrange(2**31) for _ in range(resp)], dtype=np.int64),
                 rollout_logprobs=np.array([-rng.random() for _ in range(resp)]),
-                versions=[rng.randrange(50) for _ in range(resp)],  # values within the bounds of value_problem
+                versions=[
+                    rng.randrange(50) for _ in range(resp)
+                ],  # values within the bounds of value_problem
                 loss_mask=[rng.randrange(2) for _ in range(resp)] if rng.random() < 0.5 else None,
                 reward=rng.choice([0.0, 1, rng.random()]),
                 reward_parts=rng.choice([{}, {"correct": 1.0}, {"a": 0.5, "b": -1.0}]),

@@ -19,8 +19,14 @@ def small_model(tmp_path_factory):
 
     # head dim 64 (FlashAttention's kernels), GQA 4:2, a vocabulary big enough to chunk
     return make_tiny_hf(
-        str(tmp_path_factory.mktemp("m") / "qwen2"), "qwen2", hidden_size=256, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=512, vocab_size=4096, max_position_embeddings=4096,
+        str(tmp_path_factory.mktemp("m") / "qwen2"),
+        "qwen2",
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=4096,
+        max_position_embeddings=4096,
         initializer_range=0.05,
     )
 
@@ -28,7 +34,13 @@ def small_model(tmp_path_factory):
 def _logprobs(model_path, attention, samples):
     from pipeline.sample import samples_to_batch
     from stages.trainer.lm_head import head_logprobs
-    from stages.trainer.model import build_policy, causal_block_mask, head_weight, init_distributed, packed_row_params
+    from stages.trainer.model import (
+        build_policy,
+        causal_block_mask,
+        head_weight,
+        init_distributed,
+        packed_row_params,
+    )
     from stages.trainer.packing import pack, to_token_batch
 
     init_distributed()
@@ -45,8 +57,11 @@ def _logprobs(model_path, attention, samples):
             else:
                 h = policy.model(tok, pos, causal_block_mask(mb.segments.cuda()))
             pick = mb.resp_pos.cuda()
-            lp, _ = head_logprobs(h.reshape(-1, h.shape[-1])[pick], head_weight(policy.model),
-                                  mb.targets.reshape(-1).cuda()[pick])
+            lp, _ = head_logprobs(
+                h.reshape(-1, h.shape[-1])[pick],
+                head_weight(policy.model),
+                mb.targets.reshape(-1).cuda()[pick],
+            )
             out[mb.tok_index] = lp.float().cpu()
     return out, policy.layout
 
@@ -94,7 +109,9 @@ def test_bf16_trainer_step_on_varlen(small_model, tmp_path):
 
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.precision, cfg.trainer.micro_batch_tokens = 2, "bf16", 1024
-    src = ListSource([make_batch(2, 4, vocab=4096, seed=i, prompt_len=(10, 60), response_len=(20, 200)) for i in range(2)])
+    src = ListSource(
+        [make_batch(2, 4, vocab=4096, seed=i, prompt_len=(10, 60), response_len=(20, 200)) for i in range(2)]
+    )
     tr = Trainer(cfg, src, small_model, str(tmp_path))
     assert tr.policy.layout == "varlen"
     m = tr.step()

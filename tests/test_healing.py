@@ -41,7 +41,9 @@ def _cfg(tmp_path, *extra):
     )
 
 
-def _kill_generator_at_step(pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list) -> threading.Thread:
+def _kill_generator_at_step(
+    pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list
+) -> threading.Thread:
     """SIGKILL generator 0's process once the driver has logged `step` (waits at most 120 s)."""
     import ray
 

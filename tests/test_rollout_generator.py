@@ -207,7 +207,9 @@ def test_streams_to_real_buffer_server(cfg, engine, tmp_path):
         gen = Generator(cfg, client, engine, "real", batch_groups=0)
         stats = asyncio.run(gen.run(max_groups=4))
         assert stats["groups_finished"] == 4 and stats["trainer_version"] >= 3
-        batch = client.fetch(num_groups=4, version=3, max_staleness=100, timeout_s=10)  # the announced version
+        batch = client.fetch(
+            num_groups=4, version=3, max_staleness=100, timeout_s=10
+        )  # the announced version
         assert batch is not None and batch.num_rows == 16
         assert set(batch.column("generator_id").to_pylist()) == {"real"}
     finally:

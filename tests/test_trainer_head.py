@@ -77,9 +77,16 @@ def _one_group(n_samples: int, seed: int):
     prompt = rng.integers(0, 512, 5)
     return [
         Sample.build(
-            uid=f"u{seed}-{i}", group_id=f"g{seed}", group_index=i, group_size=n_samples, prompt_ids=prompt,
-            response_ids=rng.integers(0, 512, 6), rollout_logprobs=-np.full(6, 5.0), versions=np.zeros(6),
-            loss_mask=np.ones(6, np.uint8), reward=float(i % 2),
+            uid=f"u{seed}-{i}",
+            group_id=f"g{seed}",
+            group_index=i,
+            group_size=n_samples,
+            prompt_ids=prompt,
+            response_ids=rng.integers(0, 512, 6),
+            rollout_logprobs=-np.full(6, 5.0),
+            versions=np.zeros(6),
+            loss_mask=np.ones(6, np.uint8),
+            reward=float(i % 2),
         )
         for i in range(n_samples)
     ]
@@ -130,7 +137,9 @@ def test_packed_row_matches_block_mask_rows(model_path):
     from stages.trainer.testing import make_samples
 
     init_distributed()
-    tb = to_token_batch(samples_to_batch(make_samples(3, 3, seed=9, prompt_len=(3, 20), response_len=(2, 30))))
+    tb = to_token_batch(
+        samples_to_batch(make_samples(3, 3, seed=9, prompt_len=(3, 20), response_len=(2, 30)))
+    )
     everyone = list(range(tb.n))
     out = {}
     for attention in ("sdpa", "varlen"):
@@ -139,7 +148,9 @@ def test_packed_row_matches_block_mask_rows(model_path):
             for layer in policy.model.decoder.layers:
                 old = layer.self_attention.core_attention
                 new = VarlenAttention(
-                    config=old.config, layer_number=old.layer_number, attn_mask_type=old.attn_mask_type,
+                    config=old.config,
+                    layer_number=old.layer_number,
+                    attn_mask_type=old.attn_mask_type,
                     attention_type="self",
                 )
                 layer.self_attention.core_attention = new
@@ -150,7 +161,9 @@ def test_packed_row_matches_block_mask_rows(model_path):
                 pos = torch.arange(mb.tokens.shape[1])[None].expand_as(mb.tokens)
                 if attention == "varlen":
                     assert mb.tokens.shape[0] == 1 and mb.cu_seqlens[-1] == mb.tokens.shape[1]
-                    h = policy.model(mb.tokens, pos, None, packed_seq_params=packed_row_params(mb, "varlen", "cpu"))
+                    h = policy.model(
+                        mb.tokens, pos, None, packed_seq_params=packed_row_params(mb, "varlen", "cpu")
+                    )
                 else:
                     h = policy.model(mb.tokens, pos, causal_block_mask(mb.segments))
                 pick = mb.resp_pos

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.weights.base import align_nccl_env
+from stages.weights.sglang_protocol import ipc_bucket_body
 
 log = logging.getLogger(__name__)
 
@@ -45,38 +46,8 @@ log = logging.getLogger(__name__)
 VERSION_POLL_S = 0.5
 
 
-def ipc_bucket_body(
-    bucket: list[tuple[str, torch.Tensor]], tp_size: int, device
-) -> tuple[dict, torch.Tensor]:
-    """The /update_weights_from_tensor body for one bucket of GPU tensors, and the flat tensor the server
-    maps by CUDA IPC: the caller keeps it alive until the server answered."""
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    monkey_patch_torch_reductions()  # IPC handles name the device by UUID: right GPU whatever each sees
-    flat = FlattenedTensorBucket(named_tensors=bucket)  # one IPC handle per bucket, not per tensor
-    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    ser = MultiprocessingSerializer.serialize(data, output_str=True)
-    torch.cuda.synchronize(device)  # the bucket is written before the server maps it
-    # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted); in-flight
-    # sequences keep their old-weight KV (in_place) by design; see SGLangConfig.radix_cache
-    body = {
-        "serialized_named_tensors": [ser] * tp_size,
-        "load_format": "flattened_bucket",
-        "flush_cache": False,
-    }
-    return body, data["flattened_tensor"]
-
-
 class EngineError(RuntimeError):
     """The SGLang server failed, refused a request or did not start; the message says which and why."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -93,8 +93,14 @@ class VarlenAttention(DotProductAttention):
         packed_seq_params=None,
     ):
         if packed_seq_params is None or getattr(packed_seq_params, "cu_seqlens_q", None) is None:
-            raise ValueError("VarlenAttention needs packed_seq_params with cu_seqlens (trainer.attention=varlen)")
-        if attention_bias is not None or self.softmax_offset is not None or self.config.window_size is not None:
+            raise ValueError(
+                "VarlenAttention needs packed_seq_params with cu_seqlens (trainer.attention=varlen)"
+            )
+        if (
+            attention_bias is not None
+            or self.softmax_offset is not None
+            or self.config.window_size is not None
+        ):
             raise NotImplementedError("VarlenAttention has no bias, softmax offset or window: use 'sdpa'")
         if query.shape[1] != 1:
             raise ValueError(f"VarlenAttention takes one packed row (batch 1), got batch {query.shape[1]}")

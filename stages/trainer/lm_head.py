@@ -180,8 +180,15 @@ class _HeadLogprob(torch.autograd.Function):
             local, inside = _local_targets(targets[s:e_], v0, v)
             # dz = onehot(y) * g_logp - p * (g_logp + g_ent * (log p + H)), over the temperature
             gz = grad_logits(
-                z, lse[s:e_], ent[s:e_] if use_ent else None, g_logp[s:e_], g_ent[s:e_] if use_ent else None,
-                local, inside, 1.0 / temperature, weight.dtype,
+                z,
+                lse[s:e_],
+                ent[s:e_] if use_ent else None,
+                g_logp[s:e_],
+                g_ent[s:e_] if use_ent else None,
+                local,
+                inside,
+                1.0 / temperature,
+                weight.dtype,
             )
             del z
             h = hidden[s:e_]
@@ -219,7 +226,9 @@ def head_logprobs(
     multiple of TP (hf_mapping.padded_vocab); the padding columns are left out of the softmax. The entropy carries gradient only with `entropy_grad` (an entropy bonus).
     """
     if hidden.ndim != 2 or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: need [t, d] and [t]")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: need [t, d] and [t]"
+        )
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 (trainer.logits_chunk_tokens), got {chunk}")
     hidden = hidden.to(weight.dtype)
@@ -229,7 +238,9 @@ def head_logprobs(
     round_bf16 = not fp32_logits and weight.dtype != torch.float32
     _, tp, _ = _tp()
     vocab = weight.shape[0] * tp if vocab_size is None else vocab_size
-    logp, ent = _HeadLogprob.apply(hidden, weight, targets, float(temperature), chunk, entropy, round_bf16, vocab)
+    logp, ent = _HeadLogprob.apply(
+        hidden, weight, targets, float(temperature), chunk, entropy, round_bf16, vocab
+    )
     if not entropy:
         return logp, None
     return logp, (ent if entropy_grad else ent.detach())

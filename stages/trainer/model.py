@@ -13,20 +13,14 @@ import glob
 import importlib.util
 import json
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from pipeline.net import free_port
 from stages.trainer import cpu_shim, hf_mapping
 from stages.weights.base import align_nccl_env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float = 600.0) -> None:
@@ -353,7 +347,9 @@ def packed_row_params(mb, layout: str, device):
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
         )
     t = mb.tokens.numel()
-    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t, max_seqlen_kv=t)
+    params = PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t, max_seqlen_kv=t
+    )
     params.max_segment_len = mb.max_segment_len
     return params
 

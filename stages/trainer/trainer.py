@@ -228,7 +228,9 @@ class Trainer:
             tokens = mb.tokens.to(self.device)
             pos = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
             if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
-                out = m(tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **extra)
+                out = m(
+                    tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **extra
+                )
             else:  # explicit block-diagonal mask (W3, and it keeps packed sequences apart)
                 out = m(tokens, pos, causal_block_mask(mb.segments.to(self.device)), **extra)
             return out, lambda hidden: loss_fn(mb, hidden)

@@ -186,7 +186,7 @@ class NcclSGLangSender(_SGLangSender):
         """Form the trainer<->engines NCCL group once (every server and rank 0 rendezvous together)."""
         from sglang.srt.utils import init_custom_process_group
 
-        from stages.trainer.model import free_port
+        from pipeline.net import free_port
 
         align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
         port = free_port()
@@ -262,7 +262,7 @@ class CudaIpcSGLangSender(_SGLangSender):
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
     def _send_bucket(self, group, version: int | None) -> float:
-        from stages.rollout.sglang_engine import ipc_bucket_body
+        from stages.weights.sglang_protocol import ipc_bucket_body
 
         check_flat_layout(group)
 
