@@ -1,0 +1,138 @@
+"""The default run with a generator killed (SIGKILL) every ~30 s, beside an unfaulted run of the same
+config in the same invocation: does the run heal itself and finish, does any acknowledged sample get
+lost or any sample trained twice, and does it learn as well?
+
+    .venv/bin/python bench/fault_run.py [--steps 1000] [--kill-every-s 30] [a.b=c ...]
+
+Only generators are killed: they are the stage the launcher heals today (a dead buffer or trainer
+stops the run with its name; see docs/DESIGN.md). Acknowledged = stored by the buffer (it acks after
+fsync); lost = accepted by the buffer but not on disk afterwards; trained twice = a uid served more
+than once in the consumption log. Prints one JSON line last and appends it to
+bench/results/fault_run.jsonl: {"completed", "kills", "lost_acked", "trained_twice", "final_reward",
+"unfaulted_final_reward", ...}. Goal: completed, 0, 0, final reward within 0.05 of the unfaulted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
+    import ray
+
+    from buffer.segments import iter_log, recover_segments
+    from pipeline.config import load_config
+    from pipeline.launcher import Pipeline, StageFailed, start_ray
+    from pipeline.metrics import MetricsWriter
+    from pipeline.progress import Progress
+
+    run_dir = Path(tempfile.mkdtemp(prefix="slipstream-fault-"))
+    cfg = load_config(None, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])
+    start_ray(cfg)
+    metrics = MetricsWriter(run_dir, tensorboard=False)
+    pipe = Pipeline(cfg, run_dir)
+    kills: list[float] = []
+    stop = threading.Event()
+    rng = random.Random(seed)
+
+    def killer():
+        while not stop.wait(kill_every_s * rng.uniform(0.7, 1.3)):
+            i = rng.randrange(len(pipe.generators))
+            try:
+                pid = ray.get(pipe.generators[i].pid.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - it is being replaced right now: try at the next tick
+                continue
+            os.kill(pid, signal.SIGKILL)
+            kills.append(time.monotonic())
+
+    status, error, accepted = "completed", "", None
+    t0 = time.monotonic()
+    try:
+        pipe.start()
+        if kill_every_s > 0:
+            threading.Thread(target=killer, daemon=True).start()
+        pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
+        stop.set()
+        accepted = ray.get(pipe.buffer.stats.remote(), timeout=60).get("accepted")
+    except StageFailed as e:
+        status, error = "failed", str(e)
+    finally:
+        stop.set()
+        pipe.shutdown(failed=status != "completed")
+        metrics.close()
+        ray.shutdown()
+    wall = time.monotonic() - t0
+    rows = [h for h in metrics.history if "reward/mean" in h]
+    served = collections.Counter(u for r in iter_log(run_dir / "buffer") if r.op == "served" for u in r.uids)
+    stored = {u for _, b in recover_segments(run_dir / "buffer").batches for u in b.column("uid").to_pylist()}
+    tail = rows[-50:]
+    return {
+        "completed": status == "completed" and len(rows) == cfg.run.steps,
+        "error": error,
+        "steps": len(rows),
+        "kills": len(kills),
+        "restarts": rows[-1].get("run/restarts", 0) if rows else 0,
+        "lost_acked": (accepted - len(stored)) if accepted is not None else None,
+        "trained_twice": sum(1 for c in served.values() if c > 1),
+        "served": len(served),
+        "final_reward": round(sum(r["reward/mean"] for r in tail) / max(len(tail), 1), 4),
+        "wall_s": round(wall, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--kill-every-s", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "fault_run.jsonl"))
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    over = [f"run.steps={a.steps}", *a.overrides]
+    clean = one_run(over, 0.0, a.seed)
+    print(f"unfaulted: {json.dumps(clean)}", flush=True)
+    faulted = one_run(over, a.kill_every_s, a.seed)
+    print(f"faulted:   {json.dumps(faulted)}", flush=True)
+    out = {
+        **{
+            k: faulted[k]
+            for k in ("completed", "kills", "restarts", "lost_acked", "trained_twice", "final_reward")
+        },
+        "unfaulted_final_reward": clean["final_reward"],
+        "unfaulted_completed": clean["completed"],
+        "steps": a.steps,
+        "kill_every_s": a.kill_every_s,
+        "wall_s": faulted["wall_s"],
+        "unfaulted_wall_s": clean["wall_s"],
+        "error": faulted["error"],
+        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
+        "date": datetime.date.today().isoformat(),
+    }
+    out["goal_met"] = bool(
+        out["completed"]
+        and out["lost_acked"] == 0
+        and out["trained_twice"] == 0
+        and abs(out["final_reward"] - out["unfaulted_final_reward"]) <= 0.05
+    )
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
