@@ -6,7 +6,7 @@ lost or any sample trained twice, and does it learn as well?
 
 Only generators are killed: they are the stage the launcher heals today (a dead buffer or trainer
 stops the run with its name; see docs/DESIGN.md). Acknowledged = stored by the buffer (it acks after
-fsync); lost = accepted by the buffer but not on disk afterwards; trained twice = a uid served more
+fsync); lost = accepted by the buffer when training ended but not on disk afterwards; trained twice = a uid served more
 than once in the consumption log. Prints one JSON line last and appends it to
 bench/results/fault_run.jsonl: {"completed", "kills", "lost_acked", "trained_twice", "final_reward",
 "unfaulted_final_reward", ...}. Goal: completed, 0, 0, final reward within 0.05 of the unfaulted run.
@@ -86,7 +86,11 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
         "steps": len(rows),
         "kills": len(kills),
         "restarts": rows[-1].get("run/restarts", 0) if rows else 0,
-        "lost_acked": (accepted - len(stored)) if accepted is not None else None,
+        # the buffer's accepted count when training ended: each of those was fsynced before its ack, so
+        # all must be on disk now (later accepts, during shutdown, only add to `stored`)
+        "lost_acked": max(0, accepted - len(stored)) if accepted is not None else None,
+        "stored": len(stored),
+        "accepted_at_end": accepted,
         "trained_twice": sum(1 for c in served.values() if c > 1),
         "served": len(served),
         "final_reward": round(sum(r["reward/mean"] for r in tail) / max(len(tail), 1), 4),

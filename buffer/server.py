@@ -140,7 +140,10 @@ class BufferServer:
         if not self._bound.wait(timeout_s):
             raise TimeoutError(f"buffer server did not bind {self.bind_address} within {timeout_s}s")
         if self._error is not None:
-            raise RuntimeError(f"buffer server failed to start on {self.bind_address}: {self._error}")
+            raise RuntimeError(
+                f"buffer server failed to start on {self.bind_address} (buffer.bind / --bind): {self._error}; "
+                "pick a free port, or port 0 for any"
+            )
         return self
 
     def _run_thread(self) -> None:

@@ -134,3 +134,17 @@ def test_values_within_bounds_pass():
     s.validate()
     check_batch(samples_to_batch([s]))
     assert np.isfinite(s.reward)
+
+
+def test_a_port_in_use_names_the_key():
+    import socket
+
+    from stages.weights.base import make_sender
+    from stages.weights.config import WeightsConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"weights.bind=tcp://127.0.0.1:{port}: cannot bind"):
+            make_sender(WeightsConfig(transport="cpu", bind=f"tcp://127.0.0.1:{port}"))

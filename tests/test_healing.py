@@ -13,17 +13,9 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.launcher import Pipeline, StageFailed, start_ray
+from pipeline.launcher import Pipeline, StageFailed
 from pipeline.metrics import MetricsWriter
 from pipeline.progress import Progress
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    start_ray(load_config(None, ["cluster.num_cpus=4"]))
-    yield
-    ray.shutdown()
 
 
 def _cfg(tmp_path, *extra):

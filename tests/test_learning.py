@@ -9,21 +9,11 @@ flipped the reward falls to 0. The margin of 0.15 is ~4x the widest null spread 
 smallest real rise.
 """
 
-import pytest
-
 from pipeline.config import load_config
-from pipeline.launcher import run_pipeline, start_ray
+from pipeline.launcher import run_pipeline
 
 STEPS = 100
 MARGIN = 0.15
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    start_ray(load_config(None, ["cluster.num_cpus=4"]))
-    yield
-    ray.shutdown()
 
 
 def test_default_run_raises_the_reward(tmp_path, ray_session):

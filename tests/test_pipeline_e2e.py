@@ -6,15 +6,7 @@ import platform
 import pytest
 
 from pipeline.config import load_config
-from pipeline.launcher import run_pipeline, start_ray
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    start_ray(load_config(None, ["cluster.num_cpus=4"]))  # 4 logical CPUs: room for eval on 2 cores
-    yield
-    ray.shutdown()
+from pipeline.launcher import run_pipeline
 
 
 def _cfg(tmp_path, *extra):

@@ -122,11 +122,18 @@ def make_sender(
         if engine_urls:
             kind = "nccl" if torch.cuda.device_count() > 1 else "cuda_ipc"
     if kind == "cpu":
+        import zmq
+
         from stages.weights.zmq_transport import ZmqWeightSender
 
-        return ZmqWeightSender(
-            bind or cfg.bind, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s, min_engines=min_engines
-        )
+        try:
+            return ZmqWeightSender(
+                bind or cfg.bind, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s, min_engines=min_engines
+            )
+        except zmq.ZMQError as e:
+            raise ValueError(
+                f"weights.bind={bind or cfg.bind}: cannot bind ({e}); pick a free port, or port 0 for any"
+            ) from None
     if kind in ("nccl", "cuda_ipc"):
         if not engine_urls:
             raise ValueError(f"weights.transport={kind} needs the SGLang server URLs (engine_urls)")
