@@ -310,7 +310,10 @@ def recover_segments(directory: Path) -> Recovered:
         batches, rep = read_segment(path)
         rec.batches.extend((path.name, b) for b in batches)
         rec.reports.append(rep)
-        if rep.torn_bytes:
+        if rep.intact_bytes == 0 and not batches and not rep.torn_bytes:  # empty: nothing to keep
+            path.unlink()
+            rep.problem += "; removed"
+        elif rep.torn_bytes:
             data = path.read_bytes()[rep.intact_bytes :]
             (directory / f"{path.name}.{rep.intact_bytes}.torn").write_bytes(data)
             if rep.intact_bytes == 0 or not batches:

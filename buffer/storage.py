@@ -427,11 +427,22 @@ class Buffer:
                 gone.update(r.uids)
             self.version = max(self.version, r.v)
         limit = self.policy.max_times_sampled
+        evicted_groups: dict[str, str] = {}  # group id -> producer, for the live stats below
         for _, batch in rec.batches:
             uids = batch.column("uid").to_pylist()
             live = np.fromiter((u not in gone and served[u] < limit for u in uids), bool, len(uids))
             self._add_chunk(batch, live)
             self._seen.update(uids)
+            for k in np.flatnonzero([u in gone for u in uids]) if gone else ():
+                evicted_groups.setdefault(
+                    batch.column("group_id")[k].as_py(), batch.column("generator_id")[k].as_py()
+                )
+        # the live stats continue where the last run left them (they were zero after every restart, while
+        # the directory's log counted the evictions)
+        self.counters["accepted"] += sum(b.num_rows for _, b in rec.batches)
+        self.counters["evicted_stale"] += len(gone)
+        self.counters["evicted_groups"] += len(evicted_groups)
+        self.evicted_by_producer.update(collections.Counter(evicted_groups.values()))
         self._seen.update(served)
         self._seen.update(gone)
         for g in self._groups.values():

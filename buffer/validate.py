@@ -74,7 +74,9 @@ def _check_values(batch: pa.RecordBatch) -> None:
     cols = {
         "reward": batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
         "group_size": batch.column("group_size").to_numpy(),
-        "token_ids": np.concatenate([_values(batch.column("prompt_ids")), _values(batch.column("response_ids"))]),
+        "token_ids": np.concatenate(
+            [_values(batch.column("prompt_ids")), _values(batch.column("response_ids"))]
+        ),
         "logprobs": _values(batch.column("rollout_logprobs")),
         "versions": _values(batch.column("versions")),
         "loss_mask": _values(batch.column("loss_mask")),
@@ -86,7 +88,9 @@ def _check_values(batch: pa.RecordBatch) -> None:
         problem = value_problem(
             reward=row.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
             group_size=row.column("group_size").to_numpy(),
-            token_ids=np.concatenate([_values(row.column("prompt_ids")), _values(row.column("response_ids"))]),
+            token_ids=np.concatenate(
+                [_values(row.column("prompt_ids")), _values(row.column("response_ids"))]
+            ),
             logprobs=_values(row.column("rollout_logprobs")),
             versions=_values(row.column("versions")),
             loss_mask=_values(row.column("loss_mask")),

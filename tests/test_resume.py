@@ -42,3 +42,25 @@ def test_metrics_resume_keeps_one_line_per_step(tmp_path):
     assert [r["step"] for r in rows if "version" in r] == [1, 2, 3, 4, 5, 6, 7, 8]
     marker = [r for r in rows if r.get("event") == "resume"]
     assert len(marker) == 1 and marker[0]["step"] == 5 and marker[0]["lines_dropped"] == 3
+
+
+def test_live_stats_survive_a_restart_and_an_empty_segment_is_removed(tmp_path):
+    from buffer.demo import synthetic_samples
+    from buffer.storage import Buffer
+
+    buf = Buffer(BufferConfig(), tmp_path)
+    buf.insert(synthetic_samples(2, version=0, prefix="old"))
+    buf.insert(synthetic_samples(1, version=5, prefix="new"))
+    buf.fetch(1, version=5, max_staleness=2)  # evicts the two old groups, serves the new one
+    before = buf.stats()
+    buf.close()
+    (tmp_path / "seg-999999.arrow").write_bytes(b"")  # left by a kill right after creating it
+    again = Buffer(BufferConfig(), tmp_path)
+    st = again.stats()
+    for k in ("evicted_stale", "evicted_groups", "accepted", "evicted_groups_by_producer"):
+        assert st[k] == before[k], k
+    assert st["evicted_stale"] == 8 and any("empty" in t["problem"] for t in st["recovery"]["torn_segments"])
+    again.close()
+    third = Buffer(BufferConfig(), tmp_path)  # the empty file is gone: not reported at every restart
+    assert third.stats()["recovery"]["torn_segments"] == []
+    third.close()
