@@ -13,14 +13,19 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
 
 
 class Progress:
-    """One line, rewritten in place on a terminal; one line per step otherwise (logs, CI)."""
+    """One line, rewritten in place on a terminal; otherwise (logs, CI) a line every `log_every_s`
+    seconds and at the last step, not one per step (a 1000-step run would write 1000 lines)."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO = sys.stdout):
+    def __init__(
+        self, total_steps: int, enabled: bool = True, stream: TextIO = sys.stdout, log_every_s: float = 10.0
+    ):
         self.total = total_steps
         self.enabled = enabled
         self.stream = stream
         self.tty = stream.isatty()
         self.start = time.time()
+        self.log_every_s = log_every_s
+        self._last_line = float("-inf")
         self._samples = 0
 
     def update(self, step: int, m: dict[str, Any]) -> None:
@@ -41,8 +46,11 @@ class Progress:
             line += f"  eval acc {m['eval/accuracy']:.2f}"
         if self.tty:
             self.stream.write("\r\x1b[2K" + line)
-        else:
+        elif step >= self.total or time.time() - self._last_line >= self.log_every_s:
             self.stream.write(line + "\n")
+            self._last_line = time.time()
+        else:
+            return
         self.stream.flush()
 
     def finish(self) -> None:

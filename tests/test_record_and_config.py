@@ -104,3 +104,25 @@ def test_cross_section_checks_name_both_keys(tmp_path):
         load_config(p, ["rollout.sampling.temperature=0"])
     with pytest.raises(ConfigError, match="num_generators=9 > trainer.batch_groups=8"):
         load_config(p, ["rollout.num_generators=9", "trainer.batch_groups=8"])
+
+
+def test_rough_edges_fail_at_load_or_just_work():
+    """weights.transport=disk (no sender) fails at load, naming the key, not at run time; SGLang
+    extra_args may hold numbers, passed on as strings."""
+    with pytest.raises(ConfigError, match=r"weights\.transport"):
+        load_config(None, ["weights.transport=disk"])
+    cfg = load_config(None, ["rollout.sglang.extra_args=[--context-length, 8192]"])
+    assert [str(a) for a in cfg.rollout.sglang.extra_args] == ["--context-length", "8192"]
+
+
+def test_progress_writes_a_line_every_few_seconds_when_not_a_terminal():
+    import io
+
+    from pipeline.progress import Progress
+
+    out = io.StringIO()
+    p = Progress(1000, stream=out, log_every_s=3600)
+    for step in range(1, 1001):
+        p.update(step, {"samples": 8, "reward/mean": 0.5})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("step 1/1000") and lines[1].startswith("step 1000/1000")

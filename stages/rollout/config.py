@@ -61,7 +61,8 @@ class SGLangConfig(_Base):
     pause_mode: Literal["in_place", "retract"] = "in_place"
     startup_timeout_s: float = 300.0
     disable_cuda_graph: bool = False
-    extra_args: list[str] = []  # appended to `python -m sglang.launch_server ...` as given
+    # appended to `python -m sglang.launch_server ...` as given; numbers are fine ([--context-length, 8192])
+    extra_args: list[str | int | float] = []
     host: str = "127.0.0.1"  # the server binds here (loopback: the engine is reached only from this host)
     port: int = 0  # first engine's HTTP port (engine i uses port + 10 i); 0 = a free port per engine
     # tokens per streamed chunk; a chunk that straddles a weight update is tagged with the older version,

@@ -160,7 +160,7 @@ class SGLangEngine(Engine):
             cmd.append("--disable-radix-cache")
         if self.fp32_lm_head:  # logits in fp32, as the trainer computes them (model.fp32_lm_head)
             cmd.append("--enable-fp32-lm-head")
-        return cmd + list(c.extra_args)
+        return cmd + [str(a) for a in c.extra_args]
 
     def start(self, model_path: str | None = None, version: int | None = None) -> float:
         """Launch the server and wait until /health answers; returns the seconds it took."""

@@ -10,7 +10,7 @@ import msgspec
 class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     push_every: int = 1  # push after every K optimizer steps
     # auto: cpu for the torch engine, nccl for disaggregated SGLang, cuda_ipc for colocated SGLang
-    transport: Literal["auto", "cpu", "nccl", "cuda_ipc", "disk"] = "auto"
+    transport: Literal["auto", "cpu", "nccl", "cuda_ipc"] = "auto"
     bucket_mb: int = 64  # tensors are sent in buckets of about this size
     timeout_s: float = 120.0  # a push not applied by every engine within this long raises in the trainer
     bind: str = "tcp://127.0.0.1:0"  # cpu transport: the trainer binds here (port 0 = free); engines connect
