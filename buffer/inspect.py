@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +31,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "--version", type=int, default=None, help="trainer version for staleness (default: latest known)"
         )
         if name == "samples":
-            s.add_argument("--tokenizer", default="", help="HF tokenizer folder: decode token ids to text")
+            s.add_argument(
+                "--tokenizer",
+                default="",
+                help="decode token ids to text: an HF model folder, or a built-in model name (tiny-qwen2)",
+            )
             s.add_argument("--limit", type=int, default=5)
             s.add_argument("--uid", default="", help="only this uid")
             s.add_argument("--state", default="", choices=["", "live", "served", "evicted"])
@@ -151,9 +156,16 @@ def samples(table, args) -> None:
     table = table.slice(0, args.limit)
     tok = None
     if args.tokenizer:
-        from transformers import AutoTokenizer
+        from pipeline.config import ModelConfig
+        from pipeline.models import ModelError, load_tokenizer, resolve_model
 
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:  # a folder, or a built-in name such as tiny-qwen2 (built and cached on first use)
+            folder = Path(args.tokenizer).expanduser()
+            tok = load_tokenizer(
+                folder if folder.is_dir() else resolve_model(ModelConfig(name=args.tokenizer))
+            )
+        except (ModelError, OSError) as e:
+            raise SystemExit(f"buffer-inspect: --tokenizer {args.tokenizer}: {e}") from None
     states = table.column("state").to_pylist()
     for s, state in zip(batch_to_samples(table.drop_columns(["state"])), states):
         p, r = s.array("prompt_ids").tolist(), s.array("response_ids").tolist()

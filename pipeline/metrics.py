@@ -44,7 +44,7 @@ class MetricsWriter:
             except ImportError:
                 raise RuntimeError(
                     "metrics.wandb_project is set but wandb is not installed; "
-                    "pip install wandb, or leave metrics.wandb_project empty"
+                    "pip install -e '.[wandb]' (or pip install wandb), or leave metrics.wandb_project empty"
                 ) from None
             self._wandb = wandb.init(
                 project=wandb_project, name=run_name, config=config, dir=str(self.run_dir)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
@@ -100,3 +101,12 @@ def test_samples_decodes_text_with_a_tokenizer_folder_via_bin(tmp_path, capsys):
     main(["samples", str(tmp_path / "buf")])  # without a tokenizer: the ids themselves
     out = capsys.readouterr().out
     assert response not in out and str(list(response.encode())[:3])[1:-1] in out
+
+
+def test_samples_decode_with_a_built_in_model_name_and_a_bad_one_is_named(tmp_path, capsys):
+    """--tokenizer tiny-qwen2 (the README's form) decodes; a folder that does not exist is one line."""
+    _fill(tmp_path / "buf")
+    main(["samples", str(tmp_path / "buf"), "--limit", "1", "--tokenizer", "tiny-qwen2"])
+    assert "prompt" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--tokenizer /nonexistent/model"):
+        main(["samples", str(tmp_path / "buf"), "--limit", "1", "--tokenizer", "/nonexistent/model"])
