@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.launcher import run_pipeline  # noqa: E402
+from pipeline.orchestration.launcher import run_pipeline  # noqa: E402
 
 
 def run(overrides: list[str], config: str | None = None) -> tuple[list[dict], float]:

@@ -36,9 +36,9 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
 
     from buffer.segments import iter_log, recover_segments
     from pipeline.config import load_config
-    from pipeline.launcher import Pipeline, StageFailed, start_ray
-    from pipeline.metrics import MetricsWriter
-    from pipeline.progress import Progress
+    from pipeline.orchestration.launcher import Pipeline, StageFailed, start_ray
+    from pipeline.orchestration.metrics import MetricsWriter
+    from pipeline.orchestration.progress import Progress
 
     run_dir = Path(tempfile.mkdtemp(prefix="slipstream-fault-"))
     cfg = load_config(None, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])

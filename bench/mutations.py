@@ -143,7 +143,7 @@ MUTATIONS = [
     Mutation(
         "resume_reruns_steps",
         "a resumed run trains run.steps more steps instead of up to run.steps",
-        "pipeline/launcher.py",
+        "pipeline/orchestration/launcher.py",
         "        for step in range(start + 1, cfg.run.steps + 1):\n",
         "        for step in range(1, cfg.run.steps + 1):\n",
         (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.metrics import plot_history, read_history  # noqa: E402
+from pipeline.orchestration.metrics import plot_history, read_history  # noqa: E402
 
 
 def _med(rows: list[dict], key: str) -> float | None:

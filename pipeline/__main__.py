@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
 
-    from pipeline.launcher import make_run_dir, print_summary, run_pipeline
+    from pipeline.orchestration.launcher import make_run_dir, print_summary, run_pipeline
 
     run_dir = make_run_dir(cfg)
     print(

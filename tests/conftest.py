@@ -8,7 +8,7 @@ def ray_session():
     """A local Ray of 4 logical CPUs (room for trainer, generator and eval bundles on 2 cores), per module."""
     ray = pytest.importorskip("ray")
     from pipeline.config import load_config
-    from pipeline.launcher import start_ray
+    from pipeline.orchestration.launcher import start_ray
 
     start_ray(load_config(None, ["cluster.num_cpus=4"]))
     yield

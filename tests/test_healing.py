@@ -13,9 +13,9 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.launcher import Pipeline, StageFailed
-from pipeline.metrics import MetricsWriter
-from pipeline.progress import Progress
+from pipeline.orchestration.launcher import Pipeline, StageFailed
+from pipeline.orchestration.metrics import MetricsWriter
+from pipeline.orchestration.progress import Progress
 
 
 def _cfg(tmp_path, *extra):

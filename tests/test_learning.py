@@ -10,7 +10,7 @@ smallest real rise.
 """
 
 from pipeline.config import load_config
-from pipeline.launcher import run_pipeline
+from pipeline.orchestration.launcher import run_pipeline
 
 STEPS = 100
 MARGIN = 0.15

@@ -6,7 +6,7 @@ import platform
 import pytest
 
 from pipeline.config import load_config
-from pipeline.launcher import run_pipeline
+from pipeline.orchestration.launcher import run_pipeline
 
 
 def _cfg(tmp_path, *extra):

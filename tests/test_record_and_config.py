@@ -118,7 +118,7 @@ def test_rough_edges_fail_at_load_or_just_work():
 def test_progress_writes_a_line_every_few_seconds_when_not_a_terminal():
     import io
 
-    from pipeline.progress import Progress
+    from pipeline.orchestration.progress import Progress
 
     out = io.StringIO()
     p = Progress(1000, stream=out, log_every_s=3600)

@@ -8,7 +8,7 @@ import json
 
 from buffer.config import BufferConfig
 from buffer.inproc import InProcBuffer
-from pipeline.metrics import MetricsWriter
+from pipeline.orchestration.metrics import MetricsWriter
 from stages.trainer.testing import make_samples
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import msgspec
 
 from pipeline.config import RunConfig, effective_staleness, write_resolved
-from pipeline.metrics import MetricsWriter
-from pipeline.progress import Progress, summary
+from pipeline.orchestration.metrics import MetricsWriter
+from pipeline.orchestration.progress import Progress, summary
 
 log = logging.getLogger("slipstream")
 
@@ -67,7 +67,7 @@ def effective(cfg: RunConfig) -> RunConfig:
 def start_ray(cfg: RunConfig) -> None:
     import ray
 
-    from pipeline.actors import actor_env
+    from pipeline.orchestration.actors import actor_env
 
     if ray.is_initialized():
         return
@@ -109,8 +109,14 @@ class Pipeline:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pipeline.actors import BufferActor, EvalActor, GeneratorActor, TrainerActor, actor_env
         from pipeline.models import resolve_model
+        from pipeline.orchestration.actors import (
+            BufferActor,
+            EvalActor,
+            GeneratorActor,
+            TrainerActor,
+            actor_env,
+        )
 
         cfg, r = self.cfg, self.cfg.rollout
         model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it

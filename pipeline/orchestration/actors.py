@@ -247,7 +247,7 @@ class EvalActor:
 
     def __init__(self, cfg, weights_address: str, cpus: int = 1):
         _threads(cpus)
-        from pipeline.evaluation import Evaluator
+        from pipeline.orchestration.evaluation import Evaluator
         from stages.rollout.build import build_engine
         from stages.weights.zmq_transport import WeightReceiver
 
