@@ -419,10 +419,19 @@ class BufferServer:
     def _serve_fetches(self, sock, only_expired: bool = False) -> None:
         now = time.monotonic()
         freed = False
+        newest = max(self._fetches, key=lambda f: f.msg.version)  # one eviction pass, not one per fetch
+        if self.buffer.policy.enforces_staleness and newest.msg.version >= self.buffer.version:
+            freed = self.buffer.evict_stale(newest.msg.version, newest.msg.max_staleness) > 0
+        ready = self.buffer.ready_groups()
         for f in list(self._fetches):
             if only_expired and now < f.deadline:
                 continue
+            # a fetch that cannot be served yet costs a comparison, not a pass over the buffer: 10,000
+            # parked fetches used to make every loop iteration (and so every ingest ack) slow
+            if f.msg.num_groups > ready and now < f.deadline:
+                continue
             res = self.buffer.fetch(f.msg.num_groups, f.msg.version, f.msg.max_staleness)
+            ready = self.buffer.ready_groups()
             freed |= res.pieces is not None or res.evicted > 0
             if res.pieces is None and now < f.deadline:
                 continue
