@@ -147,3 +147,24 @@ def test_failed_samples_do_not_move_their_group_baseline():
     adv = L.advantages(r, g, "reinforce_pp", valid=valid)
     assert float(adv[3]) == 0.0
     close(adv[[0, 1, 2, 4, 5]], [0.5, 0.5, 0.5, -2.0, 0.5])
+
+
+def test_dual_clip_caps_negative_advantage_tokens():
+    """The issue's numbers: A = -1 and ratio e^3 give a loss of e^3 = 20.09; dual-clip c = 3 caps it
+    at 3. Positive advantages and in-range ratios are untouched."""
+    old = torch.zeros(3)
+    logp = torch.tensor([3.0, 3.0, 0.05])
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    plain, _ = L.ppo_surrogate(logp, old, adv, 0.2, 0.28)
+    dual, clipped = L.ppo_surrogate(logp, old, adv, 0.2, 0.28, dual_clip=3.0)
+    assert plain[0].item() == pytest.approx(math.exp(3.0), rel=1e-6) and dual[0].item() == pytest.approx(3.0)
+    assert dual[1] == plain[1] and dual[2] == plain[2]
+    assert clipped.tolist() == [True, True, False]
+
+
+def test_grpo_std_conventions():
+    r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    assert L.advantages(r, g, std="population").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert L.advantages(r, g, std="unbiased").tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    with pytest.raises(ValueError, match="grpo_std"):
+        L.advantages(r, g, std="sample")

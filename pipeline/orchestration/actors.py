@@ -167,6 +167,15 @@ class TrainerActor:
         _threads(cfg.trainer.threads or self.cpus)
         _quiet()
         host, port = master.rsplit(":", 1)
+        import torch
+
+        n_gpu = torch.cuda.device_count()
+        if cfg.trainer.device != "cpu" and 0 < n_gpu <= self.rank:  # rank r drives cuda:r on this node
+            raise RuntimeError(
+                f"trainer rank {self.rank} of {self.world} (trainer.tp*pp*dp) needs GPU {self.rank}, but this "
+                f"node has {n_gpu}; lower trainer.tp/pp/dp or add GPUs (rank r uses cuda:r, and "
+                "rollout.sglang.base_gpu_id must leave them free)"
+            )
         # torch.distributed's env:// rendezvous; one node: rank r drives cuda:r (LOCAL_RANK)
         os.environ.update(
             RANK=str(self.rank),

@@ -14,6 +14,8 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class LossConfig(_Base):
     advantage: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = "grpo"
     grpo_std_norm: bool = True  # divide group-centred rewards by the group std
+    grpo_std: Literal["population", "unbiased"] = "population"  # unbiased = slime's / verl's torch.std
+    dual_clip: float = 0.0  # dual-clip PPO's c (> 1; verl uses 3): caps the loss of A < 0 tokens at -c A
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28  # asymmetric upper clip (DAPO clip-higher); = eps_clip for symmetric
     aggregation: Literal["token", "sample"] = "token"  # token-mean over the batch, or mean of sample means
@@ -36,6 +38,8 @@ class LossConfig(_Base):
             raise ValueError("trainer.loss needs tis_cap > 0 and 0 <= tis_low <= tis_cap")
         if not 0 <= self.mis_low < self.mis_high:
             raise ValueError("trainer.loss needs 0 <= mis_low < mis_high (tokens outside are masked)")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError("trainer.loss.dual_clip must be 0 (off) or > 1 (verl's default is 3)")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("trainer.loss.kl_coef and entropy_coef must be >= 0")
 

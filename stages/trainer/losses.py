@@ -55,13 +55,15 @@ def advantages(
     kind: str = "grpo",
     std_norm: bool = True,
     valid: torch.Tensor | None = None,
+    std: str = "population",
 ) -> torch.Tensor:
     """Sample-level advantages [n] from rewards [n] and group indices [n].
 
     grpo / gspo:            (r - mean_group) / (std_group + eps)   (std division optional)
     reinforce_pp:           r whitened over the batch (REINFORCE++, no baseline)
     reinforce_pp_baseline:  (r - mean_group), then whitened over the batch
-    Population std (correction 0), as in most GRPO implementations.
+    `std`: "population" (correction 0, this project's default) or "unbiased" (Bessel-corrected, as
+    slime's and verl's torch.std): rewards [1, 0] give +-1.0 and +-0.707.
     `valid` [n] bool: samples whose reward is real (not FAILED / ABORTED). Only they enter the group and
     batch statistics, and the others get advantage 0: a verifier crash's placeholder reward of 0 must
     not move its group's baseline.
@@ -78,7 +80,10 @@ def advantages(
         centred = (r - mean[g]) * w
         if not std_norm:
             return centred.float()
-        var = torch.zeros(ng, dtype=r.dtype).index_add(0, g, centred**2) / cnt
+        if std not in ("population", "unbiased"):
+            raise ValueError(f"std must be 'population' or 'unbiased' (trainer.loss.grpo_std), got {std!r}")
+        dof = cnt - 1.0 if std == "unbiased" else cnt
+        var = torch.zeros(ng, dtype=r.dtype).index_add(0, g, centred**2) / dof.clamp(min=1.0)
         return (centred / (var.sqrt()[g] + EPS)).float()
     if kind == "reinforce_pp":
         base = r
@@ -129,16 +134,24 @@ def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfi
 
 
 # -- policy losses -------------------------------------------------------------------------------------
-def ppo_surrogate(logp, logp_old, adv, eps_low: float, eps_high: float):
+def ppo_surrogate(logp, logp_old, adv, eps_low: float, eps_high: float, dual_clip: float = 0.0):
     """Per-token clipped surrogate loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old).
 
-    Returns (loss [T], clipped [T] bool: the clipped branch was the active minimum).
+    `dual_clip` c > 1 (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c): for A < 0 the loss is also
+    capped at -c A, so a token whose ratio ran far up cannot dominate the batch (A = -1, r = e^3:
+    20.09 without, 3 with c = 3). 0 = off. Returns (loss [T], clipped [T] bool: a clip was active).
     """
     ratio = torch.exp(logp - logp_old.detach())
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped).detach()
+    was_clipped = clipped < unclipped
+    if dual_clip:
+        capped = torch.minimum(loss, -dual_clip * adv)
+        dual = (adv < 0) & (capped < loss)
+        loss = torch.where(adv < 0, capped, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped.detach()
 
 
 def gspo_surrogate(logp, logp_old, adv, mask, seq, n: int, eps_low: float, eps_high: float):
@@ -201,7 +214,7 @@ def policy_loss(
     if cfg.advantage == "gspo":
         pg, clipped = gspo_surrogate(logp, logp_old, adv_tok, mask, seq, n, cfg.eps_clip, cfg.eps_clip_high)
     else:
-        pg, clipped = ppo_surrogate(logp, logp_old, adv_tok, cfg.eps_clip, cfg.eps_clip_high)
+        pg, clipped = ppo_surrogate(logp, logp_old, adv_tok, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip)
     per_token = w * pg
     if cfg.kl_coef and logp_ref is not None:
         per_token = per_token + cfg.kl_coef * kl_penalty(logp, logp_ref, cfg.kl_type)

@@ -188,6 +188,7 @@ class Trainer:
             self.tc.loss.advantage,
             self.tc.loss.grpo_std_norm,
             valid=tb.trainable,
+            std=self.tc.loss.grpo_std,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
         mbs = pack(tb, shard, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
