@@ -91,6 +91,13 @@ def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_
     assert first.status == "completed", first.error
     # same directory: the buffer recovers the old uids and the trainer its checkpoint; new samples must
     # not collide with the recovered uids (they would be dropped as duplicates and the trainer would starve)
+    # the generator's data position is kept in the run directory; a re-run continues from it (marked
+    # here as epoch 5, which a fresh start could not reach in two steps)
+    state_file = first.run_dir / "generators" / "gen-0.json"
+    state = json.loads(state_file.read_text())
+    assert state["data"]["index"] > 0 and state["group_counter"] > 0
+    state["data"]["epoch"] = 5
+    state_file.write_text(json.dumps(state))
     # run.steps is the total: the checkpoint is at 4, so the re-run trains steps 5 and 6 only
     again = run_pipeline(
         _cfg(tmp_path, "run.steps=6", "run.timeout_s=60", "trainer.fetch_timeout_s=60"), stop_ray=False
@@ -101,6 +108,8 @@ def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_
     rows = [json.loads(line) for line in (again.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "version" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in rows if r.get("event") == "resume"] == [4]
+    assert json.loads(state_file.read_text())["data"]["epoch"] >= 5
+    assert again.history[-1]["generator/data_epoch"] >= 5
 
 
 @pytest.mark.parametrize("layout", ["trainer.dp=2", "trainer.tp=2"])

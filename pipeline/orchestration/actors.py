@@ -7,6 +7,7 @@ imports happen inside the actors, never in the driver.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -85,6 +86,7 @@ class GeneratorActor:
         weights_address: str | None,
         batch_groups: int,
         cpus: int = 1,
+        state_path: str = "",
     ):
         _threads(cpus)
         from buffer.client import BufferClient
@@ -103,6 +105,21 @@ class GeneratorActor:
         )
         self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
+        # the data position (epoch, index in the epoch's order) continues across incarnations and re-runs
+        # in the same directory: a healed generator or a resumed run does not start the prompts over
+        self.state_path, self._saved_at = state_path, 0.0
+        if state_path and os.path.exists(state_path):
+            with open(state_path) as f:
+                self.gen.load_state_dict(json.load(f))
+
+    def _save_state(self, every_s: float = 5.0) -> None:
+        if not self.state_path or time.monotonic() - self._saved_at < every_s:
+            return
+        tmp = f"{self.state_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.gen.state_dict(), f)
+        os.replace(tmp, self.state_path)  # atomic: a kill leaves the old state or the new one
+        self._saved_at = time.monotonic()
 
     def ident(self) -> str:
         """This incarnation's generator id (the weight receiver's engine name, the uid prefix)."""
@@ -121,12 +138,14 @@ class GeneratorActor:
     async def stats(self) -> dict:
         out = dict(self.gen.stats())
         out["engine_version"] = self.engine.version
+        self._save_state()
         if self.receiver is not None and self.receiver.error:
             raise RuntimeError(f"{self.id}: weight receiver failed: {self.receiver.error}")
         return out
 
     async def stop(self) -> None:
         self.gen.stop()
+        self._save_state(every_s=0.0)
 
     async def close(self) -> None:
         if self.receiver is not None:

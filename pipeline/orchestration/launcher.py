@@ -162,9 +162,14 @@ class Pipeline:
         shares = [bg // n_gen + (i < bg % n_gen) for i in range(n_gen)]
 
         def generators(weights_addr):
+            (self.run_dir / "generators").mkdir(exist_ok=True)
+
             def one(i: int):
+                state = str(
+                    self.run_dir / "generators" / f"gen-{i}.json"
+                )  # data position, see GeneratorActor
                 return GeneratorActor.options(**on(gen_bundle + i)).remote(
-                    cfg, i, buffer_addr, weights_addr, shares[i]
+                    cfg, i, buffer_addr, weights_addr, shares[i], state_path=state
                 )
 
             self._new_generator = one
@@ -344,6 +349,9 @@ class Pipeline:
         if busy + idle > 0:
             out["generator/idle_share"] = idle / (busy + idle)
         out["generator/engine_version_min"] = min(s.get("engine_version", 0) for s in stats)
+        # dataset lines skipped as malformed (rollout.data.on_bad_line=skip), and where the data stands
+        out["generator/bad_lines"] = sum(s.get("data", {}).get("bad_lines", 0) for s in stats)
+        out["generator/data_epoch"] = max(s.get("data", {}).get("epoch", 0) for s in stats)
         return out
 
     def _rates(self, m: dict) -> None:
