@@ -84,13 +84,17 @@ def _load_dir(target: str):
             torn.append(vars(rep))
     table = pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
     state: dict[str, str] = {}
+    served_at: dict[str, int] = {}  # the trainer version when the row was served: its real staleness
     version = 0
     for r in iter_log(d):
         version = max(version, r.v)
         for u in r.uids:
             state[u] = "served" if r.op == "served" else "evicted"
-    states = [state.get(u, "live") for u in table.column("uid").to_pylist()]
-    table = table.append_column("state", pa.array(states, pa.string()))
+            if r.op == "served":
+                served_at.setdefault(u, r.v)
+    uids = table.column("uid").to_pylist()
+    table = table.append_column("state", pa.array([state.get(u, "live") for u in uids], pa.string()))
+    table = table.append_column("served_at", pa.array([served_at.get(u, -1) for u in uids], pa.int64()))
     return table, {"version": version, "stats": None, "torn": torn}
 
 
@@ -131,13 +135,14 @@ def summary(table, info, version: int | None) -> None:
         hist.add_row(str(s), str(n))
     con.print(hist)
     by = Table(title="reward by oldest token version")
-    for c in ("version", "rows", "mean", "std", "min", "max"):
+    for c in ("versions", "rows", "mean", "std", "min", "max"):
         by.add_column(c, justify="right")
-    for ver in np.unique(minv):
-        r = reward[minv == ver]
-        by.add_row(
-            str(ver), str(len(r)), f"{r.mean():.3f}", f"{r.std():.3f}", f"{r.min():.3f}", f"{r.max():.3f}"
-        )
+    # at most ~10 rows, however long the run: did the reward rise is the question, not each version
+    versions = np.unique(minv)
+    for chunk in np.array_split(versions, min(10, len(versions))) if len(versions) else []:
+        r = reward[(minv >= chunk[0]) & (minv <= chunk[-1])]
+        span = str(chunk[0]) if chunk[0] == chunk[-1] else f"{chunk[0]}-{chunk[-1]}"
+        by.add_row(span, str(len(r)), f"{r.mean():.3f}", f"{r.std():.3f}", f"{r.min():.3f}", f"{r.max():.3f}")
     con.print(by)
 
 
@@ -188,17 +193,23 @@ def plot(table, info, out: str, version: int | None) -> None:
     v = info["version"] if version is None else version
     minv = table.column("min_version").to_numpy()
     reward = table.column("reward").to_numpy()
-    vers = np.unique(minv)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.hist(v - minv, bins=max(1, len(vers)))
-    a.set(title=f"staleness at version {v}", xlabel="version - oldest token version", ylabel="rows")
-    b.errorbar(
-        vers,
-        [reward[minv == x].mean() for x in vers],
-        yerr=[reward[minv == x].std() for x in vers],
-        marker="o",
-    )
-    b.set(title="reward by version", xlabel="oldest token version", ylabel="reward")
+    served = table.column("served_at").to_numpy() if "served_at" in table.column_names else None
+    if served is not None and (served >= 0).any():  # the staleness each row had when it was trained
+        st = (served - minv)[(served >= 0) & (minv >= 0)]
+        a.hist(st, bins=np.arange(st.min(), st.max() + 2) - 0.5)
+        a.set(title="staleness when trained", xlabel="serving version - oldest token version", ylabel="rows")
+    else:  # a live server: no consumption log here, only the distance to the current version
+        a.hist(v - minv, bins=max(1, len(np.unique(minv))))
+        a.set(title=f"staleness at version {v}", xlabel="version - oldest token version", ylabel="rows")
+    vers = np.unique(minv)
+    bins = np.array_split(vers, min(50, len(vers))) if len(vers) else []  # <= 50 points, however long the run
+    centre = [c.mean() for c in bins]
+    means = np.array([reward[(minv >= c[0]) & (minv <= c[-1])].mean() for c in bins])
+    stds = np.array([reward[(minv >= c[0]) & (minv <= c[-1])].std() for c in bins])
+    b.plot(centre, means, marker=".")
+    b.fill_between(centre, means - stds, means + stds, alpha=0.2)
+    b.set(title="reward by version (mean, +-1 std)", xlabel="oldest token version", ylabel="reward")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 

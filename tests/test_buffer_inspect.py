@@ -110,3 +110,36 @@ def test_samples_decode_with_a_built_in_model_name_and_a_bad_one_is_named(tmp_pa
     assert "prompt" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--tokenizer /nonexistent/model"):
         main(["samples", str(tmp_path / "buf"), "--limit", "1", "--tokenizer", "/nonexistent/model"])
+
+
+def test_summary_bins_the_reward_table_for_long_runs(tmp_path, capsys):
+    """A run of many versions gets at most 10 rows of reward by version, not one per version."""
+    from buffer.storage import Buffer
+
+    buf = Buffer(BufferConfig(), tmp_path / "buf")
+    for v in range(40):
+        buf.insert(synthetic_samples(1, version=v, prefix=f"v{v}"))
+    buf.close()
+    main(["summary", str(tmp_path / "buf")])
+    out = capsys.readouterr().out
+    table = out[out.index("reward by oldest token version") :]
+    rows = [line for line in table.splitlines() if line.strip().startswith("│") and "-" in line.split("│")[1]]
+    assert 1 <= len(rows) <= 10 and "0-3" in table and "36-39" in table
+
+
+def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
+    from buffer.inspect import load
+    from buffer.storage import Buffer
+
+    buf = Buffer(BufferConfig(), tmp_path / "buf")
+    buf.insert(synthetic_samples(1, version=0, prefix="a"))
+    buf.insert(synthetic_samples(1, version=3, prefix="b"))
+    buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
+    buf.fetch(1, version=9, max_staleness=10)  # b (version 3) trained at 9
+    buf.close()
+    table, _ = load(str(tmp_path / "buf"))
+    got = {
+        u[0]: s - m
+        for u, s, m in zip(*(table.column(c).to_pylist() for c in ("uid", "served_at", "min_version")))
+    }
+    assert got == {"a": 2, "b": 6}  # not "distance to the final version" (9 and 6)
