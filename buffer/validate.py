@@ -68,10 +68,9 @@ def _values(col: pa.Array) -> np.ndarray:
     return col.flatten().to_numpy(zero_copy_only=False)
 
 
-def _check_values(batch: pa.RecordBatch) -> None:
-    """Value bounds (pipeline.sample.value_problem) over whole columns; on a violation, redo the check
-    row by row to name the sample."""
-    cols = {
+def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    """The arrays pipeline.sample.value_problem checks, for all rows of `batch`."""
+    return {
         "reward": batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
         "group_size": batch.column("group_size").to_numpy(),
         "token_ids": np.concatenate(
@@ -81,20 +80,16 @@ def _check_values(batch: pa.RecordBatch) -> None:
         "versions": _values(batch.column("versions")),
         "loss_mask": _values(batch.column("loss_mask")),
     }
-    if not value_problem(**cols):
+
+
+def _check_values(batch: pa.RecordBatch) -> None:
+    """Value bounds (pipeline.sample.value_problem) over whole columns; on a violation, redo the check
+    row by row to name the sample."""
+    if not value_problem(**_value_columns(batch)):
         return
     for i in range(batch.num_rows):
         row = batch.slice(i, 1)
-        problem = value_problem(
-            reward=row.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
-            group_size=row.column("group_size").to_numpy(),
-            token_ids=np.concatenate(
-                [_values(row.column("prompt_ids")), _values(row.column("response_ids"))]
-            ),
-            logprobs=_values(row.column("rollout_logprobs")),
-            versions=_values(row.column("versions")),
-            loss_mask=_values(row.column("loss_mask")),
-        )
+        problem = value_problem(**_value_columns(row))
         if problem:
             raise ProtocolError(f"sample {row.column('uid')[0].as_py()}: {problem}", "invalid_sample")
 

@@ -41,9 +41,8 @@ RESPONSE_ALIGNED = ("response_ids", "rollout_logprobs", "versions", "loss_mask")
 # A NaN or infinite reward or logprob poisons the loss of its whole batch (and every later step through
 # the weights); a group that can never complete holds buffer capacity forever.
 MAX_GROUP_SIZE = 4096
-LOGPROB_SLACK = (
-    1e-4  # a logprob is log p <= 0; float rounding of an engine's log-softmax may exceed 0 by less
-)
+# a logprob is log p <= 0; float rounding of an engine's log-softmax may exceed 0 by less than this
+LOGPROB_SLACK = 1e-4
 
 
 def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mask) -> str:

@@ -106,6 +106,7 @@ class Pipeline:
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
+        import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -130,8 +131,6 @@ class Pipeline:
             f"trainer.tp*pp*dp, {n_gen} generator(s){', eval' if use_eval else ''}); lower "
             "rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus"
         )
-        import ray
-
         have = ray.cluster_resources().get("CPU", 0)
         if have < len(bundles):  # say so now, not after run.timeout_s of waiting for the placement group
             raise StageFailed(f"{no_room} (Ray has {have:g} CPUs)")
@@ -165,9 +164,8 @@ class Pipeline:
             (self.run_dir / "generators").mkdir(exist_ok=True)
 
             def one(i: int):
-                state = str(
-                    self.run_dir / "generators" / f"gen-{i}.json"
-                )  # data position, see GeneratorActor
+                # the generator's data position, kept across incarnations (see GeneratorActor)
+                state = str(self.run_dir / "generators" / f"gen-{i}.json")
                 return GeneratorActor.options(**on(gen_bundle + i)).remote(
                     cfg, i, buffer_addr, weights_addr, shares[i], state_path=state
                 )
@@ -177,8 +175,6 @@ class Pipeline:
 
         def trainer(urls):
             """All ranks set up together (each blocks in the process-group rendezvous until all are in)."""
-            import ray
-
             self.trainers = [TrainerActor.options(**on(k)).remote(k, n_ranks) for k in range(n_ranks)]
             one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
             master = self._wait(self.trainers[0].master_address.remote(one_node), "trainer rank 0")
@@ -298,9 +294,10 @@ class Pipeline:
 
     def _heal_generator(self, ref) -> None:
         """A generator's run ended before the run did. If it raised, the run stops with its error (a
-        restart would raise again). If its process died, start a new incarnation in its place, which connects to the trainer's weight sender and gets the current
-        weights at once. A generator that dies `run.max_restarts` times within
-        `run.restart_window_s` stops the run with its name and last error."""
+        restart would raise again). If its process died, start a new incarnation in its place, which
+        connects to the trainer's weight sender and gets the current weights at once. A generator
+        that dies more than `run.max_restarts` times within `run.restart_window_s` stops the run with
+        its name and last error."""
         import ray
 
         name = self.gen_runs.pop(ref)
@@ -312,16 +309,16 @@ class Pipeline:
             error = _root_error(e)
         except ray.exceptions.RayTaskError as e:  # it raised: a restart would raise the same again
             raise StageFailed(f"{name} failed: {_root_error(e)}") from None
+        if self.cfg.rollout.engine == "sglang":
+            raise StageFailed(f"{name} died (SGLang generators are not restarted yet): {error}")
         now = time.monotonic()
         deaths = [t for t in self.deaths.get(name, []) if now - t < self.cfg.run.restart_window_s] + [now]
         self.deaths[name] = deaths
-        if len(deaths) > self.cfg.run.max_restarts or self.cfg.rollout.engine == "sglang":
-            why = (
-                f"died {len(deaths)} times within run.restart_window_s={self.cfg.run.restart_window_s:.0f}s"
-                if self.cfg.rollout.engine != "sglang"
-                else "stopped (SGLang generators are not restarted yet)"
+        if len(deaths) > self.cfg.run.max_restarts:
+            raise StageFailed(
+                f"{name} died {len(deaths)} times within run.restart_window_s="
+                f"{self.cfg.run.restart_window_s:.0f}s; last error: {error}"
             )
-            raise StageFailed(f"{name} {why}; last error: {error}")
         log.warning("%s died (%s); starting a new incarnation (%d in the window)", name, error, len(deaths))
         ray.kill(self.generators[i], no_restart=True)
         self._wait(self.trainer.forget_engine.remote(self.gen_ids[i]), "trainer")

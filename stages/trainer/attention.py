@@ -29,6 +29,14 @@ except ImportError:  # torch < 2.10
     _VARLEN_ARGS = set()
 
 
+def _scale(attn: DotProductAttention) -> float:
+    """The softmax scale megatron's attention applies (it folds 1/layer into query-key layer scaling)."""
+    scale = attn.softmax_scale
+    if attn.config.apply_query_key_layer_scaling:
+        scale *= attn.layer_number
+    return scale
+
+
 class SDPAttention(DotProductAttention):
     def forward(
         self,
@@ -54,9 +62,7 @@ class SDPAttention(DotProductAttention):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if rep > 1:  # grouped-query attention: every query head gets its group's key/value
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scale = self.softmax_scale
-        if self.config.apply_query_key_layer_scaling:  # the parent folds 1/layer into the scale
-            scale *= self.layer_number
+        scale = _scale(self)
         ctx = F.scaled_dot_product_attention(
             q,
             k,
@@ -79,7 +85,7 @@ class VarlenAttention(DotProductAttention):
 
     The row keeps continuous positions (megatron's 'sbhd' layout with a batch of one), which is
     exact under RoPE, whose scores depend only on relative positions within a sequence; see
-    packing.PackedRow for why `max_seqlen_q` carries the row length.
+    model.packed_row_params for why `max_seqlen_q` carries the row length.
     """
 
     def forward(
@@ -107,9 +113,7 @@ class VarlenAttention(DotProductAttention):
         t = query.shape[0]
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [t, heads, hn]
         cu = packed_seq_params.cu_seqlens_q
-        scale = self.softmax_scale
-        if self.config.apply_query_key_layer_scaling:
-            scale *= self.layer_number
+        scale = _scale(self)
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _HAVE_VARLEN:
             ctx = _flash_varlen(q, k, v, cu, packed_seq_params.max_segment_len, scale)
         else:

@@ -223,7 +223,8 @@ def head_logprobs(
 
     `fp32_logits=False` rounds the logits to the activation dtype first, as an engine without an
     fp32 LM head does. `vocab_size`: the real vocabulary when the weight's rows are padded to a
-    multiple of TP (hf_mapping.padded_vocab); the padding columns are left out of the softmax. The entropy carries gradient only with `entropy_grad` (an entropy bonus).
+    multiple of TP (hf_mapping.padded_vocab); the padding columns are left out of the softmax.
+    The entropy carries gradient only with `entropy_grad` (an entropy bonus).
     """
     if hidden.ndim != 2 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(

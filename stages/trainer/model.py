@@ -113,7 +113,7 @@ def use_te(spec: str) -> bool:
     return have if spec == "auto" else spec == "te"
 
 
-def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: str | bool = False):
+def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf_mapping.check_supported(hc)
@@ -150,7 +150,7 @@ def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: str | boo
         kw.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if not cpu:  # megatron's jit-fused SwiGLU (no bias): one kernel instead of silu, mul and their grads
         kw.update(bias_activation_fusion=True)
-    if recompute in (True, "full"):  # every layer's activations recomputed in the backward
+    if recompute:  # full recompute: every layer's activations recomputed in the backward
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)
 

@@ -124,14 +124,11 @@ def pack(
     tb: TokenBatch,
     samples: list[int],
     micro_batch_tokens: int,
-    one_per_row: bool = False,
     packed_row: bool = False,
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches.
 
-    `packed_row`: one row per micro-batch holding up to `micro_batch_tokens` (the varlen layout).
-    `one_per_row`: length-bucketed rows of one sequence each, for attention kernels that apply only
-    a plain causal mask.
+    `packed_row`: one row per micro-batch holding up to `micro_batch_tokens` (the varlen and TE layout).
     """
     plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
     seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
@@ -147,7 +144,7 @@ def pack(
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(samples, key=lambda i: -seq_len[i]):
-        k = None if one_per_row else next((k for k, r in enumerate(room) if r >= seq_len[i]), None)
+        k = next((k for k, r in enumerate(room) if r >= seq_len[i]), None)
         if k is None:
             rows.append([])
             room.append(row_len)
