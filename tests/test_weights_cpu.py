@@ -4,6 +4,7 @@ then match the trainer's (fp32, <= 1e-4); failures and timeouts raise in the tra
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import time
 
 import pytest
@@ -192,3 +193,37 @@ def test_garbage_from_an_engine_does_not_stop_the_sender():
     sender.push(1, [("w", torch.zeros(4))]).result(timeout=10)  # no engines registered: done at once
     bad.close(0)
     sender.close()
+
+
+def test_forgetting_an_engine_frees_a_push_waiting_for_it():
+    """An engine that dies after receiving a push never acks it: the push would wait its whole timeout.
+    `forget` (what the launcher calls when it heals that generator) ends the wait at once, and the
+    next push goes to the replacement alone."""
+    import threading
+
+    gate = threading.Event()
+
+    class Stuck(FakeEngine):
+        def update_weights(self, named, version):
+            gate.wait(30)  # never acks while held: as good as dead for the sender
+            super().update_weights(named, version)
+
+    sender = ZmqWeightSender(timeout_s=60, min_engines=1)
+    stuck = WeightReceiver(sender.address, Stuck(), name="stuck")
+    fresh = None
+    try:
+        handle = sender.push(1, [("w", torch.zeros(4))])
+        with pytest.raises(cf.TimeoutError):
+            handle.future.result(timeout=0.5)  # waiting for the stuck engine's ack
+        sender.forget("stuck")
+        stats = handle.future.result(timeout=10)
+        assert stats["version"] == 1 and stats["engines"] == 0
+        fresh_engine = FakeEngine()
+        fresh = WeightReceiver(sender.address, fresh_engine, name="replacement")
+        assert sender.push(2, [("w", torch.ones(4))]).future.result(timeout=10)["engines"] == 1
+        assert fresh_engine.version == 2
+    finally:
+        gate.set()
+        stuck.close(), sender.close()
+        if fresh is not None:
+            fresh.close()
