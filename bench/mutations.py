@@ -13,8 +13,10 @@ the trainer, buffer durability, weight push, staleness or admission; the table g
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -210,6 +212,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of mutation names")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per mutation")
+    ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results", "mutations.jsonl"))
     a = ap.parse_args()
     chosen = [m for m in MUTATIONS if not a.only or m.name in a.only.split(",")]
     t0 = time.monotonic()
@@ -231,17 +234,19 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     missed = [r["name"] for r in rows if r["verdict"] != "caught"]
-    print(
-        json.dumps(
-            {
-                "caught": len(rows) - len(missed),
-                "total": len(rows),
-                "missed": missed,
-                "seconds": round(time.monotonic() - t0, 1),
-                "rows": rows,
-            }
-        )
-    )
+    out = {
+        "caught": len(rows) - len(missed),
+        "total": len(rows),
+        "missed": missed,
+        "seconds": round(time.monotonic() - t0, 1),
+        "rows": rows,
+        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
+        "date": datetime.date.today().isoformat(),
+    }
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
