@@ -90,6 +90,25 @@ def test_killed_generator_is_replaced_and_the_run_finishes(tmp_path, ray_session
     assert set(served) <= stored
 
 
+def test_a_generator_that_dies_between_steps_is_healed_when_its_stats_are_read(tmp_path, ray_session):
+    """The race CI hit: a generator killed after the trainer step returned, before the driver read the
+    generators' counters. Before: the run stopped with "generator gen-0 failed: The actor is dead"."""
+    import ray
+
+    cfg = _cfg(tmp_path, "run.steps=5")
+    pipe = Pipeline(cfg, tmp_path / "run")
+    try:
+        pipe.start()
+        old = pipe.generators[0]
+        os.kill(ray.get(old.pid.remote(), timeout=30), signal.SIGKILL)
+        m = pipe._generator_metrics()
+        assert pipe.generators[0] is not old and sum(map(len, pipe.deaths.values())) == 1
+        assert m["generator/engine_version_min"] >= 0
+        assert ray.get(pipe.generators[0].stats.remote(), timeout=30) is not None
+    finally:
+        pipe.shutdown(failed=True)
+
+
 def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_session):
     cfg = _cfg(tmp_path, "run.steps=40", "run.max_restarts=1")
     with pytest.raises(StageFailed, match=r"generator gen-0 died 2 times within run.restart_window_s"):

@@ -326,8 +326,24 @@ class Pipeline:
         self.gen_ids[i] = self._wait(self.generators[i].ident.remote(), name)
         self.gen_runs[self.generators[i].run.remote()] = name
 
+    def _generator_stats(self, i: int) -> dict:
+        """Generator i's counters. One whose process died since the trainer step (its run() has not
+        been noticed yet) is healed here, and counts nothing this step."""
+        import ray
+
+        name = f"generator gen-{i}"
+        try:
+            return ray.get(self.generators[i].stats.remote(), timeout=self.cfg.run.timeout_s)
+        except ray.exceptions.RayActorError:
+            self._heal_generator(next(r for r, n in self.gen_runs.items() if n == name))
+            return {}
+        except ray.exceptions.GetTimeoutError:
+            raise StageFailed(
+                f"{name} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
+            ) from None
+
     def _generator_metrics(self) -> dict:
-        stats = [self._wait(g.stats.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)]
+        stats = [self._generator_stats(i) for i in range(len(self.generators))]
         out: dict = {}
         for key in (
             "samples",
@@ -345,7 +361,9 @@ class Pipeline:
         idle = sum(s.get("engine_idle_s", 0.0) for s in stats)
         if busy + idle > 0:
             out["generator/idle_share"] = idle / (busy + idle)
-        out["generator/engine_version_min"] = min(s.get("engine_version", 0) for s in stats)
+        out["generator/engine_version_min"] = min(
+            (s["engine_version"] for s in stats if "engine_version" in s), default=0
+        )
         # dataset lines skipped as malformed (rollout.data.on_bad_line=skip), and where the data stands
         out["generator/bad_lines"] = sum(s.get("data", {}).get("bad_lines", 0) for s in stats)
         out["generator/data_epoch"] = max(s.get("data", {}).get("epoch", 0) for s in stats)
