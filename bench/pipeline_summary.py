@@ -14,6 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.orchestration.metrics import plot_history, read_history  # noqa: E402
@@ -48,8 +50,15 @@ def summarise(run_dir: Path) -> dict:
     push = _med(rows[2:], "push/prev_seconds") or _med(rows[2:], "push/seconds")
     raw = _med(rows[2:], "push/prev_transfer_s")
     k = max(1, len(rows) // 10)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    t = cfg["trainer"]
     out = {
+        "config": cfg["run"]["name"],
+        "model": cfg["model"]["name"],
+        "trainer_gpus": t["tp"] * t["pp"] * t["dp"] if t["device"] == "cuda" else 0,
+        "trainer_parallel": f"tp{t['tp']} pp{t['pp']} dp{t['dp']}",
         "steps": len(rows),
+        "steps_per_s": round((len(steady) - 1) / span, 3) if span > 0 else None,
         "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
         "rollout_tokens_per_s": round(gen_tokens / span, 1) if span > 0 else None,
         "trainer_tokens_per_s": round(train_tok / train_s, 1) if train_s > 0 else None,
@@ -59,6 +68,8 @@ def summarise(run_dir: Path) -> dict:
         "push_raw_transfer_s_median": raw,
         "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,
         "push_bytes": _med(rows, "push/prev_bytes"),
+        # the trainer's side of a push: gather the shards, copy the weights (weights.snapshot); blocks training
+        "push_snapshot_s_median": _med(rows[2:], "push/snapshot_s"),
         # token-weighted over the steps that had any tokens made by exactly the trainer's weights
         "logp_abs_diff_same_version": _same_version_gap(rows),
         "same_version_tokens": int(sum(r.get("logp/same_version_tokens", 0) for r in rows)),

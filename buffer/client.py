@@ -26,6 +26,7 @@ import zmq
 from buffer.frames import batches_to_frames, frames_to_batches
 from buffer.transport import BatchSource, BufferUnavailable, SampleSink
 from pipeline import wire
+from pipeline.curve import CurveKeys, secure_client
 from pipeline.sample import Sample, samples_to_batch
 
 
@@ -66,6 +67,8 @@ class BufferClient(SampleSink, BatchSource):
     resend_s: resend an unacked ingest after this long.
     timeout_s: default for how long any call waits before raising BufferUnavailable.
     max_batch_samples: `put` splits larger lists into messages of this many samples.
+    curve: the run's `CurveKeys`, for a buffer that requires CURVE (pipeline/curve.py); without them
+        such a buffer refuses the connection and every call times out.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class BufferClient(SampleSink, BatchSource):
         timeout_s: float = 60.0,
         max_batch_samples: int = 1024,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ):
         if window < 1 or window_mb <= 0:
             raise ValueError(
@@ -94,6 +98,9 @@ class BufferClient(SampleSink, BatchSource):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._curve = curve is not None
+        if curve is not None:
+            secure_client(self._sock, curve)
         self._sock.connect(address)
         self._seq = itertools.count(1)
         self._req = itertools.count(1)
@@ -262,10 +269,20 @@ class BufferClient(SampleSink, BatchSource):
             return False
 
     def _unavailable(self, what: str, waited: float) -> BufferUnavailable:
+        # A CURVE refusal looks like silence from here (the handshake fails, no reply ever comes), so
+        # the hint names it as one possible cause.
+        keys = (
+            "that this client holds this run's CURVE keys (the buffer refuses and counts others: "
+            "auth_refused in its stats)"
+            if self._curve
+            else "that it does not require CURVE keys (a multi-node run's buffer does; a client started "
+            "outside the run cannot connect)"
+        )
         return BufferUnavailable(
             f"buffer at {self.address} did not send {what} within {waited:.1f}s; check that the buffer "
-            f"server is running and reachable there (python -m buffer serve --bind {self.address}), and "
-            "whether it is full (back-pressure holds acks until the trainer fetches: see its stats)"
+            f"server is running and reachable there (python -m buffer serve --bind {self.address}), "
+            f"whether it is full (back-pressure holds acks until the trainer fetches: see its stats), and "
+            f"{keys}"
         )
 
     def _pump(

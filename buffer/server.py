@@ -13,6 +13,10 @@ producer's resends of a parked message are recognized by (producer, seq) and not
 
 Anything malformed becomes an `Error(reason)` reply and a count in stats()["rejects"]; the loop
 catches every exception per message, so no input can stop the server.
+
+With `curve` (the run's `CurveKeys`, pipeline/curve.py) the socket speaks CURVE and accepts only the
+run's client key; a refused peer never gets a message through or a reply back, and is counted in
+stats()["auth_refused"].
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from buffer.frames import batches_to_frames, frames_to_batches
 from buffer.storage import Buffer, Plan
 from buffer.validate import check_batch, read_ipc_batch
 from pipeline import wire
+from pipeline.curve import CurveGuard, CurveKeys, secure_server
 from pipeline.sample import samples_to_batch
 
 log = logging.getLogger("buffer.server")
@@ -102,6 +107,7 @@ class BufferServer:
         bind: str | None = None,
         buffer: Buffer | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ):
         self.cfg = cfg or BufferConfig()
         self.bind_address = bind or self.cfg.bind
@@ -109,6 +115,8 @@ class BufferServer:
         self.buffer = buffer if buffer is not None else Buffer(self.cfg, directory)
         self.max_bytes = self.cfg.max_message_mb << 20
         self._ctx = context or zmq.Context.instance()
+        self.curve = curve
+        self._guard: CurveGuard | None = None  # counts refused CURVE handshakes while serving
         self._address: str | None = None
         self._bound = threading.Event()
         self._stop = threading.Event()
@@ -200,7 +208,10 @@ class BufferServer:
                 pass
 
         self.buffer.on_durable(wake)
+        guard = None
         try:
+            if self.curve is not None:  # before bind: the first peer already meets CURVE
+                guard = self._guard = secure_server(sock, self.curve)
             try:
                 _warm_up()
             except Exception:  # only a speed-up: a real ingest reports whatever this hit
@@ -211,6 +222,8 @@ class BufferServer:
             self._loop(sock, wake_r)
         finally:
             sock.close(0)
+            if guard is not None:
+                guard.close()
             self.buffer.on_durable(None)
             self.buffer.close()
             os.close(wake_r)
@@ -493,5 +506,7 @@ class BufferServer:
         s["parked_ingests"] = len(self._parked)
         s["unacked_ingests"] = len(self._unacked)  # committed, waiting for their segment fsync
         s["address"] = self._address
+        s["curve"] = self.curve is not None
+        s["auth_refused"] = self._guard.refused if self._guard is not None else 0
         s.update(self.counters)
         return s

@@ -67,6 +67,19 @@ class ClusterConfig(Base):
     address: str = "local"  # "local": Ray in-process on this machine; "auto" or host:port joins a cluster
     num_cpus: int = 0  # 0 = let Ray detect
     num_gpus: int = 0
+    # GPU layout, as slime's --actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-gpus and
+    # --colocate (--rollout-num-gpus-per-engine is rollout.sglang.tp_size). Ray picks the GPUs.
+    # trainer_gpus_per_node > 0: the trainer has trainer_num_nodes x trainer_gpus_per_node GPUs, and
+    # trainer.dp, when not given, is derived from them (dp = GPUs / (tp * pp)).
+    trainer_num_nodes: int = 1
+    trainer_gpus_per_node: int = 0
+    # all engines' GPUs; 0 = whatever rollout.num_generators x engines_per_generator x sglang.tp_size need
+    rollout_num_gpus: int = 0
+    colocate: bool = False  # the engines share the trainer's GPUs (weights.transport=cuda_ipc)
+    # custom Ray resources added to each trainer rank's bundle (the buffer's too) and to each generator's
+    # (and eval's), to pin them to nodes started with `ray start --resources '{"trainer_node": 8}'`
+    trainer_resources: dict[str, float] = msgspec.field(default_factory=dict)
+    rollout_resources: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EvalConfig(Base):
@@ -165,8 +178,31 @@ def from_dict(tree: dict, where: str = "config") -> RunConfig:
         cfg = msgspec.convert(tree, RunConfig, strict=False)  # lets "1e-2" (a YAML string) be a float
     except msgspec.ValidationError as e:
         raise ConfigError(f"{where}: {_dotted(str(e))}") from None
+    cfg = _derive_dp(cfg, dp_given="dp" in (tree.get("trainer") or {}))
     validate(cfg)
     return cfg
+
+
+def _derive_dp(cfg: RunConfig, dp_given: bool) -> RunConfig:
+    """trainer.dp from the trainer's GPUs (cluster.trainer_num_nodes x trainer_gpus_per_node), as slime
+    derives it; a dp that was given must agree with them."""
+    c, t = cfg.cluster, cfg.trainer
+    if c.trainer_gpus_per_node < 0 or c.trainer_num_nodes < 1 or c.rollout_num_gpus < 0:
+        raise ConfigError(
+            "cluster.trainer_num_nodes must be >= 1, trainer_gpus_per_node and rollout_num_gpus >= 0"
+        )
+    if not c.trainer_gpus_per_node:
+        return cfg
+    gpus = c.trainer_num_nodes * c.trainer_gpus_per_node
+    if gpus % (t.tp * t.pp) or (dp_given and gpus != t.tp * t.pp * t.dp):
+        raise ConfigError(
+            f"cluster.trainer_num_nodes x trainer_gpus_per_node = {gpus} trainer GPUs, which is not "
+            f"trainer.tp*pp{'*dp' if dp_given else ' times a whole dp'} = {t.tp}*{t.pp}"
+            f"{f'*{t.dp}' if dp_given else ''}; change the GPUs or the parallel sizes"
+            f"{' (or leave trainer.dp out: it is derived)' if dp_given else ''}"
+        )
+    dp = gpus // (t.tp * t.pp)
+    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, dp=dp))
 
 
 def _dotted(msg: str) -> str:
@@ -198,6 +234,27 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.num_generators={cfg.rollout.num_generators} > trainer.batch_groups="
             f"{cfg.trainer.batch_groups}: each generator needs at least one group of every batch"
+        )
+    r, c = cfg.rollout, cfg.cluster
+    if c.rollout_num_gpus and not c.colocate and r.engine == "sglang":
+        need = r.num_generators * r.engines_per_generator * r.sglang.tp_size
+        if c.rollout_num_gpus != need:
+            raise ConfigError(
+                f"cluster.rollout_num_gpus={c.rollout_num_gpus}, but rollout.num_generators x "
+                f"engines_per_generator x sglang.tp_size = {r.num_generators} x {r.engines_per_generator} x "
+                f"{r.sglang.tp_size} = {need} GPUs; make them agree (e.g. rollout.engines_per_generator="
+                f"{max(1, c.rollout_num_gpus // max(1, r.num_generators * r.sglang.tp_size))})"
+            )
+    if cfg.weights.transport in ("cuda_ipc", "nccl") and (cfg.weights.transport == "cuda_ipc") != c.colocate:
+        raise ConfigError(
+            "weights.transport=cuda_ipc pushes to engines on the trainer's own GPUs, which is "
+            "cluster.colocate=true; set both, or neither (weights.transport=nccl for engines on GPUs of "
+            f"their own); got transport={cfg.weights.transport}, colocate={c.colocate}"
+        )
+    if c.colocate and r.engine == "sglang" and (r.sglang.tp_size != 1 or r.engines_per_generator != 1):
+        raise ConfigError(
+            "cluster.colocate=true puts one engine on each trainer GPU: it needs rollout.sglang.tp_size=1 "
+            "and rollout.engines_per_generator=1"
         )
     if cfg.eval.every_steps and cfg.rollout.engine != "torch":
         raise ConfigError(

@@ -32,18 +32,50 @@ def _threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
+def _reachable(cfg):
+    """cfg with this node's IP in place of the loopback binds (buffer, CPU weight transport, SGLang
+    servers): on a cluster of several nodes every stage must be reachable from the others."""
+    import msgspec
+
+    from pipeline.net import on_host
+
+    ip, rep = ray.util.get_node_ip_address(), msgspec.structs.replace
+    return rep(
+        cfg,
+        buffer=rep(cfg.buffer, bind=on_host(cfg.buffer.bind, ip)),
+        weights=rep(cfg.weights, bind=on_host(cfg.weights.bind, ip)),
+        rollout=rep(cfg.rollout, sglang=rep(cfg.rollout.sglang, host=on_host(cfg.rollout.sglang.host, ip))),
+    )
+
+
+def _advertised(address: str) -> str:
+    """A server bound to every interface (0.0.0.0) is reached at this node's IP."""
+    return address.replace("://0.0.0.0:", f"://{ray.util.get_node_ip_address()}:")
+
+
+class _Located:
+    def where(self) -> dict:
+        """The node and GPUs Ray put this actor on (the driver orders trainer ranks by it, and records
+        it in <run dir>/placement.json)."""
+        from pipeline.orchestration.placement import local_gpus
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "gpus": local_gpus()}
+
+
 @ray.remote(num_cpus=0, concurrency_groups={"watch": 1})
-class BufferActor:
+class BufferActor(_Located):
     """Hosts the ZeroMQ buffer server in a thread; its data lives in the run directory."""
 
-    def __init__(self, cfg, directory: str):
+    def __init__(self, cfg, directory: str, reachable: bool = False, curve=None):
         import threading
 
         from buffer.memory import reserve
         from buffer.server import BufferServer
 
+        cfg = _reachable(cfg) if reachable else cfg
         self.memory = reserve(cfg.buffer.reserve_mb)  # before the server's socket exists
-        self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None).start()
+        self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None, curve=curve).start()
         self.stopped = threading.Event()
 
     @ray.method(concurrency_group="watch")
@@ -54,7 +86,7 @@ class BufferActor:
         return "stopped"
 
     def address(self) -> str:
-        return self.server.address
+        return _advertised(self.server.address)
 
     def pid(self) -> int:
         return os.getpid()
@@ -75,7 +107,7 @@ class BufferActor:
 
 
 @ray.remote
-class GeneratorActor:
+class GeneratorActor(_Located):
     """An engine, the receiving end of the weight transport, and the generator loop (asyncio)."""
 
     def __init__(
@@ -87,9 +119,12 @@ class GeneratorActor:
         batch_groups: int,
         cpus: int = 1,
         state_path: str = "",
+        reachable: bool = False,
+        curve=None,
     ):
         _threads(cpus)
         from buffer.client import BufferClient
+        from pipeline.orchestration.placement import local_gpus, rollout_on_gpus
         from stages.rollout.build import build_engine
         from stages.rollout.generator import Generator
         from stages.weights.zmq_transport import WeightReceiver
@@ -98,12 +133,18 @@ class GeneratorActor:
         # directory (and so its buffer, which drops known uids as duplicates) is used a second time.
         generator_id = f"gen-{index}.{uuid.uuid4().hex[:6]}"
         self.id = generator_id
+        cfg = rollout_on_gpus(cfg, local_gpus(), f"generator gen-{index}")  # the engines on Ray's GPUs
+        cfg = _reachable(cfg) if reachable else cfg  # SGLang servers the trainer can reach
         self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + index)
         # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
         self.receiver = (
-            WeightReceiver(weights_address, self.engine, name=generator_id) if weights_address else None
+            WeightReceiver(weights_address, self.engine, name=generator_id, curve=curve)
+            if weights_address
+            else None
         )
-        self.sink = BufferClient(buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s)
+        self.sink = BufferClient(
+            buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
+        )
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
         # the data position (epoch, index in the epoch's order) continues across incarnations and re-runs
         # in the same directory: a healed generator or a resumed run does not start the prompts over
@@ -157,13 +198,13 @@ class GeneratorActor:
 # "control" calls run on their own thread, beside a step in progress: a step can be waiting for a
 # weight push to a generator that died, and only forgetting that engine lets it finish
 @ray.remote(concurrency_groups={"control": 1})
-class TrainerActor:
+class TrainerActor(_Located):
     """One rank of the megatron trainer. The ranks of a run form one torch.distributed world (gloo on
     CPU, NCCL on GPUs) whose address rank 0 hands out; rank 0 alone fetches from the buffer (and
     broadcasts each batch), holds the weight sender and answers the driver. All ranks step together."""
 
-    def __init__(self, rank: int, world: int, cpus: int = 1):
-        self.rank, self.world, self.cpus = rank, world, cpus
+    def __init__(self, world: int, cpus: int = 1):
+        self.rank, self.world, self.cpus = -1, world, cpus  # the rank is given in setup()
         self.trainer = self.sender = self.source = None
 
     def master_address(self, loopback: bool) -> str:
@@ -175,6 +216,7 @@ class TrainerActor:
 
     def setup(
         self,
+        rank: int,
         cfg,
         master: str,
         buffer_address: str,
@@ -182,24 +224,24 @@ class TrainerActor:
         run_dir: str,
         num_engines: int,
         engine_urls: list[str] | None = None,
+        reachable: bool = False,
+        curve=None,
     ) -> None:
+        from pipeline.orchestration.placement import local_gpus
+
+        self.rank = rank
+        cfg = _reachable(cfg) if reachable else cfg
         _threads(cfg.trainer.threads or self.cpus)
         _quiet()
         host, port = master.rsplit(":", 1)
-        import torch
-
-        n_gpu = torch.cuda.device_count()
-        if cfg.trainer.device != "cpu" and 0 < n_gpu <= self.rank:  # rank r drives cuda:r on this node
-            raise RuntimeError(
-                f"trainer rank {self.rank} of {self.world} (trainer.tp*pp*dp) needs GPU {self.rank}, but this "
-                f"node has {n_gpu}; lower trainer.tp/pp/dp or add GPUs (rank r uses cuda:r, and "
-                "rollout.sglang.base_gpu_id must leave them free)"
-            )
-        # torch.distributed's env:// rendezvous; one node: rank r drives cuda:r (LOCAL_RANK)
+        gpus = local_gpus() if cfg.trainer.device == "cuda" else []
+        if cfg.trainer.device == "cuda" and len(gpus) != 1:
+            raise RuntimeError(f"trainer rank {rank}: Ray gave it GPUs {gpus}, expected exactly one")
+        # torch.distributed's env:// rendezvous; LOCAL_RANK is the GPU Ray picked (see placement.py)
         os.environ.update(
-            RANK=str(self.rank),
+            RANK=str(rank),
             WORLD_SIZE=str(self.world),
-            LOCAL_RANK=str(self.rank),
+            LOCAL_RANK=str(gpus[0] if gpus else 0),
             MASTER_ADDR=host,
             MASTER_PORT=port,
         )
@@ -208,7 +250,9 @@ class TrainerActor:
         from stages.weights.base import make_sender
 
         if self.rank == 0:
-            self.source = BufferClient(buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s)
+            self.source = BufferClient(
+                buffer_address, producer="trainer", timeout_s=cfg.run.timeout_s, curve=curve
+            )
             sg = cfg.rollout.sglang
             self.sender = make_sender(
                 cfg.weights,
@@ -216,6 +260,9 @@ class TrainerActor:
                 min_engines=num_engines,
                 engine_tp_sizes=[sg.tp_size] * len(engine_urls or []),
                 pause_mode=sg.pause_mode,
+                # the engines' NCCL ranks rendezvous at rank 0's node
+                master_address=ray.util.get_node_ip_address() if reachable else "127.0.0.1",
+                curve=curve,
             )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
         if self.trainer.version > 0:
@@ -230,7 +277,8 @@ class TrainerActor:
 
     def weights_address(self) -> str | None:
         """Where torch engines connect for weights (None: the sender pushes to SGLang servers itself)."""
-        return getattr(self.sender, "address", None)
+        address = getattr(self.sender, "address", None)
+        return _advertised(address) if address else None
 
     @ray.method(concurrency_group="control")
     def forget_engine(self, name: str) -> None:
@@ -273,14 +321,14 @@ class TrainerActor:
 class EvalActor:
     """Generates a held-out prompt set with the current weights, beside training (never blocking it)."""
 
-    def __init__(self, cfg, weights_address: str, cpus: int = 1):
+    def __init__(self, cfg, weights_address: str, cpus: int = 1, curve=None):
         _threads(cpus)
         from pipeline.orchestration.evaluation import Evaluator
         from stages.rollout.build import build_engine
         from stages.weights.zmq_transport import WeightReceiver
 
         self.engine = build_engine(cfg, seed=cfg.run.seed + 99991)
-        self.receiver = WeightReceiver(weights_address, self.engine, name="eval")
+        self.receiver = WeightReceiver(weights_address, self.engine, name="eval", curve=curve)
         self.evaluator = Evaluator(cfg, self.engine)
 
     async def evaluate(self, step: int) -> dict:
@@ -305,8 +353,8 @@ def actor_env() -> dict:
             "TOKENIZERS_PARALLELISM": "false",
             "TRANSFORMERS_VERBOSITY": "error",  # no per-process "Loading weights" progress bars
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            # GPUs are placed by the config (trainer on cuda:0, rollout.sglang.base_gpu_id),
-            # not by Ray: keep every GPU visible to every actor
+            # Ray picks each actor's GPUs (placement.py), but every actor keeps seeing all GPUs of its
+            # node: NCCL and CUDA IPC between trainer and SGLang servers need the peer's GPU visible
             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
         }
     }

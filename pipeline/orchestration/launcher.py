@@ -22,7 +22,9 @@ from pathlib import Path
 import msgspec
 
 from pipeline.config import RunConfig, effective_staleness, write_resolved
+from pipeline.net import is_loopback
 from pipeline.orchestration.metrics import MetricsWriter
+from pipeline.orchestration.placement import PlacementError, check_fits, make_plan, plan_cfg
 from pipeline.orchestration.progress import Progress, summary
 
 log = logging.getLogger("slipstream")
@@ -85,7 +87,37 @@ def start_ray(cfg: RunConfig) -> None:
             kw["num_gpus"] = cfg.cluster.num_gpus
         ray.init(**kw)
     else:
-        ray.init(address=cfg.cluster.address, **kw)
+        token = _cluster_token()
+        try:
+            ray.init(address=cfg.cluster.address, **kw)
+        except (ConnectionError, ray.exceptions.RayError) as e:
+            hint = (
+                ""
+                if token
+                else "; if the cluster uses Ray's token auth, put its token in RAY_AUTH_TOKEN, "
+                "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+            )
+            raise StageFailed(
+                f"cluster.address={cfg.cluster.address}: cannot join the Ray cluster: {e}{hint}"
+            ) from None
+
+
+def _cluster_token() -> str:
+    """Join a cluster that uses Ray's token auth: Ray sends the token (RAY_AUTH_TOKEN, the file at
+    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) only in RAY_AUTH_MODE=token, and turns that mode on by
+    itself only for a cluster it finds on its own, never for an explicit address: without this, joining
+    failed with "InvalidAuthToken". A mode the user set is kept. Returns where the token came from."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return os.environ["RAY_AUTH_MODE"]
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    source = "RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else path if os.path.exists(path) else ""
+    if source:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config  # Ray caches its config: re-read it, as Ray does when it turns
+        # the mode on itself (ray._private.authentication.authentication_token_setup._enable_token_auth)
+
+        Config.initialize("")
+    return source
 
 
 class Pipeline:
@@ -97,7 +129,8 @@ class Pipeline:
         self.trainers: list = []
         self.generators: list = []
         self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
-        self.pg = None
+        self.pg = self.plan = self.curve = None
+        self.where: dict = {}  # stage -> node and GPUs (placement.json)
         self._last: tuple[float, int] | None = None  # (time, generated tokens) at the previous step
         self.gen_ids: list[str] = []  # each generator's current incarnation id
         self.deaths: dict[str, list[float]] = {}  # stage name -> times it died (healing budget)
@@ -124,19 +157,25 @@ class Pipeline:
         n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
         tc = cfg.trainer
         n_ranks = tc.tp * tc.pp * tc.dp
-        # bundle 0: buffer + trainer rank 0; then trainer ranks 1.., the generators, the evaluator
-        bundles = [{"CPU": 1}] * n_ranks + [{"CPU": 1}] * n_gen + ([{"CPU": 1}] if use_eval else [])
-        no_room = (
-            f"the cluster has no room for {len(bundles)} one-CPU bundles ({n_ranks} trainer rank(s) = "
-            f"trainer.tp*pp*dp, {n_gen} generator(s){', eval' if use_eval else ''}); lower "
-            "rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus"
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        resources = ray.cluster_resources()
+        try:
+            plan = make_plan(cfg, resources.get("GPU", 0))
+            check_fits(plan, cfg, resources, nodes)
+        except PlacementError as e:
+            raise StageFailed(str(e)) from None
+        self.plan = plan
+        # several nodes: stages bind their node's IP instead of loopback, and every ZeroMQ socket of the
+        # run is authenticated with CURVE keys made here, handed to the stages through Ray
+        reachable = len(nodes) > 1
+        if reachable or not all(is_loopback(a) for a in (cfg.buffer.bind, cfg.weights.bind)):
+            from pipeline.curve import CurveKeys
+
+            self.curve = CurveKeys.generate()
+        self.pg = placement_group(plan.bundles, strategy="PACK")
+        self._wait(
+            self.pg.ready(), "placement group", f"the cluster has no room for the bundles {plan.bundles}"
         )
-        have = ray.cluster_resources().get("CPU", 0)
-        if have < len(bundles):  # say so now, not after run.timeout_s of waiting for the placement group
-            raise StageFailed(f"{no_room} (Ray has {have:g} CPUs)")
-        self.pg = placement_group(bundles, strategy="PACK")
-        self._wait(self.pg.ready(), "placement group", no_room)
-        gen_bundle = n_ranks
 
         def on(i: int) -> dict:
             return {
@@ -152,7 +191,9 @@ class Pipeline:
         env = actor_env()
         user = {"GLIBC_TUNABLES": os.environ["GLIBC_TUNABLES"]} if os.environ.get("GLIBC_TUNABLES") else {}
         env["env_vars"] = buffer_env({**env["env_vars"], **user})
-        self.buffer = BufferActor.options(runtime_env=env, **on(0)).remote(cfg, buffer_dir)
+        self.buffer = BufferActor.options(runtime_env=env, **on(plan.trainer_bundles[0])).remote(
+            cfg, buffer_dir, reachable=reachable, curve=self.curve
+        )
         buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
         self.buffer_watch = self.buffer.watch.remote()
         # each generator's share of a trainer batch (admission control); together exactly batch_groups,
@@ -166,23 +207,49 @@ class Pipeline:
             def one(i: int):
                 # the generator's data position, kept across incarnations (see GeneratorActor)
                 state = str(self.run_dir / "generators" / f"gen-{i}.json")
-                return GeneratorActor.options(**on(gen_bundle + i)).remote(
-                    cfg, i, buffer_addr, weights_addr, shares[i], state_path=state
+                return GeneratorActor.options(
+                    num_gpus=plan.generator_gpus, **on(plan.generator_bundles[i])
+                ).remote(
+                    cfg,
+                    i,
+                    buffer_addr,
+                    weights_addr,
+                    shares[i],
+                    state_path=state,
+                    reachable=reachable,
+                    curve=self.curve,
                 )
 
             self._new_generator = one
             return [one(i) for i in range(n_gen)]
 
         def trainer(urls):
-            """All ranks set up together (each blocks in the process-group rendezvous until all are in)."""
-            self.trainers = [TrainerActor.options(**on(k)).remote(k, n_ranks) for k in range(n_ranks)]
-            one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
-            master = self._wait(self.trainers[0].master_address.remote(one_node), "trainer rank 0")
+            """All ranks set up together (each blocks in the process-group rendezvous until all are in).
+            Ranks follow (node, GPU), so that a TP group's ranks share a node (megatron groups TP first)."""
+            actors = [
+                TrainerActor.options(num_gpus=plan.trainer_gpus, **on(b)).remote(n_ranks)
+                for b in plan.trainer_bundles
+            ]
+            where = [self._wait(a.where.remote(), "trainer") for a in actors]
+            order = sorted(range(len(actors)), key=lambda k: (where[k]["node_id"], where[k]["gpus"]))
+            self.trainers = [actors[k] for k in order]
+            self.where["trainer"] = [where[k] for k in order]
+            master = self._wait(self.trainers[0].master_address.remote(len(nodes) == 1), "trainer rank 0")
+            tcfg = plan_cfg(cfg, plan)
             setups = [
                 t.setup.remote(
-                    cfg, master, buffer_addr, model_path, str(self.run_dir), n_gen + int(use_eval), urls
+                    k,
+                    tcfg,
+                    master,
+                    buffer_addr,
+                    model_path,
+                    str(self.run_dir),
+                    n_gen + int(use_eval),
+                    urls,
+                    reachable=reachable,
+                    curve=self.curve,
                 )
-                for t in self.trainers
+                for k, t in enumerate(self.trainers)
             ]
             for k, ref in enumerate(setups):
                 self._wait(ref, f"trainer rank {k}")
@@ -198,12 +265,31 @@ class Pipeline:
             weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
             self.generators = generators(weights_addr)
         if use_eval:
-            self.evaluator = EvalActor.options(**on(gen_bundle + n_gen)).remote(cfg, weights_addr)
+            self.evaluator = EvalActor.options(**on(plan.eval_bundle)).remote(
+                cfg, weights_addr, curve=self.curve
+            )
         self.gen_ids = [
             self._wait(g.ident.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)
         ]
+        self._record_placement(buffer_addr, weights_addr)
         for i, g in enumerate(self.generators):
             self.gen_runs[g.run.remote()] = f"generator gen-{i}"
+
+    def _record_placement(self, buffer_addr: str, weights_addr: str | None) -> None:
+        """<run dir>/placement.json: where each stage runs (node, GPUs) and the addresses they use."""
+        import json
+
+        self.where["buffer"] = self._wait(self.buffer.where.remote(), "buffer")
+        self.where["generators"] = [
+            self._wait(g.where.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)
+        ]
+        record = {
+            **self.where,
+            "bundles": self.plan.bundles,
+            "addresses": {"buffer": buffer_addr, "weights": weights_addr},
+            "curve": self.curve is not None,
+        }
+        (self.run_dir / "placement.json").write_text(json.dumps(record, indent=1))
 
     def _wait(self, ref, what: str, hint: str = ""):
         """ray.get with the run's timeout and an error that names the stage."""

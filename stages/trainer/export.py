@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,14 +32,15 @@ TOKENIZER_FILES = (
 )
 
 
-def _local_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
-    """This stage's parameters, TP-merged and renamed to HF (on every rank of DP replica 0)."""
+def _local_hf(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's parameters, TP-merged and renamed to HF (on every rank of DP replica 0), one
+    parameter at a time: only one gathered tensor exists at once, never a whole-model copy. Every TP
+    rank must consume it to the end (each parameter's gather is a collective)."""
     from megatron.core import parallel_state as ps
 
     m = unwrap(policy.model)
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
-    out = []
     for key, p in m.named_parameters():
         t = p.detach()
         if tp > 1 and hf_mapping.tp_layout(key) != "replicated":
@@ -50,14 +52,31 @@ def _local_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
         layer = None
         if key.startswith("decoder.layers."):
             layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
-        out.extend(hf_mapping.mcore_to_hf(key, full, policy.hf_config, layer, policy.te))
-    return out
+        yield from hf_mapping.mcore_to_hf(key, full, policy.hf_config, layer, policy.te)
+
+
+class HostSnapshot:
+    """Pinned host buffers for the weights, reused from push to push. A GPU-to-host copy into pinned
+    memory runs at full PCIe speed and can be queued without a sync per tensor; pinning is slow, so it
+    is done once. Reuse is safe because the trainer waits for the previous push before the next
+    snapshot."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
+        return buf
 
 
 def export_hf_state(
-    policy: Policy, dtype: torch.dtype | None = None, device: str = "cpu"
+    policy: Policy, dtype: torch.dtype | None = None, device: str = "cpu", host: HostSnapshot | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """Full HF state dict on global rank 0 (fresh copies on `device`); None on other ranks.
+    """Full HF state dict on global rank 0 (fresh copies on `device`, or in `host`'s pinned buffers);
+    None on other ranks.
 
     The copies are what makes a background push safe: training may update the parameters right after.
     """
@@ -70,19 +89,31 @@ def export_hf_state(
     leader = ps.get_tensor_model_parallel_rank() == 0
     rank = dist.get_rank()
 
-    def fix(t):
-        t = t.to(device, dtype or t.dtype, copy=True)
-        return t.contiguous()
+    def fix(name, t):
+        t = t.to(dtype or t.dtype)
+        if host is not None:
+            return host.copy(name, t.contiguous())
+        return t.to(device, copy=True).contiguous()
+
+    def done(state):
+        if host is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned copies were queued without waiting
+        return state
 
     if pp == 1 or not leader:
-        return {n: fix(t) for n, t in local} if rank == 0 else None
+        if rank != 0:
+            for _ in local:  # take part in every gather
+                pass
+            return None
+        return done({n: fix(n, t) for n, t in local})
+    local = list(local)  # pipeline stages: the names and shapes go to rank 0 ahead of the tensors
     stage_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     if rank != 0:  # a stage leader: metadata first, then the tensors in that order
         dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in local]], dst=0)
         for _, t in local:
             dist.send(t.contiguous(), dst=0)
         return None
-    state = {n: fix(t) for n, t in local}
+    state = {n: fix(n, t) for n, t in local}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for src in stage_ranks[1:]:
         meta = [None]
@@ -90,8 +121,8 @@ def export_hf_state(
         for name, shape, dt in meta[0]:
             buf = torch.empty(shape, dtype=dt, device=dev)
             dist.recv(buf, src=src)
-            state[name] = fix(buf)
-    return state
+            state[name] = fix(name, buf)
+    return done(state)
 
 
 def save_hf(state: dict[str, torch.Tensor], source_path: str, out_dir: str, dtype: str | None = None) -> str:

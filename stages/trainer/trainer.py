@@ -105,6 +105,7 @@ class Trainer:
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
         self.pending_push = None
+        self._host_snapshot = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
         self.last_checkpoint = -1
         if self.tc.resume:
             state = checkpoint.load_latest(self)
@@ -448,12 +449,33 @@ class Trainer:
             )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        device = getattr(self.sender, "snapshot_device", "cpu")  # GPU transports snapshot on the GPU
-        state = export_hf_state(self.policy, device=device)  # collective; full tensors on rank 0 only
+        state = export_hf_state(self.policy, **self._snapshot_target())  # collective; full tensors on rank 0
         if self.rank == 0 and self.sender is not None:
             self.pending_push = self.sender.push(self.version, list(state.items()))
         out["push/snapshot_s"] = time.perf_counter() - t1
         return out
+
+    def _snapshot_target(self) -> dict:
+        """Where rank 0 keeps the pushed copy (weights.snapshot): on its GPU for the SGLang transports
+        (the sender's `snapshot_device`) unless the model is over 10 % of that GPU, else in pinned host
+        buffers reused from push to push."""
+        from stages.trainer.export import HostSnapshot
+
+        choice = self.cfg.weights.snapshot
+        device = getattr(self.sender, "snapshot_device", "cpu")
+        if choice == "auto" and device == "cuda":
+            from megatron.core import parallel_state as ps
+
+            share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+            nbytes = sum(p.numel() * p.element_size() for p in unwrap(self.policy.model).parameters()) * share
+            choice = (
+                "gpu" if nbytes <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory else "cpu"
+            )
+        if choice == "cpu" and self.device.type == "cuda":
+            if self._host_snapshot is None:
+                self._host_snapshot = HostSnapshot()
+            return {"host": self._host_snapshot}
+        return {"device": "cuda" if choice == "gpu" and self.device.type == "cuda" else device}
 
     def wait_push(self) -> dict | None:
         if self.pending_push is None or self.rank != 0:

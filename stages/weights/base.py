@@ -105,13 +105,17 @@ def make_sender(
     bind: str | None = None,
     engine_tp_sizes: list[int] | None = None,
     pause_mode: str = "in_place",
+    master_address: str = "127.0.0.1",
+    curve=None,
 ):
     """WeightSender for `weights.transport` (cfg: WeightsConfig).
 
     cpu: a ZmqWeightSender bound at `bind or cfg.bind`; torch engines connect WeightReceivers to its
     `.address`, and each push waits (within timeout_s) until `min_engines` have connected.
     nccl / cuda_ipc: pushes straight into the SGLang servers at `engine_urls` (TP size per server in
-    `engine_tp_sizes`, default 1; `pause_mode` as rollout.sglang.pause_mode).
+    `engine_tp_sizes`, default 1; `pause_mode` as rollout.sglang.pause_mode; NCCL's rendezvous at
+    `master_address`, this process's host as the servers reach it). `curve`: the run's CurveKeys
+    (pipeline/curve.py) for the cpu transport's socket, None for none.
     auto: cpu without engine_urls, else nccl when this process sees 2+ GPUs and cuda_ipc otherwise;
     inside a Ray actor that was given one GPU this always says cuda_ipc, so GPU configs name the
     transport explicitly.
@@ -128,7 +132,11 @@ def make_sender(
 
         try:
             return ZmqWeightSender(
-                bind or cfg.bind, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s, min_engines=min_engines
+                bind or cfg.bind,
+                bucket_mb=cfg.bucket_mb,
+                timeout_s=cfg.timeout_s,
+                min_engines=min_engines,
+                curve=curve,
             )
         except zmq.ZMQError as e:
             raise ValueError(
@@ -139,12 +147,13 @@ def make_sender(
             raise ValueError(f"weights.transport={kind} needs the SGLang server URLs (engine_urls)")
         from stages.weights import sglang_transport as sg
 
-        cls = sg.NcclSGLangSender if kind == "nccl" else sg.CudaIpcSGLangSender
-        return cls(
-            engine_urls,
+        common = dict(
             bucket_mb=cfg.bucket_mb,
             timeout_s=cfg.timeout_s,
             engine_tp_sizes=engine_tp_sizes,
             pause_mode=pause_mode,
         )
+        if kind == "nccl":
+            return sg.NcclSGLangSender(engine_urls, master_address=master_address, **common)
+        return sg.CudaIpcSGLangSender(engine_urls, **common)
     raise ValueError(f"weights.transport={kind!r} has no sender yet (cpu, nccl, cuda_ipc)")

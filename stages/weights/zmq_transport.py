@@ -9,6 +9,10 @@ the complete update with `engine.update_weights(named_tensors, version)` and ack
 connects after a push gets the latest snapshot at once, so late joiners never run stale weights.
 
 All socket work happens on one I/O thread per side (ZeroMQ sockets are not thread-safe).
+
+With `curve` (the run's `CurveKeys`, pipeline/curve.py) on both sides the sender accepts only
+receivers holding the run's client key: a refused receiver's hello never arrives, so it gets no
+weights, and the sender counts it in stats()["auth_refused"].
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import msgspec
 import torch
 import zmq
 
+from pipeline.curve import CurveKeys, secure_client, secure_server
 from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
 
 log = logging.getLogger(__name__)
@@ -51,8 +56,10 @@ class ZmqWeightSender(WeightSender):
         bucket_mb: int = 64,
         timeout_s: float = 120.0,
         min_engines: int = 0,
+        curve: CurveKeys | None = None,
     ):
-        """`min_engines`: a push first waits (within timeout_s) until this many engines said hello."""
+        """`min_engines`: a push first waits (within timeout_s) until this many engines said hello.
+        `curve`: the run's keys; receivers must then hold them too."""
         self.bucket_bytes = bucket_mb << 20
         self.timeout_s = timeout_s
         self.min_engines = min_engines
@@ -63,12 +70,19 @@ class ZmqWeightSender(WeightSender):
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if bind.endswith(":0"):
-            port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
-        else:
-            self._sock.bind(bind)
-            self.address = bind
+        self._guard = secure_server(self._sock, curve) if curve is not None else None
+        try:
+            if bind.endswith(":0"):
+                port = self._sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+                self.address = f"{bind.rsplit(':', 1)[0]}:{port}"
+            else:
+                self._sock.bind(bind)
+                self.address = bind
+        except zmq.ZMQError:
+            if self._guard is not None:  # its threads would outlive a sender that never existed
+                self._sock.close(0)
+                self._guard.close()
+            raise
         self._jobs: queue.Queue = queue.Queue()
         self.engines: dict[bytes, dict] = {}  # identity -> hello info
         self._latest: tuple[int, list] | None = None
@@ -105,6 +119,15 @@ class ZmqWeightSender(WeightSender):
         if self._thread.is_alive():
             log.warning("weights sender thread still busy 10 s after close(); it closes its socket on exit")
 
+    def stats(self) -> dict:
+        """Registered engines, and CURVE handshakes refused (0 without curve)."""
+        return {
+            "address": self.address,
+            "engines": len(self.engines),
+            "curve": self._guard is not None,
+            "auth_refused": self._guard.refused if self._guard is not None else 0,
+        }
+
     # -- I/O thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -124,6 +147,8 @@ class ZmqWeightSender(WeightSender):
             raise
         finally:
             self._sock.close(0)
+            if self._guard is not None:
+                self._guard.close()
             with self._queue_lock:
                 self._stop.set()  # from here on push() refuses instead of queueing for a dead thread
                 while True:  # pushes queued behind a close never run: say so, don't leave them pending
@@ -256,8 +281,10 @@ class ZmqWeightSender(WeightSender):
 class WeightReceiver:
     """Engine side: a thread that connects to the trainer's sender and applies complete updates."""
 
-    def __init__(self, address: str, engine, name: str = ""):
+    def __init__(self, address: str, engine, name: str = "", *, curve: CurveKeys | None = None):
+        """`curve`: the run's keys, for a sender that requires them (without, it never answers)."""
         self.address = address
+        self.curve = curve
         self.engine = engine
         self.name = name or f"engine-{id(engine):x}"
         self.applied: list[int] = []  # versions applied, in order (for tests and logs)
@@ -276,6 +303,8 @@ class WeightReceiver:
         sock.setsockopt(zmq.RCVHWM, 0)
         # a fixed routing id keeps this engine's identity across reconnects (the sender knows it by it)
         sock.setsockopt(zmq.ROUTING_ID, f"{self.name}-{uuid.uuid4().hex[:8]}".encode())
+        if self.curve is not None:
+            secure_client(sock, self.curve)
         sock.connect(self.address)
         sock.send(
             _enc.encode(
@@ -305,7 +334,10 @@ class WeightReceiver:
             sock.close(linger=500)
             return
         # a clean shutdown deregisters, so later pushes do not wait for this engine
-        sock.send(_enc.encode({"kind": "bye", "proto": PROTO, "engine": self.name}), zmq.NOBLOCK)
+        try:
+            sock.send(_enc.encode({"kind": "bye", "proto": PROTO, "engine": self.name}), zmq.NOBLOCK)
+        except zmq.Again:  # no connection to say it on (e.g. the sender refused our CURVE handshake)
+            pass
         sock.close(linger=500)
 
     def _decode(self, msg: dict, frames) -> dict[str, torch.Tensor]:
