@@ -77,6 +77,27 @@ def test_export_round_trip(tmp_path, dist1):
         assert torch.equal(a, b)
 
 
+def test_host_snapshot_is_a_copy_reused_and_refreshed(tmp_path, dist1):
+    """weights.snapshot=cpu: the pinned buffers hold exactly the exported weights, training does not
+    reach them, and the next push refills the same buffers (pinned once) with the new values, which
+    is why the trainer waits for the previous push before taking the next snapshot."""
+    from stages.trainer.export import HostSnapshot, export_hf_state
+    from stages.trainer.model import build_policy, unwrap
+
+    policy = build_policy(make_tiny_hf(str(tmp_path / "q"), "qwen2"), ddp=False)
+    host = HostSnapshot()
+    plain = export_hf_state(policy)
+    first = export_hf_state(policy, host=host)
+    assert set(first) == set(plain) and all(torch.equal(first[k], plain[k]) for k in plain)
+    with torch.no_grad():
+        for p in unwrap(policy.model).parameters():
+            p.add_(1.0)
+    assert all(torch.equal(first[k], plain[k]) for k in plain)  # a copy: training does not reach it
+    second = export_hf_state(policy, host=host)
+    assert all(second[k] is first[k] for k in plain)  # the same buffers, refilled
+    assert all(torch.equal(second[k], plain[k] + 1.0) for k in plain)
+
+
 @pytest.mark.parametrize("fp32_head", [False, True])
 def test_bf16_lm_head_in_fp32(tmp_path, dist1, fp32_head):
     """model.fp32_lm_head: a bf16 policy's logits are the exact fp32 product of its bf16 hidden states
