@@ -1,11 +1,12 @@
-"""The default run with a generator killed (SIGKILL) every ~30 s, beside an unfaulted run of the same
-config in the same invocation: does the run heal itself and finish, does any acknowledged sample get
-lost or any sample trained twice, and does it learn as well?
+"""The default run with a random stage killed (SIGKILL) every ~30 s, beside an unfaulted run of the
+same config in the same invocation: does the run heal itself and finish, does any acknowledged sample
+get lost or any sample trained twice, and does it learn as well?
 
-    .venv/bin/python bench/fault_run.py [--steps 1000] [--kill-every-s 30] [a.b=c ...]
+    .venv/bin/python bench/fault_run.py [--steps 1000] [--kill-every-s 30] [--stages generator,buffer] [a.b=c ...]
 
-Only generators are killed: they are the stage the launcher heals today (a dead buffer or trainer
-stops the run with its name; see docs/DESIGN.md). Acknowledged = stored by the buffer (it acks after
+The stages killed are those the launcher heals: generators (a new incarnation) and the buffer
+(restarted on its directory and address). A dead trainer stops the run with its name (see
+docs/DESIGN.md), so it is not among them. Acknowledged = stored by the buffer (it acks after
 fsync); lost = accepted by the buffer when training ended but not on disk afterwards; trained twice = a uid served more
 than once in the consumption log. Prints one JSON line last and appends it to
 bench/results/fault_run.jsonl: {"completed", "kills", "lost_acked", "trained_twice", "final_reward",
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
+def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[str]) -> dict:
     import ray
 
     from buffer.segments import iter_log, recover_segments
@@ -45,19 +46,20 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
     start_ray(cfg)
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
-    kills: list[float] = []
+    kills: list[str] = []
     stop = threading.Event()
     rng = random.Random(seed)
 
     def killer():
         while not stop.wait(kill_every_s * rng.uniform(0.7, 1.3)):
-            i = rng.randrange(len(pipe.generators))
+            stage = rng.choice(stages)
+            actor = pipe.buffer if stage == "buffer" else rng.choice(pipe.generators)
             try:
-                pid = ray.get(pipe.generators[i].pid.remote(), timeout=30)
+                pid = ray.get(actor.pid.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - it is being replaced right now: try at the next tick
                 continue
             os.kill(pid, signal.SIGKILL)
-            kills.append(time.monotonic())
+            kills.append(stage)
 
     status, error, accepted = "completed", "", None
     t0 = time.monotonic()
@@ -85,6 +87,7 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int) -> dict:
         "error": error,
         "steps": len(rows),
         "kills": len(kills),
+        "kills_by_stage": dict(collections.Counter(kills)),
         "restarts": rows[-1].get("run/restarts", 0) if rows else 0,
         # the buffer's accepted count when training ended: each of those was fsynced before its ack, so
         # all must be on disk now (later accepts, during shutdown, only add to `stored`)
@@ -103,18 +106,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--kill-every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stages", default="generator,buffer", help="comma list of stages to kill")
     ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "fault_run.jsonl"))
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     over = [f"run.steps={a.steps}", *a.overrides]
-    clean = one_run(over, 0.0, a.seed)
+    stages = a.stages.split(",")
+    clean = one_run(over, 0.0, a.seed, stages)
     print(f"unfaulted: {json.dumps(clean)}", flush=True)
-    faulted = one_run(over, a.kill_every_s, a.seed)
+    faulted = one_run(over, a.kill_every_s, a.seed, stages)
     print(f"faulted:   {json.dumps(faulted)}", flush=True)
     out = {
         **{
             k: faulted[k]
-            for k in ("completed", "kills", "restarts", "lost_acked", "trained_twice", "final_reward")
+            for k in (
+                "completed",
+                "kills",
+                "kills_by_stage",
+                "restarts",
+                "lost_acked",
+                "trained_twice",
+                "final_reward",
+            )
         },
         "unfaulted_final_reward": clean["final_reward"],
         "unfaulted_completed": clean["completed"],

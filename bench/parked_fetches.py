@@ -55,7 +55,7 @@ def main() -> None:
             wire.encode(
                 wire.Fetch(
                     req=req,
-                    consumer="bench",
+                    consumer=f"bench-{req}",  # one waiting fetch per consumer (a newer one supersedes it)
                     num_groups=1000,
                     version=0,
                     max_staleness=10**6,

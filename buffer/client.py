@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import random
 import threading
 import time
 import uuid
@@ -103,7 +104,9 @@ class BufferClient(SampleSink, BatchSource):
             secure_client(self._sock, curve)
         self._sock.connect(address)
         self._seq = itertools.count(1)
-        self._req = itertools.count(1)
+        # request ids start at a random point: the server remembers served fetches by (consumer, id),
+        # and a restarted trainer's client must not reuse its predecessor's ids
+        self._req = itertools.count(random.randrange(1 << 32))
         self._inflight: dict[int, _InFlight] = {}
         self._acks: dict[int, wire.IngestAck] = {}  # acked but not yet collected by put()
         self._errors: dict[int, str] = {}
@@ -232,7 +235,9 @@ class BufferClient(SampleSink, BatchSource):
                 timeout_s=timeout_s,
             ),
             timeout_s + grace_s,
-            resend=False,
+            # resent until answered: a server that died and came back on its directory lost the fetch
+            # (the server serves one (consumer, id) once, so a resend never consumes twice)
+            resend=True,
         )
         self.last_fetch = reply
         if reply.num_samples == 0:

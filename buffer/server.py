@@ -125,6 +125,13 @@ class BufferServer:
         self.rejects: collections.Counter[str] = collections.Counter()
         self.counters: collections.Counter[str] = collections.Counter()
         self._fetches: list[_PendingFetch] = []
+        # a client resends a fetch until it has its reply (its server may have died and been restarted
+        # with the fetch lost): a resend updates the parked fetch's return address, and one that crosses
+        # its reply is dropped, so a fetch is served at most once by a server
+        self._parked_fetch: dict[tuple[str, int], _PendingFetch] = {}
+        self._consumer_fetch: dict[str, tuple[str, int]] = {}  # consumer -> its parked fetch's key
+        self.superseded_fetches = 0
+        self._served_fetch: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._parked: list[_ParkedIngest] = []
         self._parked_keys: set[tuple[str, int]] = set()
         self._acks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
@@ -426,8 +433,22 @@ class BufferServer:
             raise wire.ProtocolError(
                 "fetch needs num_groups >= 1, max_staleness >= 0 and timeout_s >= 0", "invalid_fields"
             )
+        key = (msg.consumer, msg.req)
+        if key in self._served_fetch:
+            return
+        if key in self._parked_fetch:
+            self._parked_fetch[key].envelope = env
+            return
+        # a consumer waits on one fetch at a time: an older one still parked belongs to a requester that
+        # gave up on it or died (a restarted trainer), and serving it would consume groups nobody trains
+        old = self._parked_fetch.pop(self._consumer_fetch.get(msg.consumer), None)
+        if old is not None:
+            self._fetches.remove(old)
+            self.superseded_fetches += 1
         now = time.monotonic()
-        self._fetches.append(_PendingFetch(env, msg, now + min(msg.timeout_s, 86400.0), now))
+        self._parked_fetch[key] = f = _PendingFetch(env, msg, now + min(msg.timeout_s, 86400.0), now)
+        self._consumer_fetch[msg.consumer] = key
+        self._fetches.append(f)
 
     def _serve_fetches(self, sock, only_expired: bool = False) -> None:
         now = time.monotonic()
@@ -449,6 +470,13 @@ class BufferServer:
             if res.pieces is None and now < f.deadline:
                 continue
             self._fetches.remove(f)
+            key = (f.msg.consumer, f.msg.req)
+            self._parked_fetch.pop(key, None)
+            if self._consumer_fetch.get(f.msg.consumer) == key:
+                del self._consumer_fetch[f.msg.consumer]
+            self._served_fetch[key] = None
+            if len(self._served_fetch) > _ACK_MEMORY:
+                self._served_fetch.popitem(last=False)
             reason = ""
             if res.pieces is None:
                 reason = (
@@ -503,6 +531,7 @@ class BufferServer:
         s["rejects"] = dict(self.rejects)
         s["rejected_messages"] = sum(self.rejects.values())
         s["pending_fetches"] = len(self._fetches)
+        s["superseded_fetches"] = self.superseded_fetches
         s["parked_ingests"] = len(self._parked)
         s["unacked_ingests"] = len(self._unacked)  # committed, waiting for their segment fsync
         s["address"] = self._address

@@ -5,6 +5,7 @@ every acknowledged sample accounted for; a generator that keeps dying stops the 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import threading
@@ -115,11 +116,54 @@ def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_sessio
         _run(cfg, tmp_path, kill_at=[2, 5])
 
 
-def test_a_killed_buffer_stops_the_run_at_once_with_its_name(tmp_path, ray_session):
-    """Before: the run hung with no step and no error (the trainer waiting for a batch)."""
+def _kill_buffer_at_step(pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list) -> threading.Thread:
     import ray
 
-    cfg = _cfg(tmp_path, "run.steps=200")
+    def run():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(h.get("step", 0) >= step for h in metrics.history):
+            time.sleep(0.02)
+        pid = ray.get(pipe.buffer.pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        kills.append(pid)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_path, ray_session):
+    """Before: the run stopped (and before that, hung with no step and no error)."""
+    from buffer.segments import iter_log, recover_segments
+
+    cfg = _cfg(tmp_path, "run.steps=10")
+    run_dir = tmp_path / "run"
+    metrics = MetricsWriter(run_dir, tensorboard=False)
+    pipe = Pipeline(cfg, run_dir)
+    kills: list = []
+    try:
+        pipe.start()
+        _kill_buffer_at_step(pipe, metrics, 3, kills)
+        steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
+        address = pipe.buffer_addr
+    finally:
+        pipe.shutdown(failed=False)
+        metrics.close()
+    assert len(kills) == 1 and steps == 10
+    assert [h["version"] for h in metrics.history if "version" in h] == list(range(1, 11))
+    assert metrics.history[-1]["run/restarts"] == 1
+    assert address == json.loads((run_dir / "placement.json").read_text())["addresses"]["buffer"]
+    served = collections.Counter(u for r in iter_log(run_dir / "buffer") if r.op == "served" for u in r.uids)
+    assert served and max(served.values()) == 1, "a sample was served (trained) twice"
+    stored = {u for _, b in recover_segments(run_dir / "buffer").batches for u in b.column("uid").to_pylist()}
+    assert set(served) <= stored
+
+
+def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tmp_path, ray_session):
+    """buffer.durable=false: nothing to restart from, so the run stops, named, within seconds."""
+    import ray
+
+    cfg = _cfg(tmp_path, "run.steps=200", "buffer.durable=false")
     run_dir = tmp_path / "run"
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
@@ -128,7 +172,7 @@ def test_a_killed_buffer_stops_the_run_at_once_with_its_name(tmp_path, ray_sessi
         pid = ray.get(pipe.buffer.pid.remote(), timeout=30)
         t0 = time.monotonic()
         threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-        with pytest.raises(StageFailed, match="^buffer failed"):
+        with pytest.raises(StageFailed, match=r"^buffer failed: .*buffer.durable=false"):
             pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
         assert time.monotonic() - t0 < 30  # named within seconds, not after run.timeout_s
     finally:

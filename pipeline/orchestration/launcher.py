@@ -136,6 +136,8 @@ class Pipeline:
         self.deaths: dict[str, list[float]] = {}  # stage name -> times it died (healing budget)
         self._new_generator = None  # (index) -> actor; set by start()
         self.buffer_watch = None  # completes (with an error) when the buffer's process dies
+        self._new_buffer = None  # (bind address or None) -> the buffer's address; set by start()
+        self.buffer_addr = ""
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,11 +193,24 @@ class Pipeline:
         env = actor_env()
         user = {"GLIBC_TUNABLES": os.environ["GLIBC_TUNABLES"]} if os.environ.get("GLIBC_TUNABLES") else {}
         env["env_vars"] = buffer_env({**env["env_vars"], **user})
-        self.buffer = BufferActor.options(runtime_env=env, **on(plan.trainer_bundles[0])).remote(
-            cfg, buffer_dir, reachable=reachable, curve=self.curve
-        )
-        buffer_addr = self._wait(self.buffer.address.remote(), "buffer")
-        self.buffer_watch = self.buffer.watch.remote()
+
+        def new_buffer(bind: str | None):
+            """The buffer actor on its directory; a replacement binds its predecessor's address, so the
+            clients' sockets reconnect by themselves and resend what was not acknowledged."""
+            c = (
+                cfg
+                if bind is None
+                else msgspec.structs.replace(cfg, buffer=msgspec.structs.replace(cfg.buffer, bind=bind))
+            )
+            self.buffer = BufferActor.options(runtime_env=env, **on(plan.trainer_bundles[0])).remote(
+                c, buffer_dir, reachable=reachable, curve=self.curve
+            )
+            address = self._wait(self.buffer.address.remote(), "buffer")
+            self.buffer_watch = self.buffer.watch.remote()
+            return address
+
+        self._new_buffer = new_buffer
+        buffer_addr = self.buffer_addr = new_buffer(None)
         # each generator's share of a trainer batch (admission control); together exactly batch_groups,
         # else the generators could never admit a full batch per version and the trainer would starve
         bg = cfg.trainer.batch_groups
@@ -366,9 +381,9 @@ class Pipeline:
                 )
             ref = ready[0]
             if watch and ref is watch[0]:  # the buffer's process died (or it was stopped) mid-run
-                self.buffer_watch = None
-                self._wait(ref, "buffer")
-                raise StageFailed("buffer stopped before the run ended")
+                self._heal_buffer(ref)
+                watch = [self.buffer_watch]
+                continue
             if ref in pending:
                 pending.discard(ref)
                 out = self._wait(ref, "trainer" if len(refs) == 1 else f"trainer rank {rank_of[ref]}")
@@ -377,6 +392,44 @@ class Pipeline:
                 continue
             self._heal_generator(ref)
         return m
+
+    def _heal_buffer(self, watch_ref) -> None:
+        """The buffer's process died: start a new one on the same directory and address (its segments
+        hold every acknowledged sample). Generators resend what was not acknowledged, and the trainer
+        resends its fetch; the server serves each fetch once. A buffer that was stopped, or that keeps
+        dying (run.max_restarts within run.restart_window_s), or one with buffer.durable=false (nothing
+        to restart from), stops the run with its name."""
+        import ray
+
+        self.buffer_watch = None
+        try:
+            ray.get(watch_ref, timeout=self.cfg.run.timeout_s)
+            raise StageFailed("buffer stopped before the run ended")
+        except ray.exceptions.RayActorError as e:
+            error = _root_error(e)
+        if not self.cfg.buffer.durable:
+            raise StageFailed(
+                f"buffer failed: {error} (buffer.durable=false: no segments to restart it from)"
+            )
+        self._count_death("buffer", error)
+        log.warning("buffer died (%s); restarting it on its directory at %s", error, self.buffer_addr)
+        ray.kill(self.buffer, no_restart=True)
+        address = self._new_buffer(self.buffer_addr)
+        if address != self.buffer_addr:  # the port was taken meanwhile: the clients cannot follow
+            raise StageFailed(
+                f"buffer restarted at {address}, not at {self.buffer_addr} where its clients are"
+            )
+
+    def _count_death(self, name: str, error: str) -> None:
+        """Record a death of `name`; more than run.max_restarts within run.restart_window_s stops the run."""
+        now = time.monotonic()
+        deaths = [t for t in self.deaths.get(name, []) if now - t < self.cfg.run.restart_window_s] + [now]
+        self.deaths[name] = deaths
+        if len(deaths) > self.cfg.run.max_restarts:
+            raise StageFailed(
+                f"{name} died {len(deaths)} times within run.restart_window_s="
+                f"{self.cfg.run.restart_window_s:.0f}s; last error: {error}"
+            )
 
     def _heal_generator(self, ref) -> None:
         """A generator's run ended before the run did. If it raised, the run stops with its error (a
@@ -397,15 +450,10 @@ class Pipeline:
             raise StageFailed(f"{name} failed: {_root_error(e)}") from None
         if self.cfg.rollout.engine == "sglang":
             raise StageFailed(f"{name} died (SGLang generators are not restarted yet): {error}")
-        now = time.monotonic()
-        deaths = [t for t in self.deaths.get(name, []) if now - t < self.cfg.run.restart_window_s] + [now]
-        self.deaths[name] = deaths
-        if len(deaths) > self.cfg.run.max_restarts:
-            raise StageFailed(
-                f"{name} died {len(deaths)} times within run.restart_window_s="
-                f"{self.cfg.run.restart_window_s:.0f}s; last error: {error}"
-            )
-        log.warning("%s died (%s); starting a new incarnation (%d in the window)", name, error, len(deaths))
+        self._count_death(name, error)
+        log.warning(
+            "%s died (%s); starting a new incarnation (%d in the window)", name, error, len(self.deaths[name])
+        )
         ray.kill(self.generators[i], no_restart=True)
         self._wait(self.trainer.forget_engine.remote(self.gen_ids[i]), "trainer")
         self.generators[i] = self._new_generator(i)
@@ -466,7 +514,17 @@ class Pipeline:
         self._last = (now, gen)
 
     def _buffer_metrics(self) -> dict:
-        st = self._wait(self.buffer.stats.remote(), "buffer")
+        import ray
+
+        try:
+            st = ray.get(self.buffer.stats.remote(), timeout=self.cfg.run.timeout_s)
+        except ray.exceptions.RayActorError:  # died since the step: heal it now, no counters this step
+            self._heal_buffer(self.buffer_watch)
+            return {}
+        except ray.exceptions.GetTimeoutError:
+            raise StageFailed(
+                f"buffer did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
+            ) from None
         keys = (
             "rows",
             "complete_groups",
