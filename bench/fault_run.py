@@ -2,11 +2,11 @@
 same config in the same invocation: does the run heal itself and finish, does any acknowledged sample
 get lost or any sample trained twice, and does it learn as well?
 
-    .venv/bin/python bench/fault_run.py [--steps 1000] [--kill-every-s 30] [--stages generator,buffer] [a.b=c ...]
+    .venv/bin/python bench/fault_run.py [--steps 1000] [--kill-every-s 30] [--stages generator,buffer,trainer] [a.b=c ...]
 
-The stages killed are those the launcher heals: generators (a new incarnation) and the buffer
-(restarted on its directory and address). A dead trainer stops the run with its name (see
-docs/DESIGN.md), so it is not among them. Acknowledged = stored by the buffer (it acks after
+Every stage is healed: a generator gets a new incarnation, the buffer restarts on its directory and
+address, the trainer group restarts from its newest checkpoint (every 100 steps here, in both runs).
+Acknowledged = stored by the buffer (it acks after
 fsync); lost = accepted by the buffer when training ended but not on disk afterwards; trained twice = a uid served more
 than once in the consumption log. Prints one JSON line last and appends it to
 bench/results/fault_run.jsonl: {"completed", "kills", "lost_acked", "trained_twice", "final_reward",
@@ -53,7 +53,7 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[s
     def killer():
         while not stop.wait(kill_every_s * rng.uniform(0.7, 1.3)):
             stage = rng.choice(stages)
-            actor = pipe.buffer if stage == "buffer" else rng.choice(pipe.generators)
+            actor = {"buffer": pipe.buffer, "trainer": pipe.trainer}.get(stage) or rng.choice(pipe.generators)
             try:
                 pid = ray.get(actor.pid.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - it is being replaced right now: try at the next tick
@@ -106,11 +106,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--kill-every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="generator,buffer", help="comma list of stages to kill")
+    ap.add_argument("--stages", default="generator,buffer,trainer", help="comma list of stages to kill")
     ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "fault_run.jsonl"))
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    over = [f"run.steps={a.steps}", *a.overrides]
+    over = [f"run.steps={a.steps}", "trainer.checkpoint_every=100", *a.overrides]
     stages = a.stages.split(",")
     clean = one_run(over, 0.0, a.seed, stages)
     print(f"unfaulted: {json.dumps(clean)}", flush=True)

@@ -178,3 +178,43 @@ def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tm
     finally:
         pipe.shutdown(failed=True)
         metrics.close()
+
+
+@pytest.mark.parametrize("every", [3, 0])
+def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, ray_session, every):
+    """Before: the run stopped. Now the trainer group restarts from the newest checkpoint (every 3
+    steps; with none yet, from the base model), the engines get its weights back (older than theirs),
+    metrics.jsonl holds one series, and no sample is trained twice."""
+    import ray
+
+    from buffer.segments import iter_log
+
+    cfg = _cfg(tmp_path, "run.steps=10", f"trainer.checkpoint_every={every}")
+    run_dir = tmp_path / "run"
+    metrics = MetricsWriter(run_dir, tensorboard=False)
+    pipe = Pipeline(cfg, run_dir)
+    kills: list = []
+
+    def kill_trainer():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(h.get("step", 0) >= 4 for h in metrics.history):
+            time.sleep(0.02)
+        pid = ray.get(pipe.trainer.pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGKILL)
+        kills.append(pid)
+
+    try:
+        pipe.start()
+        threading.Thread(target=kill_trainer, daemon=True).start()
+        steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
+    finally:
+        pipe.shutdown(failed=False)
+        metrics.close()
+    assert len(kills) == 1 and steps == 10
+    assert [h["version"] for h in metrics.history if "version" in h] == list(range(1, 11))
+    assert metrics.history[-1]["run/restarts"] == 1
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "version" in x] == list(range(1, 11))  # one series
+    assert [x["step"] for x in lines if x.get("event") == "resume"] == [every]
+    served = collections.Counter(u for r in iter_log(run_dir / "buffer") if r.op == "served" for u in r.uids)
+    assert served and max(served.values()) == 1, "a sample was served (trained) twice"

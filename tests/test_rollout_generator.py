@@ -300,3 +300,27 @@ def test_a_generator_that_keeps_admitting_does_not_warn(cfg, engine, monkeypatch
         started = asyncio.run(run())
     assert started >= 10  # it did keep admitting
     assert not any("no new group for" in r.message for r in caplog.records)
+
+
+def test_weights_that_go_back_reopen_admission(cfg, engine):
+    """A trainer restarted from its checkpoint pushes older weights. The groups its lost steps consumed
+    still count as kept; without a fresh count admission stays shut until the engine passes the old
+    version again, which it never does (the new trainer starves). Before: 0 groups after the rollback."""
+    window = (cfg.run.max_staleness + 1) * 2
+
+    async def run():
+        engine.update_weights([], version=5)  # 5 versions trained: room for (5 + s + 1) * 2 groups
+        gen = Generator(cfg, FakeSink(), engine, "gen-back", batch_groups=2)
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(2.0)
+        first = gen.stats()["groups_started"]
+        engine.update_weights([], version=2)  # the restarted trainer's checkpoint
+        gen._poke()
+        await asyncio.sleep(2.0)
+        gen.stop()
+        await asyncio.wait_for(task, 30)
+        return first, gen.stats()["groups_started"]
+
+    first, total = asyncio.run(run())
+    assert first == (5 + cfg.run.max_staleness + 1) * 2
+    assert total - first == window  # the window of the new trainer, from version 2 on

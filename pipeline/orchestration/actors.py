@@ -54,6 +54,9 @@ def _advertised(address: str) -> str:
 
 
 class _Located:
+    def pid(self) -> int:
+        return os.getpid()
+
     def where(self) -> dict:
         """The node and GPUs Ray put this actor on (the driver orders trainer ranks by it, and records
         it in <run dir>/placement.json)."""
@@ -87,9 +90,6 @@ class BufferActor(_Located):
 
     def address(self) -> str:
         return _advertised(self.server.address)
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def stats(self) -> dict:
         from buffer.memory import MARKER
@@ -166,9 +166,6 @@ class GeneratorActor(_Located):
         """This incarnation's generator id (the weight receiver's engine name, the uid prefix)."""
         return self.id
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def engine_urls(self) -> list[str]:
         """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
         return list(getattr(self.engine, "urls", []))
@@ -226,7 +223,10 @@ class TrainerActor(_Located):
         engine_urls: list[str] | None = None,
         reachable: bool = False,
         curve=None,
+        push_now: bool = False,
     ) -> None:
+        """`push_now`: send this trainer's weights to the engines at once even at version 0 (a trainer
+        restarted after a crash: the engines run newer weights than it has)."""
         from pipeline.orchestration.placement import local_gpus
 
         self.rank = rank
@@ -265,7 +265,7 @@ class TrainerActor(_Located):
                 curve=curve,
             )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
-        if self.trainer.version > 0:
+        if self.trainer.version > 0 or push_now:
             # resumed from a checkpoint: the engines start from the base model at version 0, and their
             # groups would all be too stale; send them the checkpoint's weights first (in the background:
             # the sender waits for the engines to connect, and they are started after the trainer).

@@ -34,6 +34,14 @@ class StageFailed(RuntimeError):
     """A stage raised; the message names the stage and carries its error."""
 
 
+class _TrainerDied(Exception):
+    """A trainer rank's process died mid-step (the driver restarts the group)."""
+
+    def __init__(self, error: str):
+        super().__init__(error)
+        self.error = error
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -138,6 +146,8 @@ class Pipeline:
         self.buffer_watch = None  # completes (with an error) when the buffer's process dies
         self._new_buffer = None  # (bind address or None) -> the buffer's address; set by start()
         self.buffer_addr = ""
+        self._new_trainers = None  # (engine urls, weights bind, push_now) -> rank 0; set by start()
+        self.weights_addr = ""
 
     # -- start-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,9 +248,11 @@ class Pipeline:
             self._new_generator = one
             return [one(i) for i in range(n_gen)]
 
-        def trainer(urls):
+        def trainer(urls, weights_bind: str | None = None, push_now: bool = False):
             """All ranks set up together (each blocks in the process-group rendezvous until all are in).
-            Ranks follow (node, GPU), so that a TP group's ranks share a node (megatron groups TP first)."""
+            Ranks follow (node, GPU), so that a TP group's ranks share a node (megatron groups TP first).
+            A replacement group binds its predecessor's weight address (`weights_bind`): the engines'
+            receivers reconnect to it by themselves."""
             actors = [
                 TrainerActor.options(num_gpus=plan.trainer_gpus, **on(b)).remote(n_ranks)
                 for b in plan.trainer_bundles
@@ -251,6 +263,10 @@ class Pipeline:
             self.where["trainer"] = [where[k] for k in order]
             master = self._wait(self.trainers[0].master_address.remote(len(nodes) == 1), "trainer rank 0")
             tcfg = plan_cfg(cfg, plan)
+            if weights_bind:
+                tcfg = msgspec.structs.replace(
+                    tcfg, weights=msgspec.structs.replace(tcfg.weights, bind=weights_bind)
+                )
             setups = [
                 t.setup.remote(
                     k,
@@ -263,6 +279,7 @@ class Pipeline:
                     urls,
                     reachable=reachable,
                     curve=self.curve,
+                    push_now=push_now,
                 )
                 for k, t in enumerate(self.trainers)
             ]
@@ -270,6 +287,7 @@ class Pipeline:
                 self._wait(ref, f"trainer rank {k}")
             return self.trainers[0]
 
+        self._new_trainers = trainer
         if r.engine == "sglang":  # servers first: the trainer's transport needs their addresses
             self.generators = generators(None)
             urls = [u for g in self.generators for u in self._wait(g.engine_urls.remote(), "SGLang engines")]
@@ -277,7 +295,7 @@ class Pipeline:
             weights_addr = None
         else:  # the trainer binds the weight transport first; torch engines connect to it
             self.trainer = trainer(None)
-            weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
+            weights_addr = self.weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
             self.generators = generators(weights_addr)
         if use_eval:
             self.evaluator = EvalActor.options(**on(plan.eval_bundle)).remote(
@@ -335,16 +353,19 @@ class Pipeline:
             )
         eval_ref, step = None, start
         deadline = time.monotonic() + cfg.run.time_limit_s if cfg.run.time_limit_s else float("inf")
-        for step in range(start + 1, cfg.run.steps + 1):
+        while step < cfg.run.steps:
             if time.monotonic() > deadline:
                 log.warning(
-                    "run.time_limit_s=%.0f reached after %d steps: ending the run",
-                    cfg.run.time_limit_s,
-                    step - 1,
+                    "run.time_limit_s=%.0f reached after %d steps: ending the run", cfg.run.time_limit_s, step
                 )
-                step -= 1
                 break
-            m = self._trainer_step(step)
+            step += 1
+            try:
+                m = self._trainer_step(step)
+            except _TrainerDied as e:  # restarted from its newest checkpoint: continue from there
+                step = self._heal_trainer(e.error)
+                metrics.resume_at(step)
+                continue
             m["run/restarts"] = sum(len(v) for v in self.deaths.values())
             m.update(self._generator_metrics())
             m.update(self._buffer_metrics())
@@ -386,12 +407,40 @@ class Pipeline:
                 continue
             if ref in pending:
                 pending.discard(ref)
-                out = self._wait(ref, "trainer" if len(refs) == 1 else f"trainer rank {rank_of[ref]}")
+                what = "trainer" if len(refs) == 1 else f"trainer rank {rank_of[ref]}"
+                try:
+                    out = ray.get(ref, timeout=self.cfg.run.timeout_s)  # ready: returns at once
+                except ray.exceptions.RayActorError as e:  # its process died: the group is restarted
+                    raise _TrainerDied(f"{what}: {_root_error(e)}") from None
+                except ray.exceptions.RayError as e:  # it raised: a restart would raise the same again
+                    raise StageFailed(f"{what} failed: {_root_error(e)}") from None
                 if rank_of[ref] == 0:
                     m = out
                 continue
             self._heal_generator(ref)
         return m
+
+    def _heal_trainer(self, error: str) -> int:
+        """A trainer rank's process died: end the whole group (the other ranks would wait in a
+        collective), start a new one that resumes from the newest checkpoint in the run directory (or
+        the base model), binds the same weight address, and pushes its weights to the engines at once.
+        Returns the version it resumed at; the driver continues from there. Rows newer than it are
+        evicted by the buffer, never trained at negative staleness."""
+        import ray
+
+        if self.cfg.rollout.engine == "sglang":
+            raise StageFailed(f"{error} (a trainer with SGLang engines is not restarted yet)")
+        self._count_death("trainer", error)
+        log.warning("%s died; restarting the trainer from its newest checkpoint", error)
+        for t in self.trainers:
+            ray.kill(t, no_restart=True)
+        self.trainer = self._new_trainers(None, weights_bind=self.weights_addr, push_now=True)
+        address = self._wait(self.trainer.weights_address.remote(), "trainer")
+        if address != self.weights_addr:  # the port was taken meanwhile: the engines cannot follow
+            raise StageFailed(f"the restarted trainer sends weights from {address}, not {self.weights_addr}")
+        version = self._wait(self.trainer.version.remote(), "trainer")
+        log.warning("trainer restarted at version %d", version)
+        return version
 
     def _heal_buffer(self, watch_ref) -> None:
         """The buffer's process died: start a new one on the same directory and address (its segments

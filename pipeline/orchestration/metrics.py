@@ -72,6 +72,7 @@ class MetricsWriter:
             tmp.write_text("".join(x + "\n" for x in [*kept, json.dumps(marker)]))
             tmp.replace(self.path)
         self._file = self.path.open("a", buffering=1)
+        self.history = [h for h in self.history if h.get("step", 0) <= step]  # a restart within this run
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         row = {"step": step, "time": time.time(), **values}

@@ -113,6 +113,8 @@ class Generator:
         self._held_since = self._held_warned = 0.0
         self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
+        self._last_engine_version = engine.version
+        self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
         self._stopping = False
         self._wake: asyncio.Event | None = None
         # one thread for every put: sinks (a ZeroMQ DEALER socket) are not thread-safe, and one
@@ -149,7 +151,16 @@ class Generator:
         c = self.counters
         # groups the buffer evicted as too stale will never be consumed: they no longer hold a place
         live = c["groups_started"] - c["groups_filtered"] - c["groups_failed"] - c["groups_evicted"]
-        return live < (self.admission_version() + self.max_staleness + 1) * self.batch_groups
+        version = self.admission_version()
+        if version < self._last_engine_version:
+            # The weights went back (a trainer restarted from its checkpoint): the groups the lost steps
+            # consumed are counted as kept, but the new trainer consumes from `version` on. Count as if
+            # exactly `version` batches were consumed and nothing of ours waits in the buffer; the
+            # buffer's staleness bound still drops whatever that lets through too late.
+            self._kept_offset = live - self._running - version * self.batch_groups
+            log.warning("generator %s: engine weights went back to version %d", self.id, version)
+        self._last_engine_version = version
+        return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
 
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""

@@ -65,6 +65,9 @@ class TrainerConfig(_Base):
     precision: Literal["fp32", "bf16"] = "fp32"
     fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
     checkpoint_every: int = 0  # steps; 0 = only at the end of the run
+    # also checkpoint when this long has passed since the last one (0 = off): what a trainer that dies
+    # mid-run loses (the run restarts it from its newest checkpoint, or from the base model)
+    checkpoint_every_s: float = 600.0
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
     # core attention of the local spec. auto: varlen on CUDA + bf16 (packed rows, FlashAttention over

@@ -106,6 +106,7 @@ class Trainer:
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
         self.pending_push = None
         self._host_snapshot = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
+        self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self.last_checkpoint = -1
         if self.tc.resume:
             state = checkpoint.load_latest(self)
@@ -423,15 +424,22 @@ class Trainer:
         wc = self.cfg.weights
         if wc.push_every and self.version % wc.push_every == 0 and self._has_sender():
             metrics.update(self.push_weights())
-        ce = self.tc.checkpoint_every
-        if ce and self.version % ce == 0:
+        ce, every_s = self.tc.checkpoint_every, self.tc.checkpoint_every_s
+        due = bool(ce and self.version % ce == 0)
+        if not due and every_s:  # rank 0's clock decides for all: a checkpoint is collective
+            due = self._rank0_says(time.monotonic() - self._checkpointed_at >= every_s)
+        if due:
             self.save_checkpoint()
         if self.tc.save_hf_every and self.version % self.tc.save_hf_every == 0:
             self.save_hf()
 
     def _has_sender(self) -> bool:
         """Only rank 0 holds the sender, but the snapshot is collective: every rank must agree."""
-        flag = torch.tensor([float(self.sender is not None)], device=self.device)
+        return self._rank0_says(self.sender is not None)
+
+    def _rank0_says(self, yes: bool) -> bool:
+        """Rank 0's `yes` on every rank (for decisions that lead into a collective)."""
+        flag = torch.tensor([float(yes)], device=self.device)
         if dist.get_world_size() > 1:
             dist.broadcast(flag, src=0)
         return bool(flag.item())
@@ -491,6 +499,7 @@ class Trainer:
                 )
         path = checkpoint.save(self)
         self.last_checkpoint = self.version
+        self._checkpointed_at = time.monotonic()
         return path
 
     def save_hf(self, out_dir: str | None = None) -> str | None:

@@ -185,7 +185,10 @@ class ZmqWeightSender(WeightSender):
                 log.warning("weights: undecodable message from %r dropped", ident)
                 continue
             if msg.get("kind") == "hello":
+                known = ident in self.engines
                 self.engines[ident] = msg
+                if known:  # receivers repeat their hello while idle (see WeightReceiver): nothing new
+                    continue
                 log.info("weights: engine %s registered (version %s)", msg.get("engine"), msg.get("version"))
                 if self._latest is not None:  # late joiner: bring it up to date right away
                     try:
@@ -288,6 +291,7 @@ class WeightReceiver:
         self.engine = engine
         self.name = name or f"engine-{id(engine):x}"
         self.applied: list[int] = []  # versions applied, in order (for tests and logs)
+        self.hello_every_s = 2.0
         self.error: str = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weights-receiver-{self.name}", daemon=True)
@@ -306,17 +310,29 @@ class WeightReceiver:
         if self.curve is not None:
             secure_client(sock, self.curve)
         sock.connect(self.address)
-        sock.send(
-            _enc.encode(
-                {"kind": "hello", "proto": PROTO, "engine": self.name, "version": self.engine.version}
-            )
-        )
+
+        def hello() -> None:
+            msg = {"kind": "hello", "proto": PROTO, "engine": self.name, "version": self.engine.version}
+            try:
+                sock.send(_enc.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:  # not connected yet: the next hello goes out
+                pass
+
+        hello()
         pending: dict[str, torch.Tensor] = {}
         version = None
+        heard = time.monotonic()
         try:
             while not self._stop.is_set():
                 if not sock.poll(100):
+                    # Say hello again while idle: a trainer restarted after a crash binds the same
+                    # address with a fresh sender that knows no engines; the socket reconnects on its
+                    # own, and this is how the new sender learns of us (a known engine's hello is a no-op)
+                    if time.monotonic() - heard > self.hello_every_s:
+                        hello()
+                        heard = time.monotonic()
                     continue
+                heard = time.monotonic()
                 header, *frames = sock.recv_multipart(copy=False)
                 msg = _dec.decode(header.bytes)
                 if msg.get("kind") != "bucket" or msg.get("proto") != PROTO:
