@@ -39,6 +39,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             s.add_argument("--limit", type=int, default=5)
             s.add_argument("--uid", default="", help="only this uid")
             s.add_argument("--state", default="", choices=["", "live", "served", "evicted"])
+        if name == "summary":
+            s.add_argument("--json", action="store_true", help="one JSON object instead of tables")
         if name in ("export", "plot"):
             s.add_argument("out", help="output file")
     return p.parse_args(argv)
@@ -98,51 +100,109 @@ def _load_dir(target: str):
     return table, {"version": version, "stats": None, "torn": torn}
 
 
-def summary(table, info, version: int | None) -> None:
+def summarise(table, info, version: int | None) -> dict:
+    """The summary's figures: counts, staleness of live rows now and of served rows when they were
+    trained (from the consumption log), and reward by oldest token version in at most 10 bins."""
     import numpy as np
     import pyarrow.compute as pc
-    from rich.console import Console
-    from rich.table import Table
 
-    con = Console()
     v = info["version"] if version is None else version
     minv = table.column("min_version").to_numpy()
     reward = table.column("reward").to_numpy()
-    live = np.array(table.column("state").to_pylist()) == "live" if table.num_rows else np.zeros(0, bool)
-    head = Table(title=f"buffer at trainer version {v}", show_header=False)
-    head.add_row("rows (all / live)", f"{table.num_rows} / {int(live.sum())}")
-    head.add_row("groups", str(len(pc.unique(table.column("group_id")))))
-    states = {s: int(n) for s, n in zip(*np.unique(table.column("state").to_pylist(), return_counts=True))}
-    head.add_row("served (consumed)", str(states.get("served", 0)))
-    head.add_row("evicted as stale", str(states.get("evicted", 0)))
-    statuses = {s: int(n) for s, n in zip(*np.unique(table.column("status").to_pylist(), return_counts=True))}
-    head.add_row("status counts", ", ".join(f"{k}={n}" for k, n in statuses.items()) or "-")
+    state = np.array(table.column("state").to_pylist(), dtype=object)
+    statuses = {
+        str(k): int(n) for k, n in zip(*np.unique(table.column("status").to_pylist(), return_counts=True))
+    }
+    out = {
+        "version": int(v),
+        "rows": table.num_rows,
+        "live": int((state == "live").sum()),
+        "served": int((state == "served").sum()),
+        "evicted": int((state == "evicted").sum()),
+        "groups": len(pc.unique(table.column("group_id"))),
+        "status": statuses,
+        "torn": info["torn"],
+    }
     if info["stats"]:
         st = info["stats"]
-        head.add_row("rejected messages", f"{st.get('rejected_messages', 0)} {st.get('rejects', {})}")
-        head.add_row("server evictions", str(st.get("evicted_stale", 0)))
-    for t in info["torn"]:
+        out["rejected_messages"] = st.get("rejected_messages", 0)
+        out["rejects"] = st.get("rejects", {})
+        out["server_evictions"] = st.get("evicted_stale", 0)
+
+    def hist(x) -> dict:
+        return {int(k): int(n) for k, n in zip(*np.unique(x, return_counts=True))}
+
+    out["staleness_live"] = hist(v - minv[state == "live"])
+    if "served_at" in table.column_names:  # a directory: the version each served row was trained at
+        served = state == "served"
+        trained = table.column("served_at").to_numpy()[served] - minv[served]
+        out["staleness_when_trained"] = hist(trained)
+        if len(trained):
+            out["staleness_when_trained_mean"] = round(float(trained.mean()), 3)
+    bins = []
+    versions = np.unique(minv)
+    for chunk in np.array_split(versions, min(10, len(versions))) if len(versions) else []:
+        r = reward[(minv >= chunk[0]) & (minv <= chunk[-1])]
+        bins.append(
+            {
+                "versions": [int(chunk[0]), int(chunk[-1])],
+                "rows": len(r),
+                "mean": round(float(r.mean()), 4),
+                "std": round(float(r.std()), 4),
+                "min": round(float(r.min()), 4),
+                "max": round(float(r.max()), 4),
+            }
+        )
+    out["reward_by_version"] = bins
+    return out
+
+
+def summary(table, info, version: int | None, as_json: bool = False) -> None:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    d = summarise(table, info, version)
+    if as_json:
+        print(json.dumps(d))
+        return
+    con = Console()
+    head = Table(title=f"buffer at trainer version {d['version']}", show_header=False)
+    head.add_row("rows (all / live)", f"{d['rows']} / {d['live']}")
+    head.add_row("groups", str(d["groups"]))
+    head.add_row("served (consumed)", str(d["served"]))
+    head.add_row("evicted as stale", str(d["evicted"]))
+    head.add_row("status counts", ", ".join(f"{k}={n}" for k, n in d["status"].items()) or "-")
+    if "rejected_messages" in d:
+        head.add_row("rejected messages", f"{d['rejected_messages']} {d['rejects']}")
+        head.add_row("server evictions", str(d["server_evictions"]))
+    for t in d["torn"]:
         head.add_row(
             f"[red]torn {t['name']}", f"{t['torn_bytes']} bytes after {t['batches']} batches: {t['problem']}"
         )
     con.print(head)
-    if not table.num_rows:
+    if not d["rows"]:
         return
-    hist = Table(title="staleness of live rows (version - oldest token version)")
-    hist.add_column("staleness", justify="right")
-    hist.add_column("rows", justify="right")
-    for s, n in zip(*np.unique(v - minv[live], return_counts=True)):
-        hist.add_row(str(s), str(n))
-    con.print(hist)
+    for key, title in (
+        ("staleness_when_trained", "staleness when trained (served at version - oldest token version)"),
+        ("staleness_live", "staleness of live rows now (version - oldest token version)"),
+    ):
+        if d.get(key):
+            t = Table(title=title)
+            t.add_column("staleness", justify="right")
+            t.add_column("rows", justify="right")
+            for k, n in d[key].items():
+                t.add_row(str(k), str(n))
+            con.print(t)
     by = Table(title="reward by oldest token version")
     for c in ("versions", "rows", "mean", "std", "min", "max"):
         by.add_column(c, justify="right")
     # at most ~10 rows, however long the run: did the reward rise is the question, not each version
-    versions = np.unique(minv)
-    for chunk in np.array_split(versions, min(10, len(versions))) if len(versions) else []:
-        r = reward[(minv >= chunk[0]) & (minv <= chunk[-1])]
-        span = str(chunk[0]) if chunk[0] == chunk[-1] else f"{chunk[0]}-{chunk[-1]}"
-        by.add_row(span, str(len(r)), f"{r.mean():.3f}", f"{r.std():.3f}", f"{r.min():.3f}", f"{r.max():.3f}")
+    for b in d["reward_by_version"]:
+        lo, hi = b["versions"]
+        span = str(lo) if lo == hi else f"{lo}-{hi}"
+        by.add_row(span, str(b["rows"]), *(f"{b[k]:.3f}" for k in ("mean", "std", "min", "max")))
     con.print(by)
 
 
@@ -218,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     table, info = load(args.target)
     if args.cmd == "summary":
-        summary(table, info, args.version)
+        summary(table, info, args.version, as_json=args.json)
     elif args.cmd == "samples":
         samples(table, args)
     elif args.cmd == "export":

@@ -143,3 +143,23 @@ def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
         for u, s, m in zip(*(table.column(c).to_pylist() for c in ("uid", "served_at", "min_version")))
     }
     assert got == {"a": 2, "b": 6}  # not "distance to the final version" (9 and 6)
+
+
+def test_summary_json_says_how_stale_each_row_was_when_trained(tmp_path, capsys):
+    """`summary --json` for scripts: the staleness each served row had when the trainer took it (from
+    the consumption log). Its speed on 128k rows is bench/inspect_summary.py's."""
+    import json
+
+    from buffer.storage import Buffer
+
+    buf = Buffer(BufferConfig(), tmp_path / "buf")
+    buf.insert(synthetic_samples(1, version=0, prefix="a"))
+    buf.insert(synthetic_samples(1, version=3, prefix="b"))
+    buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
+    buf.fetch(1, version=9, max_staleness=10)  # b (version 3) trained at 9
+    buf.close()
+    main(["summary", "--json", str(tmp_path / "buf")])
+    d = json.loads(capsys.readouterr().out)
+    n = len(synthetic_samples(1))  # rows per group
+    assert d["served"] == 2 * n and d["staleness_when_trained"] == {"2": n, "6": n}
+    assert d["staleness_when_trained_mean"] == 4.0 and len(d["reward_by_version"]) == 2

@@ -115,3 +115,21 @@ def msgspec_replace(cfg, **kw):
     import msgspec
 
     return msgspec.structs.replace(cfg, **kw)
+
+
+def test_a_row_slice_of_a_file_as_slime_writes_it(tmp_path, tok):
+    rows = [{"prompt": str(i), "label": str(i)} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    src = PromptSource(DataConfig(source=f"{path}@[2:5]", shuffle=False), tok)
+    assert src.size == 3 and [next(src).label for _ in range(4)] == ["2", "3", "4", "2"]
+    assert PromptSource(DataConfig(source=f"{path}@[-2:]", shuffle=False), tok).size == 2
+    with pytest.raises(DataError, match=r"path@\[start:stop\]"):
+        PromptSource(DataConfig(source=f"{path}@[2-5]"), tok)
+    with pytest.raises(DataError, match="holds none of the file's 10 usable rows"):
+        PromptSource(DataConfig(source=f"{path}@[20:30]"), tok)
+
+
+def test_step_loss_mask_in_prompt_messages_is_refused_by_name(tmp_path, tok):
+    row = {"prompt": [{"role": "user", "content": "1", "step_loss_mask": 1}], "label": "1"}
+    with pytest.raises(DataError, match=r"d.jsonl:1: .*step_loss_mask"):
+        PromptSource(DataConfig(source=str(write_jsonl(tmp_path / "d.jsonl", [row]))), tok)

@@ -627,7 +627,7 @@ def preflight(cfg: RunConfig) -> None:
     """What can be checked before Ray starts, so that a typo fails in a second with one line instead
     of inside an actor's traceback: the model folder, and every line of a dataset file."""
     from pipeline.models import ModelError, resolve_model
-    from stages.rollout.data import DataError, is_task, read_examples
+    from stages.rollout.data import DataError, is_task, read_source
 
     try:
         resolve_model(cfg.model)
@@ -637,7 +637,7 @@ def preflight(cfg: RunConfig) -> None:
     if data.source and not is_task(data.source):
         counters = {"bad_lines": 0}
         try:
-            read_examples(Path(data.source).expanduser(), data, counters)
+            read_source(data.source, data, counters)
         except DataError as e:
             hint = (
                 ""

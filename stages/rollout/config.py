@@ -13,7 +13,7 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class DataConfig(_Base):
     # "digit_repeat" (built-in procedural task), "reasoning_gym:<task>" (e.g. reasoning_gym:basic_arithmetic),
-    # or a path to a .jsonl / .parquet file in slime's schema.
+    # or a path to a .jsonl / .parquet file in slime's schema, optionally a row slice of it: data.jsonl@[0:1000]
     source: str = "digit_repeat"
     prompt_key: str = "prompt"  # text, or a list of chat messages
     label_key: str = "label"

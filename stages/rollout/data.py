@@ -1,7 +1,7 @@
 """Prompt sources: JSONL / Parquet files in slime's schema and procedural tasks, served in seeded,
 shuffled epochs from a position that survives a restart.
 
-File rows follow slime's schema: `prompt` (text, or a list of chat messages {role, content}), `label`
+File rows follow slime's schema (and its `path@[start:stop]` row slices): `prompt` (text, or a list of chat messages {role, content}), `label`
 (ground truth for the verifier) and `metadata` (a JSON object); the key names are configurable.
 A malformed line fails loading with the file and line number (or, with on_bad_line="skip", is skipped
 and counted). Prompts longer than max_prompt_tokens are skipped or truncated (keeping the end, which
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,11 @@ def _row_to_example(row: Any, cfg, where: str) -> Example:
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
             raise DataError(f"{where}: {cfg.prompt_key!r} is a list but not of {{role, content}} messages")
+        if any("step_loss_mask" in m for m in prompt):  # was dropped without a word
+            raise DataError(
+                f"{where}: a message has step_loss_mask, which marks trained turns of multi-turn (SFT) data; "
+                "an RL prompt is never trained on, only the generated response is: remove the key"
+            )
         prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
     elif not isinstance(prompt, str):
         raise DataError(
@@ -103,6 +109,27 @@ def read_examples(path: Path, cfg, counters: dict[str, int]) -> list[Example]:
     return out
 
 
+_ROWS = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
+
+
+def read_source(source: str, cfg, counters: dict[str, int]) -> list[Example]:
+    """The rows of a data file, or of a slice of it: "data.jsonl@[0:1000]" (slime's form; Python slice
+    bounds over the file's usable rows, either may be left out or negative)."""
+    m = _ROWS.match(source)
+    if m is None:
+        if "@[" in source:
+            raise DataError(
+                f"data.source {source!r}: a row slice is written path@[start:stop], e.g. data.jsonl@[0:1000]"
+            )
+        return read_examples(Path(source).expanduser(), cfg, counters)
+    rows = read_examples(Path(m["path"]).expanduser(), cfg, counters)
+    start, stop = (int(x) if x else None for x in (m["start"], m["stop"]))
+    out = rows[start:stop]
+    if not out:
+        raise DataError(f"data.source {source!r}: the slice holds none of the file's {len(rows)} usable rows")
+    return out
+
+
 class PromptSource:
     """Serves tokenized `Prompt`s forever (epoch after epoch). Not thread-safe: one consumer."""
 
@@ -117,7 +144,7 @@ class PromptSource:
             self.task = make_task(cfg.source, seed=cfg.seed, size=cfg.num_examples, kwargs=cfg.task_kwargs)
             self.size = cfg.num_examples
         else:
-            self.examples = read_examples(Path(cfg.source).expanduser(), cfg, self.counters)
+            self.examples = read_source(cfg.source, cfg, self.counters)
             self.size = len(self.examples)
         self.default_reward = self.task.default_reward if self.task else "exact_match"
         self.epoch, self.index = 0, 0
