@@ -329,10 +329,16 @@ class BufferClient(SampleSink, BatchSource):
         msg.req = next(self._req) + (1 << 40)  # disjoint from ingest seqs, which use req = seq
         kind = msg.__struct_config__.tag
         head = [wire.encode(msg)]
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        wait_s = getattr(msg, "timeout_s", None)  # a fetch's own wait in the server
         next_send = 0.0
         while True:
             if time.monotonic() >= next_send:
+                if wait_s is not None and next_send:  # a resend waits only what is left of it (a
+                    # restarted server would otherwise hold it past this client's deadline)
+                    msg.timeout_s = max(0.0, wait_s - (time.monotonic() - start))
+                    head = [wire.encode(msg)]
                 self._send(head)
                 next_send = time.monotonic() + (self.resend_s if resend else float("inf"))
             got = self._pump(deadline, f"a reply to {kind}", until=next_send, waited=timeout_s)

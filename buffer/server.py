@@ -131,6 +131,7 @@ class BufferServer:
         self._parked_fetch: dict[tuple[str, int], _PendingFetch] = {}
         self._consumer_fetch: dict[str, tuple[str, int]] = {}  # consumer -> its parked fetch's key
         self.superseded_fetches = 0
+        self._drop_requests: list[str] = []  # consumers whose parked fetch to drop (drop_fetches)
         self._served_fetch: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._parked: list[_ParkedIngest] = []
         self._parked_keys: set[tuple[str, int]] = set()
@@ -259,6 +260,8 @@ class BufferServer:
                 changed = False
             if self._unacked:
                 self._send_durable_acks(sock)
+            while self._drop_requests:  # drop_fetches() from another thread
+                self._drop_parked(self._drop_requests.pop())
             if self._fetches:
                 self._serve_fetches(sock, only_expired=not changed)
 
@@ -441,14 +444,24 @@ class BufferServer:
             return
         # a consumer waits on one fetch at a time: an older one still parked belongs to a requester that
         # gave up on it or died (a restarted trainer), and serving it would consume groups nobody trains
-        old = self._parked_fetch.pop(self._consumer_fetch.get(msg.consumer), None)
-        if old is not None:
-            self._fetches.remove(old)
+        if self._drop_parked(msg.consumer):
             self.superseded_fetches += 1
         now = time.monotonic()
         self._parked_fetch[key] = f = _PendingFetch(env, msg, now + min(msg.timeout_s, 86400.0), now)
         self._consumer_fetch[msg.consumer] = key
         self._fetches.append(f)
+
+    def _drop_parked(self, consumer: str) -> bool:
+        """Forget `consumer`'s parked fetch, unanswered (its requester is gone); True if there was one."""
+        old = self._parked_fetch.pop(self._consumer_fetch.pop(consumer, None), None)
+        if old is not None:
+            self._fetches.remove(old)
+        return old is not None
+
+    def drop_fetches(self, consumer: str) -> None:
+        """Thread-safe: the consumer died (a trainer being restarted), so its parked fetch must not take
+        groups nobody will train; done by the server loop within ~0.1 s."""
+        self._drop_requests.append(consumer)
 
     def _serve_fetches(self, sock, only_expired: bool = False) -> None:
         now = time.monotonic()

@@ -329,6 +329,13 @@ class Buffer:
         """
         self.set_version(version)
         evicted = self.evict_stale(version, max_staleness) if self.policy.enforces_staleness else 0
+        # rows newer than the trainer can still arrive after it went back (engines keep the old weights
+        # until its first push lands): never served at negative staleness
+        future = [g for g in self._complete.values() if g.staleness(version) < 0]
+        if future and self.policy.enforces_staleness:
+            n = self._evict(future, version)
+            self.counters["evicted_future"] += n
+            evicted += n
         if len(self._complete) < num_groups:
             self.sync_log()
             return FetchResult(None, 0, evicted)

@@ -289,7 +289,7 @@ def test_whole_new_groups_take_the_fast_path():
     assert plan.runs is not None and plan.n_new == 12
     buf.commit(plan)
     assert buf.ready_groups() == 4
-    out = buf.fetch(4, 0, 100).batch
+    out = buf.fetch(4, 5, 100).batch  # version 5: every sample's tokens (versions 0-4) are older
     assert out.column("group_index").to_pylist() == [0, 1, 2] * 4  # by group_index within each group
     again = buf.plan(samples_to_batch(samples[:3]))  # all duplicates: the row-by-row path
     assert again.runs is None and again.duplicates == 3 and again.n_new == 0

@@ -133,16 +133,16 @@ def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
 
     buf = Buffer(BufferConfig(), tmp_path / "buf")
     buf.insert(synthetic_samples(1, version=0, prefix="a"))
-    buf.insert(synthetic_samples(1, version=3, prefix="b"))
+    buf.insert(synthetic_samples(1, version=1, prefix="b"))
     buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
-    buf.fetch(1, version=9, max_staleness=10)  # b (version 3) trained at 9
+    buf.fetch(1, version=9, max_staleness=10)  # b (version 1) trained at 9
     buf.close()
     table, _ = load(str(tmp_path / "buf"))
     got = {
         u[0]: s - m
         for u, s, m in zip(*(table.column(c).to_pylist() for c in ("uid", "served_at", "min_version")))
     }
-    assert got == {"a": 2, "b": 6}  # not "distance to the final version" (9 and 6)
+    assert got == {"a": 2, "b": 8}  # not "distance to the final version" (9 and 8)
 
 
 def test_summary_json_says_how_stale_each_row_was_when_trained(tmp_path, capsys):
@@ -154,12 +154,12 @@ def test_summary_json_says_how_stale_each_row_was_when_trained(tmp_path, capsys)
 
     buf = Buffer(BufferConfig(), tmp_path / "buf")
     buf.insert(synthetic_samples(1, version=0, prefix="a"))
-    buf.insert(synthetic_samples(1, version=3, prefix="b"))
+    buf.insert(synthetic_samples(1, version=1, prefix="b"))
     buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
-    buf.fetch(1, version=9, max_staleness=10)  # b (version 3) trained at 9
+    buf.fetch(1, version=9, max_staleness=10)  # b (version 1) trained at 9
     buf.close()
     main(["summary", "--json", str(tmp_path / "buf")])
     d = json.loads(capsys.readouterr().out)
     n = len(synthetic_samples(1))  # rows per group
-    assert d["served"] == 2 * n and d["staleness_when_trained"] == {"2": n, "6": n}
-    assert d["staleness_when_trained_mean"] == 4.0 and len(d["reward_by_version"]) == 2
+    assert d["served"] == 2 * n and d["staleness_when_trained"] == {"2": n, "8": n}
+    assert d["staleness_when_trained_mean"] == 5.0 and len(d["reward_by_version"]) == 2

@@ -218,3 +218,17 @@ def test_empty_response_samples_are_never_stale():
     buf = Buffer(cfg(durable=False))
     buf.insert([s])
     assert buf.fetch(1, version=50, max_staleness=0).batch.num_rows == 1
+
+
+def test_a_group_newer_than_the_fetching_trainer_is_never_served():
+    """After a trainer went back to its checkpoint (version 3), engines still on version 5 finish
+    groups: they arrive after the version was lowered, so the lowering's eviction missed them. Before:
+    served at staleness -2."""
+    buf = Buffer(BufferConfig(durable=False))
+    buf.set_version(5)
+    buf.set_version(3)  # the restarted trainer's first fetch
+    buf.insert(synthetic_samples(1, version=5, prefix="late"))
+    buf.insert(synthetic_samples(1, version=3, prefix="ok"))
+    res = buf.fetch(1, version=3, max_staleness=2)
+    assert res.batch is not None and set(res.batch.column("min_version").to_pylist()) == {3}
+    assert buf.counters["evicted_future"] == len(synthetic_samples(1)) and buf.ready_groups() == 0

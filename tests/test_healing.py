@@ -180,16 +180,19 @@ def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tm
         metrics.close()
 
 
-@pytest.mark.parametrize("every", [3, 0])
-def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(tmp_path, ray_session, every):
+@pytest.mark.parametrize("every,ranks", [(3, 1), (0, 1), (3, 2)])
+def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(
+    tmp_path, ray_session, every, ranks
+):
     """Before: the run stopped. Now the trainer group restarts from the newest checkpoint (every 3
     steps; with none yet, from the base model), the engines get its weights back (older than theirs),
-    metrics.jsonl holds one series, and no sample is trained twice."""
+    metrics.jsonl holds one series, and no sample is trained twice. With 2 ranks the surviving rank is
+    ended too and the group rebuilt (it would otherwise wait in a collective with the dead one)."""
     import ray
 
     from buffer.segments import iter_log
 
-    cfg = _cfg(tmp_path, "run.steps=10", f"trainer.checkpoint_every={every}")
+    cfg = _cfg(tmp_path, "run.steps=10", f"trainer.checkpoint_every={every}", f"trainer.dp={ranks}")
     run_dir = tmp_path / "run"
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)

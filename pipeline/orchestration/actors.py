@@ -101,6 +101,9 @@ class BufferActor(_Located):
             "malloc_settings": int(bool(os.environ.get(MARKER))),
         }
 
+    def drop_fetches(self, consumer: str) -> None:
+        self.server.drop_fetches(consumer)
+
     def stop(self) -> None:
         self.server.stop()
         self.stopped.set()
@@ -248,6 +251,11 @@ class TrainerActor(_Located):
         from buffer.client import BufferClient
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
+
+        if gpus:  # before the sender: an NCCL sender forms its group on the current device
+            import torch
+
+            torch.cuda.set_device(gpus[0])
 
         if self.rank == 0:
             self.source = BufferClient(

@@ -413,12 +413,31 @@ class Pipeline:
                 except ray.exceptions.RayActorError as e:  # its process died: the group is restarted
                     raise _TrainerDied(f"{what}: {_root_error(e)}") from None
                 except ray.exceptions.RayError as e:  # it raised: a restart would raise the same again
+                    # unless it raised because a peer rank died (gloo fails the collective at once)
+                    dead = self._dead_rank(pending, rank_of)
+                    if dead:
+                        raise _TrainerDied(dead) from None
                     raise StageFailed(f"{what} failed: {_root_error(e)}") from None
                 if rank_of[ref] == 0:
                     m = out
                 continue
             self._heal_generator(ref)
         return m
+
+    def _dead_rank(self, pending: set, rank_of: dict, wait_s: float = 5.0) -> str:
+        """A rank whose process died, among the ranks still stepping (given a few seconds to report):
+        '' if none. A rank that died leaves its peers failing their collective first, on gloo."""
+        import ray
+
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                return f"trainer rank {rank_of[ref]}: {_root_error(e)}"
+            except ray.exceptions.RayError:
+                pass
+        return ""
 
     def _heal_trainer(self, error: str) -> int:
         """A trainer rank's process died: end the whole group (the other ranks would wait in a
@@ -434,6 +453,8 @@ class Pipeline:
         log.warning("%s died; restarting the trainer from its newest checkpoint", error)
         for t in self.trainers:
             ray.kill(t, no_restart=True)
+        # the dead trainer's fetch may still wait in the buffer: served, it would take a batch nobody trains
+        self._wait(self.buffer.drop_fetches.remote("trainer"), "buffer")
         self.trainer = self._new_trainers(None, weights_bind=self.weights_addr, push_now=True)
         address = self._wait(self.trainer.weights_address.remote(), "trainer")
         if address != self.weights_addr:  # the port was taken meanwhile: the engines cannot follow
@@ -456,6 +477,8 @@ class Pipeline:
             raise StageFailed("buffer stopped before the run ended")
         except ray.exceptions.RayActorError as e:
             error = _root_error(e)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            raise StageFailed(f"buffer failed: {_root_error(e)}") from None
         if not self.cfg.buffer.durable:
             raise StageFailed(
                 f"buffer failed: {error} (buffer.durable=false: no segments to restart it from)"
@@ -504,7 +527,12 @@ class Pipeline:
             "%s died (%s); starting a new incarnation (%d in the window)", name, error, len(self.deaths[name])
         )
         ray.kill(self.generators[i], no_restart=True)
-        self._wait(self.trainer.forget_engine.remote(self.gen_ids[i]), "trainer")
+        try:  # a trainer that died too is restarted at the next step, with a sender that knows no engine
+            ray.get(self.trainer.forget_engine.remote(self.gen_ids[i]), timeout=self.cfg.run.timeout_s)
+        except ray.exceptions.RayActorError:
+            pass
+        except ray.exceptions.RayError as e:
+            raise StageFailed(f"trainer failed: {_root_error(e)}") from None
         self.generators[i] = self._new_generator(i)
         self.gen_ids[i] = self._wait(self.generators[i].ident.remote(), name)
         self.gen_runs[self.generators[i].run.remote()] = name

@@ -124,7 +124,8 @@ def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
             f"{tc.tp}*{tc.pp}*{tc.dp}) and {rollout_gpus:g} for the engines (rollout.num_generators="
             f"{r.num_generators} x engines_per_generator={r.engines_per_generator} x rollout.sglang.tp_size="
             f"{r.sglang.tp_size}{', colocated' if cfg.cluster.colocate else ''}); Ray has {have_gpu:g} GPUs "
-            f"on {len(nodes)} node(s). Lower those keys, set cluster.colocate=true, or add GPUs"
+            f"on {len(nodes)} node(s). Lower those keys, set cluster.colocate=true, add GPUs, or train on the CPU "
+            "(trainer.device=cpu; trainer.device=auto trains on GPUs whenever the cluster has any)"
         )
     for key in {k for b in plan.bundles for k in b} - {"CPU", "GPU"}:
         need = sum(b.get(key, 0) for b in plan.bundles)

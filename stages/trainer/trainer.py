@@ -479,7 +479,9 @@ class Trainer:
             choice = (
                 "gpu" if nbytes <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory else "cpu"
             )
-        if choice == "cpu" and self.device.type == "cuda":
+        # pinned buffers are refilled at the next push, so only for senders that keep nothing of a push
+        # once it is done: the SGLang ones; the CPU transport keeps its last snapshot for late joiners
+        if choice == "cpu" and self.device.type == "cuda" and device == "cuda":
             if self._host_snapshot is None:
                 self._host_snapshot = HostSnapshot()
             return {"host": self._host_snapshot}
