@@ -223,9 +223,12 @@ def test_update_size_is_proportional_to_lr(model_path, hf_initial, tmp_path):
 # after other tests, with OMP_NUM_THREADS=1 and 2; rel 1e-4 leaves room for other CPUs' float
 # summation order only. Regenerate ONLY after an intended change of the loss math (say why in the
 # commit): `.venv/bin/python -m pytest tests/test_trainer_direction.py -k golden -s` prints the values.
-GOLDEN_LOSS = -0.07532899334745587
-GOLDEN_GRAD_NORM = 7.020289421081543
-GOLDEN_LOSS_2 = -0.2434247574716244
+# trainer.loss.grpo_std became "unbiased" (slime's and verl's torch.std, issue #16): with groups of 4
+# every advantage, so the loss and the gradient, is sqrt(3/4) of the population-std values of before
+# (-0.07532899334745587, 7.020289421081543, -0.2434247574716244), which grpo_std=population gives back
+GOLDEN_LOSS = -0.06523680686950684
+GOLDEN_GRAD_NORM = 6.0797529220581055
+GOLDEN_LOSS_2 = -0.21081215480588517
 
 
 def test_golden_loss_and_grad_norm(model_path, tmp_path):

@@ -12,13 +12,25 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class LossConfig(_Base):
+    """Conventions that differ between frameworks are keys here whose defaults are slime's; the values
+    that reproduce this project before issue #16 are named in the comments (docs/algorithms.md)."""
+
     advantage: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = "grpo"
     grpo_std_norm: bool = True  # divide group-centred rewards by the group std
-    grpo_std: Literal["population", "unbiased"] = "population"  # unbiased = slime's / verl's torch.std
+    # group std of grpo / gspo: unbiased = Bessel-corrected torch.std (slime, verl); population = before #16
+    grpo_std: Literal["population", "unbiased"] = "unbiased"
+    # REINFORCE++ whitening: token = over all trained tokens, Bessel-corrected (slime, verl, OpenRLHF);
+    # sample = over samples, population std (before #16)
+    reinforce_pp_whiten: Literal["token", "sample"] = "token"
     dual_clip: float = 0.0  # dual-clip PPO's c (> 1; verl uses 3): caps the loss of A < 0 tokens at -c A
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28  # asymmetric upper clip (DAPO clip-higher); = eps_clip for symmetric
-    aggregation: Literal["token", "sample"] = "token"  # token-mean over the batch, or mean of sample means
+    # token-mean over the batch, or mean of sample means; auto = sample for gspo (paper, verl, slime),
+    # token for the others (verl's default; slime's own default is sample for every estimator)
+    aggregation: Literal["auto", "token", "sample"] = "auto"
+    # the sample-mean's count: all = every sample of the step, fully masked ones too (slime);
+    # unmasked = samples with a trained token (verl's seq-mean-token-mean; before #16)
+    sample_mean_denominator: Literal["all", "unmasked"] = "all"
     kl_coef: float = 0.0  # KL to the reference policy (the initial weights); 0 = off, no reference kept
     kl_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coef: float = 0.0

@@ -1,7 +1,14 @@
 """Policy-gradient losses, advantages and off-policy corrections as pure torch functions.
 
 Token tensors are flat over all response tokens of a (micro-)batch: shape [T], with `seq` [T] giving
-each token's sample index in [0, n). Sample tensors have shape [n]. `mask` is 1.0 on trained tokens.
+each token's sample index in [0, n). Sample tensors have shape [n]. `mask` is 1.0 on trained tokens and
+0.0 elsewhere; masked tokens may carry any value, +-inf included (an engine's logprob of a token it was
+forced to emit, FAILED samples), and never reach the loss or its gradient: they are replaced with
+`torch.where` before any exp, since `x * 0` is NaN for x = inf and a `where` after the exp still
+leaks 0 * inf = NaN into the backward pass (AReaL masks with `where` for the same reason).
+
+Conventions that differ between frameworks are keys of trainer.loss (docs/algorithms.md has the table);
+their defaults are slime's.
 
 Three log-probabilities meet here (names follow AReaL/slime):
   logp          current trainer weights, with gradient
@@ -49,21 +56,30 @@ def group_ids_to_index(group_ids: list[str]) -> torch.Tensor:
     return torch.tensor([first.setdefault(g, len(first)) for g in group_ids], dtype=torch.long)
 
 
+def _group_mean(r, g, w):
+    """Per-group mean of the valid rewards (r and w in float64) and each group's count of them."""
+    ng = int(g.max()) + 1
+    cnt = torch.zeros(ng, dtype=r.dtype).index_add(0, g, w).clamp(min=1.0)
+    return torch.zeros(ng, dtype=r.dtype).index_add(0, g, r) / cnt, cnt
+
+
 def advantages(
     rewards: torch.Tensor,
     groups: torch.Tensor,
     kind: str = "grpo",
     std_norm: bool = True,
     valid: torch.Tensor | None = None,
-    std: str = "population",
+    std: str = "unbiased",
 ) -> torch.Tensor:
     """Sample-level advantages [n] from rewards [n] and group indices [n].
 
-    grpo / gspo:            (r - mean_group) / (std_group + eps)   (std division optional)
-    reinforce_pp:           r whitened over the batch (REINFORCE++, no baseline)
-    reinforce_pp_baseline:  (r - mean_group), then whitened over the batch
-    `std`: "population" (correction 0, this project's default) or "unbiased" (Bessel-corrected, as
-    slime's and verl's torch.std): rewards [1, 0] give +-1.0 and +-0.707.
+    grpo / gspo:            (r - mean_group) / (std_group + 1e-6)   (std division optional)
+    reinforce_pp:           r whitened over the batch's samples (no baseline)
+    reinforce_pp_baseline:  (r - mean_group), then whitened over the batch's samples
+    The two reinforce_pp lines are the per-sample convention (trainer.loss.reinforce_pp_whiten =
+    "sample", population std); the token-level default is `token_advantages`.
+    `std` (trainer.loss.grpo_std): "unbiased" (Bessel-corrected: slime's and verl's torch.std, the
+    default) or "population" (correction 0): rewards [1, 0] give +-0.707 and +-1.0.
     `valid` [n] bool: samples whose reward is real (not FAILED / ABORTED). Only they enter the group and
     batch statistics, and the others get advantage 0: a verifier crash's placeholder reward of 0 must
     not move its group's baseline.
@@ -73,9 +89,7 @@ def advantages(
     g = groups.long()
     w = torch.ones_like(r) if valid is None else valid.to(r.dtype)
     r = r * w  # a placeholder reward must not leak through 0 * inf
-    ng = int(g.max()) + 1
-    cnt = torch.zeros(ng, dtype=r.dtype).index_add(0, g, w).clamp(min=1.0)
-    mean = torch.zeros(ng, dtype=r.dtype).index_add(0, g, r) / cnt
+    mean, cnt = _group_mean(r, g, w)
     if kind in ("grpo", "gspo"):
         centred = (r - mean[g]) * w
         if not std_norm:
@@ -83,20 +97,73 @@ def advantages(
         if std not in ("population", "unbiased"):
             raise ValueError(f"std must be 'population' or 'unbiased' (trainer.loss.grpo_std), got {std!r}")
         dof = cnt - 1.0 if std == "unbiased" else cnt
-        var = torch.zeros(ng, dtype=r.dtype).index_add(0, g, centred**2) / dof.clamp(min=1.0)
+        var = torch.zeros_like(cnt).index_add(0, g, centred**2) / dof.clamp(min=1.0)
         return (centred / (var.sqrt()[g] + EPS)).float()
-    if kind == "reinforce_pp":
-        base = r
-    elif kind == "reinforce_pp_baseline":
-        base = (r - mean[g]) * w
-    else:
-        raise ValueError(
-            f"unknown advantage estimator {kind!r} (grpo, gspo, reinforce_pp, reinforce_pp_baseline)"
-        )
+    base = _reinforce_base(r, g, w, kind, mean)
     m = max(float(w.sum()), 1.0)
     mu = (base * w).sum() / m
-    std = (((base - mu) * w) ** 2).sum().div(m).sqrt() if m > 1 else torch.zeros((), dtype=r.dtype)
-    return ((base - mu) * w / (std + EPS)).float()
+    sd = (((base - mu) * w) ** 2).sum().div(m).sqrt() if m > 1 else torch.zeros((), dtype=r.dtype)
+    return ((base - mu) * w / (sd + EPS)).float()
+
+
+def _reinforce_base(r, g, w, kind: str, mean):
+    """The REINFORCE++ return before whitening: the reward, or the reward minus its group's mean."""
+    if kind == "reinforce_pp":
+        return r
+    if kind == "reinforce_pp_baseline":
+        return (r - mean[g]) * w
+    raise ValueError(
+        f"unknown advantage estimator {kind!r} (grpo, gspo, reinforce_pp, reinforce_pp_baseline)"
+    )
+
+
+def token_advantages(
+    rewards: torch.Tensor,
+    groups: torch.Tensor,
+    seq: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token advantages [T], as the loss consumes them; masked tokens get 0.
+
+    grpo / gspo, and reinforce_pp* with reinforce_pp_whiten = "sample": each token carries its sample's
+    advantage (`advantages`). reinforce_pp* with "token" (the default; slime, verl, OpenRLHF): each
+    token's return G_t (the sample's reward, or reward - group mean for reinforce_pp_baseline) is
+    whitened over every trained token of the batch with the Bessel-corrected variance, as slime's
+    distributed_masked_whiten and verl's masked_whiten:
+        A_t = (G_t - mean_tok) * rsqrt(var_tok * N / (N - 1) + 1e-8),   N = trained tokens (N >= 2)
+    so a long response weighs more in the statistics. Rewards [1, 0] with lengths [1, 3]: G = [1, 0, 0, 0],
+    mean .25, unbiased var .25 -> [1.5, -0.5, -0.5, -0.5] (per sample: +-1).
+    Not here: the paper's and slime's token-level KL in the reward and the discount gamma; G_t is
+    constant over a response (gamma = 1, no reward KL; slime's defaults are gamma = 1, kl_coef = 0).
+    """
+    _check(seq=seq, mask=mask)
+    on = mask > 0
+    if valid is not None:
+        on = on & valid.to(torch.bool)[seq]
+    if cfg.advantage in ("grpo", "gspo") or cfg.reinforce_pp_whiten == "sample":
+        a = advantages(rewards, groups, cfg.advantage, cfg.grpo_std_norm, valid=valid, std=cfg.grpo_std)[seq]
+        return torch.where(on, a, torch.zeros_like(a))
+    if cfg.reinforce_pp_whiten != "token":
+        raise ValueError(f"reinforce_pp_whiten must be 'token' or 'sample', got {cfg.reinforce_pp_whiten!r}")
+    _check(rewards=rewards, groups=groups)
+    r = rewards.double()
+    g = groups.long()
+    w = torch.ones_like(r) if valid is None else valid.to(r.dtype)
+    r = r * w
+    mean, _ = _group_mean(r, g, w)
+    ret = _reinforce_base(r, g, w, cfg.advantage, mean)[seq]
+    ret = torch.where(on, ret, torch.zeros_like(ret))
+    n_tok = int(on.sum())
+    if n_tok == 0:
+        return torch.zeros_like(ret).float()
+    mu = ret.sum() / n_tok
+    var = torch.where(on, (ret - mu) ** 2, torch.zeros_like(ret)).sum() / n_tok
+    if n_tok >= 2:  # Bessel's correction, as slime (one token: no correction, var 0, advantage 0)
+        var = var * n_tok / (n_tok - 1)
+    a = (ret - mu) * torch.rsqrt(var + 1e-8)
+    return torch.where(on, a, torch.zeros_like(a)).float()
 
 
 # -- off-policy correction -----------------------------------------------------------------------------
@@ -113,7 +180,8 @@ def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfi
     """
     _check(logp_old=logp_old, logp_rollout=logp_rollout, mask=mask, seq=seq)
     with torch.no_grad():
-        log_ratio = (logp_old - logp_rollout).float() * mask
+        on = mask > 0  # where, not * mask: a masked -inf rollout logprob would give inf * 0 = NaN
+        log_ratio = torch.where(on, logp_old - logp_rollout, torch.zeros_like(logp_old)).float()
         kind = cfg.correction
         if kind in ("seq_tis", "seq_mis"):
             # sum of token log-ratios = log of the product of ratios; clamped so exp stays finite
@@ -129,7 +197,7 @@ def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfi
             w = torch.where(ratio <= cfg.tis_cap, ratio, torch.zeros_like(ratio))
         else:
             raise ValueError(f"unknown correction {kind!r}")
-        outside = (w != ratio) & (mask > 0)
+        outside = (w != ratio) & on
     return w, outside
 
 
@@ -160,8 +228,10 @@ def gspo_surrogate(logp, logp_old, adv, mask, seq, n: int, eps_low: float, eps_h
     Token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)) gives each token the gradient of s_i / |y_i|
     while the forward value equals s_i (GSPO paper, eq. 11).
     """
+    on = mask > 0
     ntok = seg_sum(mask, seq, n).clamp(min=1.0)
-    seq_log = seg_sum((logp - logp_old.detach()) * mask, seq, n) / ntok
+    tok_log = torch.where(on, logp - logp_old.detach(), torch.zeros_like(logp))  # no inf * 0 on masked
+    seq_log = seg_sum(tok_log, seq, n) / ntok
     s_tok = torch.exp(seq_log.detach())[seq] * torch.exp(logp - logp.detach())
     unclipped = s_tok * adv
     clipped = s_tok.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
@@ -169,36 +239,71 @@ def gspo_surrogate(logp, logp_old, adv, mask, seq, n: int, eps_low: float, eps_h
 
 
 def kl_penalty(logp, logp_ref, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimators on samples from pi (Schulman's k1/k2/k3)."""
+    """Per-token KL(pi || pi_ref) estimators on samples from pi (Schulman's k1/k2/k3), d = logp - logp_ref:
+
+    k1 = d    k2 = d^2 / 2    k3 = exp(-d) + d - 1
+    low_var_kl = clamp(k3(clamp(d, -20, 20)), -10, 10)   (verl's form)
+    The log-ratio clamp changes no value (k3 is past 10 well before |d| = 20) but keeps the gradient
+    finite: exp(-d) overflows fp32 at d < -88, and the value clamp's zero gradient times that inf is
+    NaN. slime clamps only the value, k3 is unclamped in both.
+    """
+    if kind not in ("k1", "k2", "k3", "low_var_kl"):
+        raise ValueError(f"unknown kl_type {kind!r} (k1, k2, k3, low_var_kl)")
     d = logp - logp_ref
     if kind == "k1":
         return d
     if kind == "k2":
         return 0.5 * d**2
-    k3 = torch.exp(-d) + d - 1.0
-    if kind == "k3":
-        return k3
-    if kind == "low_var_kl":  # k3 clamped for stability (verl's low_var_kl)
-        return k3.clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl_type {kind!r} (k1, k2, k3, low_var_kl)")
+    if kind == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.exp(-d) + d - 1.0).clamp(-10.0, 10.0)
+    return torch.exp(-d) + d - 1.0
 
 
-def aggregate(per_token, mask, seq, n: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(numerator, denominator) of the loss: token-mean = sum / #tokens; sample-mean = sum of sample
-    means / #samples. Kept apart so micro-batches and DP ranks can be summed before dividing."""
+def aggregation_mode(cfg: LossConfig) -> str:
+    """trainer.loss.aggregation in force: "auto" is "sample" for gspo (the GSPO paper's, verl's and
+    slime's per-sequence mean) and "token" for every other estimator."""
+    if cfg.aggregation != "auto":
+        return cfg.aggregation
+    return "sample" if cfg.advantage == "gspo" else "token"
+
+
+def aggregate(
+    per_token, mask, seq, n: int, mode: str, denominator: str = "all"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, denominator) of the loss, kept apart so micro-batches and DP ranks can be summed
+    before dividing:
+        token:   sum_t l_t / #trained tokens
+        sample:  sum_i (sum_t l_it / #trained tokens of i) / #samples
+    `denominator` (trainer.loss.sample_mean_denominator) picks #samples for "sample": "all" counts every
+    sample present in `seq`, fully masked ones too (slime divides by the step's whole batch),
+    "unmasked" only those with a trained token (verl's seq-mean-token-mean).
+    """
+    on = mask > 0
+    loss = torch.where(on, per_token, torch.zeros_like(per_token))
     if mode == "token":
-        return (per_token * mask).sum(), mask.sum()
+        return loss.sum(), mask.sum()
     if mode == "sample":
         ntok = seg_sum(mask, seq, n)
-        per_seq = seg_sum(per_token * mask, seq, n) / ntok.clamp(min=1.0)
-        return per_seq.sum(), (ntok > 0).sum().to(per_token.dtype)
+        per_seq = seg_sum(loss, seq, n) / ntok.clamp(min=1.0)
+        if denominator == "all":
+            count = (torch.bincount(seq, minlength=n) > 0).sum()
+        elif denominator == "unmasked":
+            count = (ntok > 0).sum()
+        else:
+            raise ValueError(f"unknown sample_mean_denominator {denominator!r} (all, unmasked)")
+        return per_seq.sum(), count.to(per_token.dtype)
     raise ValueError(f"unknown aggregation {mode!r} (token, sample)")
 
 
 def policy_loss(
     logp, logp_old, logp_rollout, adv_tok, mask, seq, n: int, cfg: LossConfig, logp_ref=None, entropy=None
 ):
-    """The full per-batch objective. Returns (loss_sum, loss_count, stats) — loss = sum / count."""
+    """The full per-batch objective. Returns (loss_sum, loss_count, stats) — loss = sum / count.
+
+    per token: w_t * pg_t + kl_coef * KL_t - entropy_coef * H_t, aggregated by `aggregation_mode(cfg)`.
+    With `logp_ref`, stats carry "sum/kl" (the KL estimate summed over trained tokens, whatever kl_coef).
+    """
     _check(
         logp=logp,
         logp_old=logp_old,
@@ -210,18 +315,30 @@ def policy_loss(
         entropy=entropy,
     )
     mask = mask.float()
+    on = mask > 0
+
+    def safe(x):  # masked tokens -> 0 before any exp: finite loss and gradient whatever they hold
+        return None if x is None else torch.where(on, x, torch.zeros_like(x))
+
+    logp, logp_old, logp_rollout, adv_tok = safe(logp), safe(logp_old), safe(logp_rollout), safe(adv_tok)
+    logp_ref, entropy = safe(logp_ref), safe(entropy)
     w, outside = correction_weights(logp_old, logp_rollout, mask, seq, n, cfg)
     if cfg.advantage == "gspo":
         pg, clipped = gspo_surrogate(logp, logp_old, adv_tok, mask, seq, n, cfg.eps_clip, cfg.eps_clip_high)
     else:
         pg, clipped = ppo_surrogate(logp, logp_old, adv_tok, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip)
     per_token = w * pg
-    if cfg.kl_coef and logp_ref is not None:
-        per_token = per_token + cfg.kl_coef * kl_penalty(logp, logp_ref, cfg.kl_type)
+    kl = None
+    if logp_ref is not None:
+        kl = kl_penalty(logp, logp_ref, cfg.kl_type)
+        if cfg.kl_coef:
+            per_token = per_token + cfg.kl_coef * kl
     if cfg.entropy_coef and entropy is not None:
         per_token = per_token - cfg.entropy_coef * entropy
-    num, den = aggregate(per_token, mask, seq, n, cfg.aggregation)
+    num, den = aggregate(per_token, mask, seq, n, aggregation_mode(cfg), cfg.sample_mean_denominator)
     stats = token_stats(logp_old, logp_rollout, w, outside, clipped, mask, entropy)
+    if kl is not None:  # logged as kl/value: the token mean of the estimate over trained tokens
+        stats["sum/kl"] = (kl.detach() * mask).sum().float()
     stats["sum/loss_num"] = num.detach()
     stats["sum/loss_den"] = den.detach()
     return num, den, stats
@@ -237,7 +354,7 @@ def token_stats(logp_old, logp_rollout, w, outside, clipped, mask, entropy=None)
         "max/tis_weight": wm.max(),
         "sum/tis_clipped": (outside & on).float().sum(),
         "sum/ppo_clipped": (clipped & on).float().sum(),
-        "sum/abs_logp_diff": ((logp_old - logp_rollout).abs() * mask).sum(),
+        "sum/abs_logp_diff": torch.where(on, (logp_old - logp_rollout).abs(), torch.zeros_like(w)).sum(),
     }
     if entropy is not None:
         st["sum/entropy"] = (entropy.detach() * mask).sum()

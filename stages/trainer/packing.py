@@ -9,8 +9,10 @@ Sequences (prompt + response, minus the last token) are packed first-fit-decreas
   kernels; no mask, and padding only to the next multiple of 8 tokens.
 Response token j of a sample is predicted at input position prompt_len - 1 + j.
 
-Samples that are not trainable (aborted / failed status, or no response tokens) keep their place in
-the group statistics (their reward counts for the advantage baseline) but get a zero loss mask.
+Samples that are not trainable (aborted / failed status) get a zero loss mask, and their reward does
+not count toward the advantage baseline either: `TokenBatch.trainable` leaves them out of the group
+and batch statistics (losses.advantages `valid`), since a verifier crash's placeholder reward is not
+real. Samples without response tokens are in no micro-batch.
 """
 
 from __future__ import annotations

@@ -184,13 +184,15 @@ class Trainer:
                 f"{batch.column('uid').to_pylist()[:3]}): nothing to train on; check the engine's "
                 "max_new_tokens and why generation ended at once"
             )
-        adv = losses.advantages(
+        # per token [T] (REINFORCE++ whitens over tokens), from the whole batch on every rank: the
+        # statistics need no collective
+        adv = losses.token_advantages(
             tb.rewards,
             losses.group_ids_to_index(tb.group_ids),
-            self.tc.loss.advantage,
-            self.tc.loss.grpo_std_norm,
+            tb.seq,
+            tb.mask,
+            self.tc.loss,
             valid=tb.trainable,
-            std=self.tc.loss.grpo_std,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
         mbs = pack(tb, shard, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
@@ -281,14 +283,23 @@ class Trainer:
         return out
 
     def _train(self, tb: TokenBatch, mbs, adv, old, ref) -> tuple[dict, torch.Tensor]:
-        """Forward/backward over the micro-batches and one optimizer step. Returns the statistics
-        and logp_old ([T], this rank's tokens; taken from the training forward when `old` is None)."""
+        """Forward/backward over the micro-batches and one optimizer step (`adv`: per token [T]).
+        Returns the statistics and logp_old ([T], this rank's tokens; taken from the training forward
+        when `old` is None)."""
+        from megatron.core import parallel_state as ps
+
         lc = self.tc.loss
         acc: dict[str, torch.Tensor] = {}
         dev = self.device
         # token tensors go to the device once per step, not once per micro-batch
         rollout, mask, seq = (x.to(dev) for x in (tb.rollout_logprobs, tb.mask, tb.seq))
-        adv_tok = adv.to(dev)[seq]
+        adv_tok = adv.to(dev)
+        # sample-mean over every sample of the step (sample_mean_denominator=all, slime): samples without
+        # response tokens are in no micro-batch, so DP rank 0's first micro-batch counts them
+        unpacked = [0]
+        if losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
+            if ps.get_data_parallel_rank() == 0:
+                unpacked[0] = int((torch.bincount(tb.seq, minlength=tb.n) == 0).sum())
         from_train = old is None
         if from_train:
             old = torch.zeros_like(rollout)
@@ -312,6 +323,10 @@ class Trainer:
                 logp_ref=ref[ix] if ref is not None else None,
                 entropy=ent,
             )
+            if unpacked[0]:
+                den = den + unpacked[0]
+                st["sum/loss_den"] = st["sum/loss_den"] + unpacked[0]
+                unpacked[0] = 0
             _accumulate(acc, st)
             return num, den.round().int(), {}
 
@@ -398,6 +413,8 @@ class Trainer:
             "logp/abs_diff_same_version": red["sum/abs_logp_diff_fresh"] / max(red["sum/fresh_tokens"], 1.0),
             "logp/same_version_tokens": red["sum/fresh_tokens"],
             "entropy": red.get("sum/entropy", 0.0) / ntok,
+            # KL(policy || reference) estimate (trainer.loss.kl_type), token mean over trained tokens
+            **({"kl/value": red["sum/kl"] / ntok} if self.ref is not None else {}),
             "staleness/mean": float(stale.float().mean()),
             "staleness/max": float(stale.max()),
             **{
@@ -408,7 +425,8 @@ class Trainer:
             "reward/accuracy": float((tb.rewards >= 1.0).float().mean()),
             "reward/mean": float(tb.rewards.mean()),
             "reward/std": float(tb.rewards.std(correction=0)),
-            "adv/abs_mean": float(adv.abs().mean()),
+            # mean |advantage| over trained tokens (advantages are per token)
+            "adv/abs_mean": float((adv.abs() * tb.mask).sum() / tb.mask.sum().clamp(min=1.0)),
             "tokens/trained": red["sum/tokens"],
             "tokens/total": float(len(tb.prompt_ids) + len(tb.response_ids)),
             "samples": tb.n,
@@ -534,6 +552,7 @@ STAT_KEYS = (
     "sum/abs_logp_diff_fresh",
     "sum/fresh_tokens",
     "sum/entropy",
+    "sum/kl",
     "sum/loss_num",
     "sum/loss_den",
     "sum/grad_norm",
