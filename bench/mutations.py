@@ -106,8 +106,8 @@ MUTATIONS = [
         "admission_unbounded",
         "generators run ahead of the staleness bound",
         "stages/rollout/generator.py",
-        "        return live < (self.admission_version() + self.max_staleness + 1) * self.batch_groups\n",
-        "        return live < (self.admission_version() + self.max_staleness + 2) * self.batch_groups\n",
+        "        return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups\n",
+        "        return live - self._kept_offset < (version + self.max_staleness + 2) * self.batch_groups\n",
         ("tests/test_rollout_generator.py",),
     ),
     Mutation(
@@ -146,8 +146,8 @@ MUTATIONS = [
         "resume_reruns_steps",
         "a resumed run trains run.steps more steps instead of up to run.steps",
         "pipeline/orchestration/launcher.py",
-        "        for step in range(start + 1, cfg.run.steps + 1):\n",
-        "        for step in range(1, cfg.run.steps + 1):\n",
+        "        while step < cfg.run.steps:\n",
+        "        while step < start + cfg.run.steps:\n",
         (
             "tests/test_pipeline_e2e.py::test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates",
         ),
