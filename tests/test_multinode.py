@@ -142,6 +142,7 @@ def test_pipeline_across_two_nodes_with_token_auth_and_curve(tmp_path, two_nodes
     assert where["curve"] is True
 
 
+@pytest.mark.slow  # ~20 s: Ray retries the connection before it gives up
 def test_a_driver_with_the_wrong_token_is_refused_by_name(tmp_path, two_nodes):
     address, _ = two_nodes
     wrong = tmp_path / "wrong-token"

@@ -204,6 +204,7 @@ def test_streams_to_real_buffer_server(cfg, engine, tmp_path):
     client = BufferClient(server.address, producer="gen-real", timeout_s=30)
     try:
         client.set_version(3)
+        engine.update_weights([], version=3)  # the engine runs the announced trainer's weights
         gen = Generator(cfg, client, engine, "real", batch_groups=0)
         stats = asyncio.run(gen.run(max_groups=4))
         assert stats["groups_finished"] == 4 and stats["trainer_version"] >= 3

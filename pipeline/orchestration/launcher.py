@@ -635,7 +635,9 @@ class Pipeline:
         closers = [g.close.remote() for g in self.generators]
         if self.evaluator is not None:
             closers.append(self.evaluator.close.remote())
-        ray.wait(closers, num_returns=len(closers), timeout=grace)
+        # a failed run's generators may be stuck sending to a dead buffer (their close then waits for
+        # that send); they close their engines first, and are killed below anyway
+        ray.wait(closers, num_returns=len(closers), timeout=min(grace, 10.0) if failed else grace)
         if self.buffer is not None:
             try:  # the buffer flushes and closes its segments: its data stays in the run directory
                 ray.get(self.buffer.stop.remote(), timeout=grace)

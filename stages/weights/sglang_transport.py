@@ -50,7 +50,7 @@ class _SGLangSender(WeightSender):
             raise RuntimeError(f"{type(self).__name__} needs CUDA; on CPU use weights.transport=cpu")
         self.urls = [u.rstrip("/") for u in urls]
         # the push thread's CUDA calls go to the trainer's GPU (a new thread starts on device 0)
-        self.device = torch.cuda.current_device()
+        self.device = torch.cuda.current_device() if torch.cuda.device_count() else None
         self.bucket_bytes = bucket_mb << 20
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
@@ -95,7 +95,8 @@ class _SGLangSender(WeightSender):
         each successful load): a push that fails part-way never labels mixed weights as `version`.
         After such a failure the servers stay paused (generating from partly loaded weights would
         produce samples of no version) and the error says to restart them."""
-        torch.cuda.set_device(self.device)
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
         try:
