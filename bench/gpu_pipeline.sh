@@ -26,4 +26,5 @@ python -m pipeline --config "$cfg" run.dir="$run" run.time_limit_s="$limit" metr
 rc=${PIPESTATUS[0]}
 grep -v "GET /model_info\|GET /health" "$run"/sglang/*.log | tail -120 > "$out"/sglang-tail.log 2>/dev/null
 python bench/pipeline_summary.py "$run" | tee "$out"/summary.json
+python -m pipeline.orchestration.report "$run" > /dev/null || echo "run report failed (matplotlib?)"
 exit $rc

@@ -76,7 +76,7 @@ def summary(run_dir: str, history: list[dict[str, Any]], elapsed_s: float, statu
         ("buffer", f"Arrow segments (bin/buffer-inspect summary {run_dir}/buffer)"),
         ("checkpoints", "megatron checkpoints (a re-run in this directory resumes)"),
         ("hf", "HF export of the policy"),
-        ("reward_staleness.png", "reward and staleness over steps"),
+        ("reward_staleness.png", f"reward and staleness over steps (more panels: bin/run-report {run_dir})"),
     ]
     for name, what in contents:  # only what this run wrote (tensorboard off, buffer.dir elsewhere, ...)
         if (Path(run_dir) / name).exists():
