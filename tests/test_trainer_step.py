@@ -62,6 +62,25 @@ def test_steps_versions_and_metrics(model_path, tmp_path):
     assert m["tis/weight_max"] <= 2.0  # C = 2 default
 
 
+def test_perf_metrics_follow_the_six_n_convention(model_path, tmp_path):
+    """perf/tflops = 6 x parameters x tokens / train seconds (8 x with the separate logp_old pass), as
+    slime's perf/actor_train_tflops; perf/mfu against trainer.peak_tflops, absent without it."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer.trainer import Trainer
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
+    for mode, k in (("from_train_forward", 6), ("separate_pass", 8)):
+        src = ListSource([make_batch(2, 4, seed=1, version=0)])
+        tr = Trainer(_cfg(peak_tflops=0.5, old_logprobs=mode), src, model_path, str(tmp_path / mode))
+        m = tr.step()
+        want = k * params * m["tokens/total"] / m["time/train_s"] / 1e12
+        assert m["perf/tflops"] == pytest.approx(want, rel=0.05), mode  # tied head counted once
+        assert m["perf/mfu"] == pytest.approx(m["perf/tflops"] / 0.5)
+    m = Trainer(_cfg(), ListSource([make_batch(2, 4, version=0)]), model_path, str(tmp_path / "p")).step()
+    assert "perf/tflops" in m and "perf/mfu" not in m
+
+
 def test_logp_old_is_the_trainers_own(model_path, tmp_path):
     """With rollout logprobs taken from an HF forward of the same weights, TIS weights are 1."""
     from transformers import AutoModelForCausalLM

@@ -97,6 +97,9 @@ class TrainerConfig(_Base):
     # optimizer/skipped metrics), "stop" fails the trainer with an error naming the version
     on_nonfinite: Literal["skip", "stop"] = "skip"
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
+    # the card's bf16 peak in TFLOP/s for the perf/mfu metric (0: not logged); an H100 SXM measured ~800
+    # on an 8192^3 matmul (bench/trainer_gpu.py prints the peak it measures)
+    peak_tflops: float = 0.0
     distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
@@ -104,6 +107,8 @@ class TrainerConfig(_Base):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self):
+        if self.peak_tflops < 0:
+            raise ValueError("trainer.peak_tflops must be >= 0 (0: no perf/mfu metric)")
         if self.batch_groups < 1:
             raise ValueError("trainer.batch_groups must be >= 1")
         if self.micro_batch_tokens < 8:

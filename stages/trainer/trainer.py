@@ -107,6 +107,7 @@ class Trainer:
         self.pending_push = None
         self._host_snapshot = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
+        self._params: int | None = None  # the whole model's parameters (perf/tflops)
         self.last_checkpoint = -1
         if self.tc.resume:
             state = checkpoint.load_latest(self)
@@ -207,7 +208,25 @@ class Trainer:
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
         metrics["time/train_s"] = time.perf_counter() - t0
+        metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
         return metrics
+
+    def _perf(self, tokens: float, seconds: float, separate_pass: bool) -> dict:
+        """Model TFLOP/s per GPU (or process) in the 6 x params x tokens convention (fwd + bwd; 8 x with
+        the separate logp_old pass), as slime's perf/actor_train_tflops; MFU against trainer.peak_tflops
+        when it is given (the card's measured bf16 peak: bench/trainer_gpu.py prints it)."""
+        if self._params is None:
+            from megatron.core import parallel_state as ps
+
+            local = sum(p.numel() for p in unwrap(self.policy.model).parameters())
+            share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+            self._params = local * share  # replicated norms counted tp times: a rounding error
+        flops = (8 if separate_pass else 6) * self._params * tokens
+        tflops = flops / max(seconds, 1e-9) / dist.get_world_size() / 1e12
+        out = {"perf/tflops": tflops}
+        if self.tc.peak_tflops:
+            out["perf/mfu"] = tflops / self.tc.peak_tflops
+        return out
 
     def _set_lr(self) -> float:
         s, tc = self.version, self.tc
