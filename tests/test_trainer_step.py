@@ -261,3 +261,24 @@ def test_cli_against_live_buffer_then_replay_its_segments(model_path, tmp_path):
     )
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert [json.loads(x)["version"] for x in open(tmp_path / "b" / "trainer_metrics.jsonl")] == [1, 2]
+
+
+def test_several_updates_per_batch_move_the_ratio_and_clip(model_path, tmp_path):
+    """trainer.ppo_epochs x mini_batches: the first update sees ratio 1 (logp_old = the weights before
+    it), later ones see the policy move away from logp_old, so PPO clipping acts; one version per batch.
+    With one update per batch clipping never acts (the issue's finding)."""
+    from stages.trainer.trainer import Trainer
+
+    def run(**kw):
+        src = ListSource([make_batch(4, 4, seed=3, version=0)])
+        tr = Trainer(_cfg(batch_groups=4, lr=0.05, **kw), src, model_path, str(tmp_path / str(kw)))
+        return tr, tr.step()
+
+    tr, one = run()
+    assert one["ppo/clip_frac"] == 0.0 and tr.version == 1
+    tr, many = run(ppo_epochs=3, mini_batches=2)
+    assert tr.version == 1  # one batch, one version
+    assert many["ppo/clip_frac"] > 0.0  # 6 updates at a large lr: later ones clip
+    assert many["tokens/trained"] == pytest.approx(3 * one["tokens/trained"])  # every epoch's tokens
+    with pytest.raises(ValueError, match="trainer.mini_batches=64 but this rank has 16 samples"):
+        run(mini_batches=64)

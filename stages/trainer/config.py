@@ -96,6 +96,12 @@ class TrainerConfig(_Base):
     # a step whose loss or gradient is NaN/inf: "skip" leaves the weights as they were (counted in the
     # optimizer/skipped metrics), "stop" fails the trainer with an error naming the version
     on_nonfinite: Literal["skip", "stop"] = "skip"
+    # several optimizer updates per fetched batch (PPO epochs x mini-batches, as slime's / verl's): each
+    # epoch splits this rank's samples into `mini_batches` parts, one update each. logp_old is then
+    # computed once, by a no-grad pass before the first update (the ratio starts away from 1 only from
+    # the second update on). The policy version still advances once per batch.
+    ppo_epochs: int = 1
+    mini_batches: int = 1
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
     # the card's bf16 peak in TFLOP/s for the perf/mfu metric (0: not logged); an H100 SXM measured ~800
     # on an 8192^3 matmul (bench/trainer_gpu.py prints the peak it measures)
@@ -107,6 +113,8 @@ class TrainerConfig(_Base):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def __post_init__(self):
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError("trainer.ppo_epochs and trainer.mini_batches must be >= 1 (1 and 1: one update)")
         if self.peak_tflops < 0:
             raise ValueError("trainer.peak_tflops must be >= 0 (0: no perf/mfu metric)")
         if self.batch_groups < 1:

@@ -200,10 +200,15 @@ class Trainer:
         # logp_old = the current weights' logprobs, before the update. With one optimizer step per batch
         # the training forward computes exactly these (same weights, no dropout), so by default they
         # are taken from it (detached) instead of from a second forward over the batch
-        separate = self.tc.old_logprobs == "separate_pass"
+        updates = self.tc.ppo_epochs * self.tc.mini_batches
+        # several updates need logp_old of the weights before the first: only a separate pass has it
+        separate = self.tc.old_logprobs == "separate_pass" or updates > 1
         old = self._logprobs(self.policy.model, tb, mbs) if separate else None
         ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
-        stats, old = self._train(tb, mbs, adv, old, ref)
+        if updates == 1:
+            stats, old = self._train(tb, mbs, adv, old, ref)
+        else:
+            stats, old = self._train_updates(tb, shard, adv, old, ref), old.cpu()
         stats.update(_engine_mismatch(tb, old, shard, self.version))
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
@@ -301,7 +306,34 @@ class Trainer:
         model.train()
         return out
 
-    def _train(self, tb: TokenBatch, mbs, adv, old, ref) -> tuple[dict, torch.Tensor]:
+    def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref) -> dict:
+        """trainer.ppo_epochs x trainer.mini_batches optimizer updates on one batch. Statistics are
+        summed over the updates (token means stay means; tokens/trained counts each update's tokens);
+        grad_norm and lr are their means."""
+        m = self.tc.mini_batches
+        if len(shard) < m:
+            raise ValueError(
+                f"trainer.mini_batches={m} but this rank has {len(shard)} samples of the batch; lower "
+                "trainer.mini_batches or raise trainer.batch_groups"
+            )
+        parts = [shard[i * len(shard) // m : (i + 1) * len(shard) // m] for i in range(m)]
+        packed = [
+            pack(tb, p, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
+            for p in parts
+        ]
+        acc: dict = {}
+        for epoch in range(self.tc.ppo_epochs):
+            for i, mbs in enumerate(packed):
+                st, _ = self._train(tb, mbs, adv, old, ref, count_unpacked=epoch == 0 and i == 0)
+                _accumulate(acc, st)
+        n = self.tc.ppo_epochs * m
+        for k in ("sum/grad_norm", "sum/lr"):
+            acc[k] = acc[k] / n
+        return acc
+
+    def _train(
+        self, tb: TokenBatch, mbs, adv, old, ref, count_unpacked: bool = True
+    ) -> tuple[dict, torch.Tensor]:
         """Forward/backward over the micro-batches and one optimizer step (`adv`: per token [T]).
         Returns the statistics and logp_old ([T], this rank's tokens; taken from the training forward
         when `old` is None)."""
@@ -316,7 +348,7 @@ class Trainer:
         # sample-mean over every sample of the step (sample_mean_denominator=all, slime): samples without
         # response tokens are in no micro-batch, so DP rank 0's first micro-batch counts them
         unpacked = [0]
-        if losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
+        if count_unpacked and losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
             if ps.get_data_parallel_rank() == 0:
                 unpacked[0] = int((torch.bincount(tb.seq, minlength=tb.n) == 0).sum())
         from_train = old is None
