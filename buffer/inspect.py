@@ -97,7 +97,7 @@ def _load_dir(target: str):
     uids = table.column("uid").to_pylist()
     table = table.append_column("state", pa.array([state.get(u, "live") for u in uids], pa.string()))
     table = table.append_column("served_at", pa.array([served_at.get(u, -1) for u in uids], pa.int64()))
-    return table, {"version": version, "stats": None, "torn": torn}
+    return table, {"version": version, "stats": None, "torn": torn, "dir": str(d)}
 
 
 def summarise(table, info, version: int | None) -> dict:
@@ -253,7 +253,21 @@ def plot(table, info, out: str, version: int | None) -> None:
     v = info["version"] if version is None else version
     minv = table.column("min_version").to_numpy()
     reward = table.column("reward").to_numpy()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = _run_metrics(info.get("dir"))
+    if steps:  # the run's metrics.jsonl beside the buffer: the trainer's side too
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+        (a, b), (c, d) = axes
+        _step_panel(
+            c, steps, [("tis/weight_mean", "mean weight"), ("tis/clip_frac", "share clipped")], "TIS weight"
+        )
+        _step_panel(
+            d,
+            steps,
+            [("logp/abs_diff_train_rollout", "all tokens"), ("logp/abs_diff_same_version", "same weights")],
+            "logprob gap, engine vs trainer",
+        )
+    else:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     served = table.column("served_at").to_numpy() if "served_at" in table.column_names else None
     if served is not None and (served >= 0).any():  # the staleness each row had when it was trained
         st = (served - minv)[(served >= 0) & (minv >= 0)]
@@ -272,6 +286,48 @@ def plot(table, info, out: str, version: int | None) -> None:
     b.set(title="reward by version (mean, +-1 std)", xlabel="oldest token version", ylabel="reward")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+
+
+def _run_metrics(buffer_dir: str | None) -> list[dict]:
+    """The steps of the run whose buffer this is (`<run dir>/buffer` beside `<run dir>/metrics.jsonl`),
+    or [] when there is no such file."""
+    import json
+    from pathlib import Path
+
+    if not buffer_dir:
+        return []
+    path = Path(buffer_dir).resolve().parent / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+        if "step" in row and "reward/mean" in row:
+            rows.append(row)
+    return rows
+
+
+def _step_panel(ax, steps: list[dict], keys: list[tuple[str, str]], title: str) -> None:
+    """Per-step series, with a moving average over ~2 % of the run when it is long."""
+    for key, label in keys:
+        pts = [(r["step"], r[key]) for r in steps if isinstance(r.get(key), int | float)]
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        w = max(1, len(ys) // 50)
+        if w > 1:
+            line = ax.plot(xs, ys, alpha=0.25)[0]
+            avg = [sum(ys[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
+            ax.plot(xs, avg, color=line.get_color(), label=f"{label} ({w}-step mean)")
+        else:
+            ax.plot(xs, ys, label=label)
+    ax.set(title=title, xlabel="trainer step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

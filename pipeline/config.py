@@ -94,6 +94,9 @@ class EvalConfig(Base):
 class MetricsConfig(Base):
     tensorboard: bool = True
     wandb_project: str = ""  # empty: W&B off
+    wandb_entity: str = ""  # W&B team or user (empty: wandb's default)
+    wandb_group: str = ""  # groups runs in the W&B UI (e.g. one sweep)
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: logs under the run directory, sync later
     progress: bool = True  # live progress line in the terminal
 
 

@@ -163,3 +163,30 @@ def test_summary_json_says_how_stale_each_row_was_when_trained(tmp_path, capsys)
     n = len(synthetic_samples(1))  # rows per group
     assert d["served"] == 2 * n and d["staleness_when_trained"] == {"2": n, "8": n}
     assert d["staleness_when_trained_mean"] == 5.0 and len(d["reward_by_version"]) == 2
+
+
+def test_plot_adds_the_trainer_panels_when_the_run_metrics_are_beside_the_buffer(tmp_path):
+    """<run dir>/buffer + <run dir>/metrics.jsonl: the plot gets TIS and logprob-gap panels below the
+    buffer's two (a 2 x 2 figure, 700 px high, instead of 1 x 2, 400 px)."""
+    import json
+    import struct
+
+    from buffer.storage import Buffer
+
+    run = tmp_path / "run"
+    buf = Buffer(BufferConfig(), run / "buffer")
+    buf.insert(synthetic_samples(2, version=0))
+    buf.fetch(1, version=1, max_staleness=2)
+    buf.close()
+
+    def height(png) -> int:
+        return struct.unpack(">II", png.read_bytes()[16:24])[1]  # the PNG IHDR's width, height
+
+    main(["plot", str(run / "buffer"), str(tmp_path / "alone.png")])
+    rows = [
+        {"step": s, "reward/mean": 0.5, "tis/weight_mean": 1.0, "logp/abs_diff_train_rollout": 0.1}
+        for s in (1, 2)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    main(["plot", str(run / "buffer"), str(tmp_path / "with.png")])
+    assert height(tmp_path / "alone.png") == 400 and height(tmp_path / "with.png") == 700

@@ -63,3 +63,39 @@ def test_a_directory_without_metrics_is_named(tmp_path):
         [str(REPO / "bin" / "run-report"), str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 2 and f"{tmp_path} has no metrics.jsonl" in res.stderr
+
+
+def test_wandb_gets_the_entity_group_and_mode_keys(tmp_path, monkeypatch):
+    """metrics.wandb_entity / wandb_group / wandb_mode reach wandb.init (a stand-in module records the
+    call: wandb itself is an optional extra)."""
+    import sys
+    import types
+
+    from pipeline.config import load_config
+    from pipeline.orchestration.metrics import MetricsWriter
+
+    calls = []
+    fake = types.SimpleNamespace(
+        init=lambda **kw: (
+            calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+        )
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(
+        None, ["metrics.wandb_project=p", "metrics.wandb_entity=team", "metrics.wandb_mode=offline"]
+    )
+    m = cfg.metrics
+    w = MetricsWriter(
+        tmp_path,
+        tensorboard=False,
+        wandb_project=m.wandb_project,
+        wandb_init={"entity": m.wandb_entity, "group": m.wandb_group, "mode": m.wandb_mode},
+    )
+    w.close()
+    assert (
+        calls
+        and calls[0]["project"] == "p"
+        and calls[0]["entity"] == "team"
+        and calls[0]["mode"] == "offline"
+    )
+    assert "group" not in calls[0]  # empty: wandb's default

@@ -703,6 +703,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path | None = None, *, stop_ray: bool 
         run_dir,
         tensorboard=cfg.metrics.tensorboard,
         wandb_project=cfg.metrics.wandb_project,
+        wandb_init={
+            "entity": cfg.metrics.wandb_entity,
+            "group": cfg.metrics.wandb_group,
+            "mode": cfg.metrics.wandb_mode,
+        },
         run_name=run_dir.name,
         config=msgspec.to_builtins(cfg),
     )

@@ -19,9 +19,11 @@ class MetricsWriter:
         *,
         tensorboard: bool = True,
         wandb_project: str = "",
+        wandb_init: dict | None = None,
         run_name: str = "",
         config: dict | None = None,
     ):
+        """`wandb_init`: extra wandb.init arguments (entity, group, mode) for `wandb_project`."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -39,6 +41,7 @@ class MetricsWriter:
                 ) from None
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if wandb_project:
+            extra = {k: v for k, v in (wandb_init or {}).items() if v}
             try:
                 import wandb
             except ImportError:
@@ -47,7 +50,7 @@ class MetricsWriter:
                     "pip install -e '.[wandb]' (or pip install wandb), or leave metrics.wandb_project empty"
                 ) from None
             self._wandb = wandb.init(
-                project=wandb_project, name=run_name, config=config, dir=str(self.run_dir)
+                project=wandb_project, name=run_name, config=config, dir=str(self.run_dir), **extra
             )
 
     def resume_at(self, step: int) -> None:
