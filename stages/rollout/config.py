@@ -57,7 +57,7 @@ class RewardConfig(_Base):
 class SGLangConfig(_Base):
     tp_size: int = 1
     mem_fraction_static: float = 0.5
-    base_gpu_id: int = 0
+    base_gpu_id: int = 0  # standalone engines; in a pipeline run the GPUs Ray gave the generator replace it
     pause_mode: Literal["in_place", "retract"] = "in_place"
     startup_timeout_s: float = 300.0
     disable_cuda_graph: bool = False
