@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.orchestration.launcher import run_pipeline  # noqa: E402
+from pipeline.series import moving_average  # noqa: E402, F401 - the benches' moving average
 
 
 def run(overrides: list[str], config: str | None = None) -> tuple[list[dict], float]:
@@ -22,11 +23,3 @@ def run(overrides: list[str], config: str | None = None) -> tuple[list[dict], fl
     if res.status != "completed":
         raise SystemExit(f"benchmark run failed: {res.error}")
     return [h for h in res.history if "reward/mean" in h], t0
-
-
-def moving_average(xs: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
 import random
 import signal
 import sys
@@ -30,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import record  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 
 def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[str]) -> dict:
@@ -136,8 +136,6 @@ def main() -> None:
         "wall_s": faulted["wall_s"],
         "unfaulted_wall_s": clean["wall_s"],
         "error": faulted["error"],
-        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
-        "date": datetime.date.today().isoformat(),
     }
     out["goal_met"] = bool(
         out["completed"]
@@ -145,10 +143,7 @@ def main() -> None:
         and out["trained_twice"] == 0
         and abs(out["final_reward"] - out["unfaulted_final_reward"]) <= 0.05
     )
-    if a.results:
-        with open(a.results, "a") as f:
-            f.write(json.dumps(out) + "\n")
-    print(json.dumps(out))
+    record(out, a.results)
 
 
 if __name__ == "__main__":

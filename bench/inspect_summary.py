@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import io
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import RESULTS, record  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 
 def main() -> None:
@@ -54,12 +52,8 @@ def main() -> None:
         "summary_json_s": times["json"],
         "goal_s": 2.0,
         "goal_met": times["tables"] < 2.0,
-        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
-        "date": datetime.date.today().isoformat(),
     }
-    with open(Path(__file__).parent / "results" / "inspect_summary.jsonl", "a") as f:
-        f.write(json.dumps(out) + "\n")
-    print(json.dumps(out))
+    record(out, RESULTS / "inspect_summary.jsonl")
 
 
 if __name__ == "__main__":

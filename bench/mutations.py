@@ -13,16 +13,15 @@ the trainer, buffer durability, weight push, staleness or admission; the table g
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from _results import record  # bench/ is on sys.path when a bench runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,13 +239,8 @@ def main() -> None:
         "missed": missed,
         "seconds": round(time.monotonic() - t0, 1),
         "rows": rows,
-        "device": f"{platform.machine()} cpu x{os.cpu_count()}",
-        "date": datetime.date.today().isoformat(),
     }
-    if a.results:
-        with open(a.results, "a") as f:
-            f.write(json.dumps(out) + "\n")
-    print(json.dumps(out))
+    record(out, a.results)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,14 @@ Prints one JSON line last: {"ack_ms_idle", "ack_ms_parked", "parked", ...} (medi
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import RESULTS, record  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 
 def main() -> None:
@@ -77,18 +75,13 @@ def main() -> None:
     sock.close(0)
     producer.close()
     server.stop()
-    print(
-        json.dumps(
-            {
-                "ack_ms_idle": round(idle, 3),
-                "ack_ms_parked": round(parked, 3),
-                "parked": a.parked,
-                "idle_cpu_share_with_parked": round(idle_cpu, 3),
-                "device": f"{platform.machine()} cpu x{os.cpu_count()}",
-                "date": datetime.date.today().isoformat(),
-            }
-        )
-    )
+    out = {
+        "ack_ms_idle": round(idle, 3),
+        "ack_ms_parked": round(parked, 3),
+        "parked": a.parked,
+        "idle_cpu_share_with_parked": round(idle_cpu, 3),
+    }
+    record(out, RESULTS / "parked_fetches.jsonl")
 
 
 if __name__ == "__main__":

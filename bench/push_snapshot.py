@@ -15,7 +15,6 @@ to bench/results/push_snapshot.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _results import RESULTS, record  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 
 def main() -> None:
@@ -92,15 +93,11 @@ def main() -> None:
         "host_pinned": host,
         "host_vs_gpu_s": round(host["s"] / gpu["s"], 2) if gpu["s"] else None,
         "host_gb_per_s": round(host["bytes"] / host["s"] / 1e9, 1) if host["s"] else None,
-        "device": torch.cuda.get_device_name() + f" x{a.tp}" if cuda else "cpu",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    line = json.dumps(out)
-    results = Path(__file__).resolve().parent / "results" / "push_snapshot.jsonl"
-    if cuda or os.environ.get("BENCH_RECORD"):
-        with results.open("a") as f:
-            f.write(line + "\n")
-    print(line, flush=True)
+    # a CPU run only checks the code path: recorded only when asked (BENCH_RECORD=1)
+    path = RESULTS / "push_snapshot.jsonl" if cuda or os.environ.get("BENCH_RECORD") else None
+    record(out, path, device=torch.cuda.get_device_name() + f" x{a.tp}" if cuda else None)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ def plot(table, info, out: str, version: int | None) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from pipeline.series import draw_steps
+
     v = info["version"] if version is None else version
     minv = table.column("min_version").to_numpy()
     reward = table.column("reward").to_numpy()
@@ -257,15 +259,17 @@ def plot(table, info, out: str, version: int | None) -> None:
     if steps:  # the run's metrics.jsonl beside the buffer: the trainer's side too
         fig, axes = plt.subplots(2, 2, figsize=(10, 7))
         (a, b), (c, d) = axes
-        _step_panel(
+        draw_steps(
             c, steps, [("tis/weight_mean", "mean weight"), ("tis/clip_frac", "share clipped")], "TIS weight"
         )
-        _step_panel(
+        draw_steps(
             d,
             steps,
             [("logp/abs_diff_train_rollout", "all tokens"), ("logp/abs_diff_same_version", "same weights")],
             "logprob gap, engine vs trainer",
         )
+        for ax in (c, d):
+            ax.set_xlabel("trainer step")
     else:
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     served = table.column("served_at").to_numpy() if "served_at" in table.column_names else None
@@ -308,26 +312,6 @@ def _run_metrics(buffer_dir: str | None) -> list[dict]:
         if "step" in row and "reward/mean" in row:
             rows.append(row)
     return rows
-
-
-def _step_panel(ax, steps: list[dict], keys: list[tuple[str, str]], title: str) -> None:
-    """Per-step series, with a moving average over ~2 % of the run when it is long."""
-    for key, label in keys:
-        pts = [(r["step"], r[key]) for r in steps if isinstance(r.get(key), int | float)]
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        w = max(1, len(ys) // 50)
-        if w > 1:
-            line = ax.plot(xs, ys, alpha=0.25)[0]
-            avg = [sum(ys[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
-            ax.plot(xs, avg, color=line.get_color(), label=f"{label} ({w}-step mean)")
-        else:
-            ax.plot(xs, ys, label=label)
-    ax.set(title=title, xlabel="trainer step")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:

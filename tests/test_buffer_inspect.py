@@ -127,16 +127,20 @@ def test_summary_bins_the_reward_table_for_long_runs(tmp_path, capsys):
     assert 1 <= len(rows) <= 10 and "0-3" in table and "36-39" in table
 
 
-def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
-    from buffer.inspect import load
-    from buffer.storage import Buffer
-
-    buf = Buffer(BufferConfig(), tmp_path / "buf")
+def _trained_at_2_and_9(d: Path) -> None:
+    """Group a (version 0) served at version 2, group b (version 1) at version 9: staleness 2 and 8."""
+    buf = Buffer(BufferConfig(), d)
     buf.insert(synthetic_samples(1, version=0, prefix="a"))
     buf.insert(synthetic_samples(1, version=1, prefix="b"))
-    buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
-    buf.fetch(1, version=9, max_staleness=10)  # b (version 1) trained at 9
+    buf.fetch(1, version=2, max_staleness=5)
+    buf.fetch(1, version=9, max_staleness=10)
     buf.close()
+
+
+def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
+    from buffer.inspect import load
+
+    _trained_at_2_and_9(tmp_path / "buf")
     table, _ = load(str(tmp_path / "buf"))
     got = {
         u[0]: s - m
@@ -150,14 +154,7 @@ def test_summary_json_says_how_stale_each_row_was_when_trained(tmp_path, capsys)
     the consumption log). Its speed on 128k rows is bench/inspect_summary.py's."""
     import json
 
-    from buffer.storage import Buffer
-
-    buf = Buffer(BufferConfig(), tmp_path / "buf")
-    buf.insert(synthetic_samples(1, version=0, prefix="a"))
-    buf.insert(synthetic_samples(1, version=1, prefix="b"))
-    buf.fetch(1, version=2, max_staleness=5)  # a (version 0) trained at 2
-    buf.fetch(1, version=9, max_staleness=10)  # b (version 1) trained at 9
-    buf.close()
+    _trained_at_2_and_9(tmp_path / "buf")
     main(["summary", "--json", str(tmp_path / "buf")])
     d = json.loads(capsys.readouterr().out)
     n = len(synthetic_samples(1))  # rows per group

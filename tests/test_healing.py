@@ -34,21 +34,22 @@ def _cfg(tmp_path, *extra):
     )
 
 
-def _kill_generator_at_step(
-    pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list
+def _kill_at_step(
+    stage, metrics: MetricsWriter, step: int, kills: list, what: str = "generator 0"
 ) -> threading.Thread:
-    """SIGKILL generator 0's process once the driver has logged `step` (waits at most 120 s)."""
+    """SIGKILL the process of the actor `stage()` returns (looked up at kill time: a healed stage is a
+    new actor) once the driver has logged `step` (waits at most 120 s)."""
     import ray
 
     def run():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not any(h.get("step", 0) >= step for h in metrics.history):
             time.sleep(0.02)
-        pid = ray.get(pipe.generators[0].pid.remote(), timeout=30)
+        pid = ray.get(stage().pid.remote(), timeout=30)
         os.kill(pid, signal.SIGKILL)
         kills.append(pid)
 
-    t = threading.Thread(target=run, daemon=True)
+    t = threading.Thread(target=run, daemon=True, name=f"kill {what} at step {step}")
     t.start()
     return t
 
@@ -64,7 +65,7 @@ def _run(cfg, tmp_path, kill_at: list[int]):
     try:
         pipe.start()
         for s in kill_at:
-            _kill_generator_at_step(pipe, metrics, s, kills)
+            _kill_at_step(lambda: pipe.generators[0], metrics, s, kills)
         steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
         failed = False
         return steps, metrics.history, kills, run_dir
@@ -116,22 +117,6 @@ def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_sessio
         _run(cfg, tmp_path, kill_at=[2, 5])
 
 
-def _kill_buffer_at_step(pipe: Pipeline, metrics: MetricsWriter, step: int, kills: list) -> threading.Thread:
-    import ray
-
-    def run():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(h.get("step", 0) >= step for h in metrics.history):
-            time.sleep(0.02)
-        pid = ray.get(pipe.buffer.pid.remote(), timeout=30)
-        os.kill(pid, signal.SIGKILL)
-        kills.append(pid)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_path, ray_session):
     """Before: the run stopped (and before that, hung with no step and no error)."""
     from buffer.segments import iter_log, recover_segments
@@ -143,7 +128,7 @@ def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_
     kills: list = []
     try:
         pipe.start()
-        _kill_buffer_at_step(pipe, metrics, 3, kills)
+        _kill_at_step(lambda: pipe.buffer, metrics, 3, kills, "buffer")
         steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
         address = pipe.buffer_addr
     finally:
@@ -191,7 +176,6 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(
     steps; with none yet, from the base model), the engines get its weights back (older than theirs),
     metrics.jsonl holds one series, and no sample is trained twice. With 2 ranks the surviving rank is
     ended too and the group rebuilt (it would otherwise wait in a collective with the dead one)."""
-    import ray
 
     from buffer.segments import iter_log
 
@@ -201,17 +185,9 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(
     pipe = Pipeline(cfg, run_dir)
     kills: list = []
 
-    def kill_trainer():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(h.get("step", 0) >= 4 for h in metrics.history):
-            time.sleep(0.02)
-        pid = ray.get(pipe.trainer.pid.remote(), timeout=30)
-        os.kill(pid, signal.SIGKILL)
-        kills.append(pid)
-
     try:
         pipe.start()
-        threading.Thread(target=kill_trainer, daemon=True).start()
+        _kill_at_step(lambda: pipe.trainer, metrics, 4, kills, "trainer")
         steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
     finally:
         pipe.shutdown(failed=False)

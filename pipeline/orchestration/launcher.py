@@ -324,12 +324,18 @@ class Pipeline:
         }
         (self.run_dir / "placement.json").write_text(json.dumps(record, indent=1))
 
-    def _wait(self, ref, what: str, hint: str = ""):
-        """ray.get with the run's timeout and an error that names the stage."""
+    def _wait(self, ref, what: str, hint: str = "", on_death=None):
+        """ray.get with the run's timeout and an error that names the stage. `on_death`: called
+        instead when the actor's process died (the stage is healed), and the result is None."""
         import ray
 
         try:
             return ray.get(ref, timeout=self.cfg.run.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            if on_death is None:
+                raise StageFailed(f"{what} failed: {_root_error(e)}") from None
+            on_death()
+            return None
         except ray.exceptions.GetTimeoutError:
             raise StageFailed(
                 f"{what} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
@@ -540,18 +546,12 @@ class Pipeline:
     def _generator_stats(self, i: int) -> dict:
         """Generator i's counters. One whose process died since the trainer step (its run() has not
         been noticed yet) is healed here, and counts nothing this step."""
-        import ray
-
         name = f"generator gen-{i}"
-        try:
-            return ray.get(self.generators[i].stats.remote(), timeout=self.cfg.run.timeout_s)
-        except ray.exceptions.RayActorError:
+
+        def heal():
             self._heal_generator(next(r for r, n in self.gen_runs.items() if n == name))
-            return {}
-        except ray.exceptions.GetTimeoutError:
-            raise StageFailed(
-                f"{name} did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
-            ) from None
+
+        return self._wait(self.generators[i].stats.remote(), name, on_death=heal) or {}
 
     def _generator_metrics(self) -> dict:
         stats = [self._generator_stats(i) for i in range(len(self.generators))]
@@ -591,17 +591,12 @@ class Pipeline:
         self._last = (now, gen)
 
     def _buffer_metrics(self) -> dict:
-        import ray
-
-        try:
-            st = ray.get(self.buffer.stats.remote(), timeout=self.cfg.run.timeout_s)
-        except ray.exceptions.RayActorError:  # died since the step: heal it now, no counters this step
-            self._heal_buffer(self.buffer_watch)
+        # died since the step: healed now, no counters this step
+        st = self._wait(
+            self.buffer.stats.remote(), "buffer", on_death=lambda: self._heal_buffer(self.buffer_watch)
+        )
+        if st is None:
             return {}
-        except ray.exceptions.GetTimeoutError:
-            raise StageFailed(
-                f"buffer did not answer within run.timeout_s={self.cfg.run.timeout_s:.0f}s"
-            ) from None
         keys = (
             "rows",
             "complete_groups",

@@ -4,10 +4,11 @@ reward and staleness over steps at the end of the run."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.series import is_number, moving_average, series, smoothing_window
 
 
 class MetricsWriter:
@@ -81,7 +82,7 @@ class MetricsWriter:
         row = {"step": step, "time": time.time(), **values}
         self.history.append(row)
         self._file.write(json.dumps(row, default=_jsonable) + "\n")
-        scalars = {k: float(v) for k, v in values.items() if _is_number(v)}
+        scalars = {k: float(v) for k, v in values.items() if is_number(v)}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
@@ -101,10 +102,6 @@ class MetricsWriter:
             return plot_history(self.history, self.run_dir / "reward_staleness.png")
         except ImportError:  # a GPU box without matplotlib: the JSONL has everything to plot it elsewhere
             return None
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _jsonable(v: Any) -> Any:
@@ -127,24 +124,18 @@ def plot_history(history: list[dict[str, Any]], out: str | Path) -> Path:
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     steps = [h["step"] for h in history]
-
-    def series(key):
-        pts = [(h["step"], h[key]) for h in history if _is_number(h.get(key))]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    xs, ys = series("reward/mean")
+    xs, ys = series(history, "reward/mean")
     ax1.plot(xs, ys, alpha=0.35, label="train reward (mean per step)")
-    w = max(1, len(ys) // 50)
-    if w > 1:  # the per-step mean is noisy: draw its moving average over ~2% of the run on top
-        smooth = [sum(ys[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
-        ax1.plot(xs, smooth, label=f"moving average ({w} steps)")
+    w = smoothing_window(len(ys))
+    if w > 1:  # the per-step mean is noisy: draw its moving average on top
+        ax1.plot(xs, moving_average(ys, w), label=f"moving average ({w} steps)")
     if any("eval/accuracy" in h for h in history):
-        ax1.plot(*series("eval/accuracy"), "o-", label="eval accuracy")
+        ax1.plot(*series(history, "eval/accuracy"), "o-", label="eval accuracy")
     ax1.set_ylabel("reward")
     ax1.legend(loc="lower right")
     ax1.grid(alpha=0.3)
-    ax2.plot(*series("staleness/mean"), label="mean")
-    ax2.plot(*series("staleness/max"), label="max", alpha=0.6)
+    ax2.plot(*series(history, "staleness/mean"), label="mean")
+    ax2.plot(*series(history, "staleness/max"), label="max", alpha=0.6)
     ax2.set_ylabel("staleness (versions)")
     ax2.set_xlabel("trainer step")
     ax2.legend(loc="upper right")

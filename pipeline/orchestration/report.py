@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.orchestration.metrics import _is_number, read_history
+from pipeline.orchestration.metrics import read_history
+from pipeline.series import draw_steps, is_number, series
 
 # (panel title, [(metric key, label)]): the questions a reader of an RL run asks, in that order
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -35,38 +36,16 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
 ]
 
 
-def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(h["step"], h[key]) for h in history if "step" in h and _is_number(h.get(key))]
-    return [p[0] for p in pts], [float(p[1]) for p in pts]
-
-
-def _smooth(ys: list[float]) -> tuple[list[float], int]:
-    """Moving average over ~2 % of the run: per-step values are noisy."""
-    w = max(1, len(ys) // 50)
-    return [sum(ys[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))], w
-
-
 def plot_report(history: list[dict], out: Path, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(t, [(k, lab) for k, lab in keys if _series(history, k)[0]]) for t, keys in PANELS]
-    panels = [(t, keys) for t, keys in panels if keys]
+    panels = [(t, keys) for t, keys in PANELS if any(series(history, k)[0] for k, _ in keys)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels)), sharex=True, squeeze=False)
     for ax, (name, keys) in zip(axes[:, 0], panels):
-        for key, label in keys:
-            xs, ys = _series(history, key)
-            if len(ys) > 100:  # the raw per-step values faint behind their moving average
-                line = ax.plot(xs, ys, alpha=0.25)[0]
-                sm, w = _smooth(ys)
-                ax.plot(xs, sm, color=line.get_color(), label=f"{label} ({w}-step mean)")
-            else:
-                ax.plot(xs, ys, "o-" if len(ys) < 30 else "-", label=label, markersize=3)
-        ax.set_title(name, fontsize=10, loc="left")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        draw_steps(ax, history, keys, name)
     axes[-1, 0].set_xlabel("trainer step")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -84,7 +63,7 @@ def summarise(history: list[dict], config: dict[str, Any]) -> dict[str, Any]:
     k = max(1, len(steps) // 10)
 
     def med(key: str) -> float | None:
-        vals = [float(h[key]) for h in steps if _is_number(h.get(key))]
+        vals = [float(h[key]) for h in steps if is_number(h.get(key))]
         return round(statistics.median(vals), 4) if vals else None
 
     out: dict[str, Any] = {
@@ -100,7 +79,7 @@ def summarise(history: list[dict], config: dict[str, Any]) -> dict[str, Any]:
         "resumes": sum(1 for h in history if h.get("event") == "resume"),
         "skipped_steps": int(steps[-1].get("optimizer/skipped_total", 0)),
     }
-    evals = [h["eval/accuracy"] for h in history if _is_number(h.get("eval/accuracy"))]
+    evals = [h["eval/accuracy"] for h in history if is_number(h.get("eval/accuracy"))]
     if evals:
         out["eval_accuracy_last"] = round(evals[-1], 3)
     for _, keys in PANELS[1:]:

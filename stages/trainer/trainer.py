@@ -196,7 +196,7 @@ class Trainer:
             valid=tb.trainable,
         )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
-        mbs = pack(tb, shard, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
+        mbs = self._pack(tb, shard)
         # logp_old = the current weights' logprobs, before the update. With one optimizer step per batch
         # the training forward computes exactly these (same weights, no dropout), so by default they
         # are taken from it (detached) instead of from a second forward over the batch
@@ -306,6 +306,13 @@ class Trainer:
         model.train()
         return out
 
+    def _pack(self, tb: TokenBatch, samples: list[int]) -> list:
+        """`samples` of the batch in micro-batches of trainer.micro_batch_tokens (one packed row each
+        on the varlen / TE layouts)."""
+        return pack(
+            tb, samples, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te")
+        )
+
     def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref) -> dict:
         """trainer.ppo_epochs x trainer.mini_batches optimizer updates on one batch. Statistics are
         summed over the updates (token means stay means; tokens/trained counts each update's tokens);
@@ -317,10 +324,7 @@ class Trainer:
                 "trainer.mini_batches or raise trainer.batch_groups"
             )
         parts = [shard[i * len(shard) // m : (i + 1) * len(shard) // m] for i in range(m)]
-        packed = [
-            pack(tb, p, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te"))
-            for p in parts
-        ]
+        packed = [self._pack(tb, p) for p in parts]
         acc: dict = {}
         for epoch in range(self.tc.ppo_epochs):
             for i, mbs in enumerate(packed):
