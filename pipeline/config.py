@@ -70,7 +70,7 @@ class ClusterConfig(Base):
     # GPU layout, as slime's --actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-gpus and
     # --colocate (--rollout-num-gpus-per-engine is rollout.sglang.tp_size). Ray picks the GPUs.
     # trainer_gpus_per_node > 0: the trainer has trainer_num_nodes x trainer_gpus_per_node GPUs, and
-    # trainer.dp, when not given, is derived from them (dp = GPUs / (tp * pp)).
+    # trainer.dp, when not given, is derived from them (dp = GPUs / (tp * pp * cp)).
     trainer_num_nodes: int = 1
     trainer_gpus_per_node: int = 0
     # all engines' GPUs; 0 = whatever rollout.num_generators x engines_per_generator x sglang.tp_size need
@@ -197,14 +197,20 @@ def _derive_dp(cfg: RunConfig, dp_given: bool) -> RunConfig:
     if not c.trainer_gpus_per_node:
         return cfg
     gpus = c.trainer_num_nodes * c.trainer_gpus_per_node
-    if gpus % (t.tp * t.pp) or (dp_given and gpus != t.tp * t.pp * t.dp):
+    model_parallel = t.tp * t.pp * t.cp
+    if gpus % model_parallel or (dp_given and gpus != model_parallel * t.dp):
         raise ConfigError(
             f"cluster.trainer_num_nodes x trainer_gpus_per_node = {gpus} trainer GPUs, which is not "
-            f"trainer.tp*pp{'*dp' if dp_given else ' times a whole dp'} = {t.tp}*{t.pp}"
+            f"trainer.tp*pp*cp{'*dp' if dp_given else ' times a whole dp'} = {t.tp}*{t.pp}*{t.cp}"
             f"{f'*{t.dp}' if dp_given else ''}; change the GPUs or the parallel sizes"
             f"{' (or leave trainer.dp out: it is derived)' if dp_given else ''}"
         )
-    dp = gpus // (t.tp * t.pp)
+    if c.trainer_num_nodes > 1 and c.trainer_gpus_per_node % t.tp:
+        raise ConfigError(
+            f"trainer.tp={t.tp} does not divide cluster.trainer_gpus_per_node={c.trainer_gpus_per_node}: a "
+            "TP group would span two nodes (TP all-reduces every layer); choose a tp that divides it"
+        )
+    dp = gpus // model_parallel
     return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, dp=dp))
 
 

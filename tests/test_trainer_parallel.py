@@ -1,49 +1,13 @@
-"""TP=2, PP=2 and DP=2 (two gloo processes under torchrun) reproduce the TP=1 losses, gradient norms
-and trained weights on the same data and initial weights."""
+"""TP=2, PP=2, DP=2, CP=2 and TP=2 with sequence parallelism (two gloo processes under torchrun)
+reproduce the TP=1 losses, gradient norms and trained weights on the same data and initial weights."""
 
 from __future__ import annotations
-
-import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from stages.trainer.testing import make_tiny_hf
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(model_path: str, out: str, nproc: int, *args: str) -> tuple[list[dict], dict]:
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={_free_port()}",
-        "-m",
-        "stages.trainer.parallel_check",
-        "--model-path",
-        model_path,
-        "--out",
-        out,
-        *args,
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
-    from safetensors.torch import load_file
-
-    return json.load(open(f"{out}/metrics.json")), load_file(f"{out}/weights.safetensors")
+from stages.trainer.testing import run_parallel_check as _run
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +17,11 @@ def baseline(tmp_path_factory):
     return path, d, _run(path, str(d / "tp1"), 1)
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2"), ()], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [("--tp", "2"), ("--pp", "2"), (), ("--cp", "2"), ("--tp", "2", "--sp")],
+    ids=["tp2", "pp2", "dp2", "cp2", "tp2-sp"],
+)
 def test_parallel_layout_matches_tp1(baseline, layout):
     path, d, (ref_m, ref_w) = baseline
     name = "-".join(layout) or "dp2"
@@ -80,3 +48,29 @@ def test_tp2_pads_a_vocabulary_tp_does_not_divide(tmp_path):
     assert w["model.embed_tokens.weight"].shape[0] == 259
     for k in ref_w:
         assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+
+
+def _assert_same_training(ref_m, ref_w, m, w):
+    for a, b in zip(ref_m, m, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
+        assert a["tokens/trained"] == b["tokens/trained"]
+    for k in ref_w:
+        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+
+
+def test_cp2_gspo_needs_whole_sequences(baseline):
+    """GSPO's sequence ratio, the seq_tis weight and the per-sequence mean need each sequence's sums over
+    both CP ranks: CP=2 matches one rank."""
+    path, d, _ = baseline
+    args = ("--advantage", "gspo", "--correction", "seq_tis")
+    ref_m, ref_w = _run(path, str(d / "gspo-1"), 1, *args)
+    m, w = _run(path, str(d / "gspo-cp2"), 2, "--cp", "2", *args)
+    _assert_same_training(ref_m, ref_w, m, w)
+
+
+@pytest.mark.slow
+def test_tp2_sp_cp2_on_four_ranks(baseline):
+    path, d, (ref_m, ref_w) = baseline
+    m, w = _run(path, str(d / "tp2-sp-cp2"), 4, "--tp", "2", "--sp", "--cp", "2")
+    _assert_same_training(ref_m, ref_w, m, w)

@@ -24,7 +24,7 @@ import msgspec
 from pipeline.config import RunConfig, effective_staleness, write_resolved
 from pipeline.net import is_loopback
 from pipeline.orchestration.metrics import MetricsWriter
-from pipeline.orchestration.placement import PlacementError, check_fits, make_plan, plan_cfg
+from pipeline.orchestration.placement import PlacementError, check_fits, check_tp_groups, make_plan, plan_cfg
 from pipeline.orchestration.progress import Progress, summary
 
 log = logging.getLogger("slipstream")
@@ -168,7 +168,7 @@ class Pipeline:
         model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
         n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
         tc = cfg.trainer
-        n_ranks = tc.tp * tc.pp * tc.dp
+        n_ranks = tc.ranks
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         resources = ray.cluster_resources()
         try:
@@ -261,6 +261,10 @@ class Pipeline:
             order = sorted(range(len(actors)), key=lambda k: (where[k]["node_id"], where[k]["gpus"]))
             self.trainers = [actors[k] for k in order]
             self.where["trainer"] = [where[k] for k in order]
+            try:
+                check_tp_groups([w["node_id"] for w in self.where["trainer"]], tc.tp)
+            except PlacementError as e:
+                raise StageFailed(str(e)) from None
             master = self._wait(self.trainers[0].master_address.remote(len(nodes) == 1), "trainer rank 0")
             tcfg = plan_cfg(cfg, plan)
             if weights_bind:

@@ -7,7 +7,7 @@ node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, see actors.actor_env): NCCL b
 SGLang servers, and CUDA IPC between colocated processes, need the peers' GPUs visible.
 
 Bundles (one placement group, PACK: as few nodes as fit):
-  trainer rank bundles  {CPU 1, GPU 1} each on CUDA (tp*pp*dp of them), {CPU 1} on CPU; the buffer
+  trainer rank bundles  {CPU 1, GPU 1} each on CUDA (tp*pp*cp*dp of them), {CPU 1} on CPU; the buffer
                         sits in the first one (it needs no CPU of its own: it mostly waits on sockets)
   generator bundles     {CPU 1, GPU engines_per_generator * rollout.sglang.tp_size} (SGLang; one GPU
                         for a torch engine on CUDA); colocated (cluster.colocate) generator i shares
@@ -63,7 +63,7 @@ def engine_gpus(cfg) -> int:
 
 def make_plan(cfg, cluster_gpus: float) -> Plan:
     tc, r = cfg.trainer, cfg.rollout
-    ranks = tc.tp * tc.pp * tc.dp
+    ranks = tc.ranks
     on_gpu = trainer_on_gpu(cfg, cluster_gpus)
     colocate = cfg.cluster.colocate
     if colocate and not on_gpu:
@@ -77,7 +77,7 @@ def make_plan(cfg, cluster_gpus: float) -> Plan:
         if n_gen > ranks:
             raise PlacementError(
                 f"cluster.colocate=true: {n_gen} generators (rollout.num_generators) need a trainer GPU each, "
-                f"and the trainer has {ranks} (trainer.tp*pp*dp)"
+                f"and the trainer has {ranks} (trainer.tp*pp*cp*dp)"
             )
         for i in range(n_gen, ranks):
             bundles[i]["CPU"] = 1  # only the first n_gen trainer bundles host a generator
@@ -107,12 +107,12 @@ def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
     """Fail now, naming the keys and what Ray has, rather than after run.timeout_s of waiting for a
     placement group that can never be ready."""
     tc, r = cfg.trainer, cfg.rollout
-    ranks = tc.tp * tc.pp * tc.dp
+    ranks = tc.ranks
     need_cpu = sum(b.get("CPU", 0) for b in plan.bundles)
     have_cpu, have_gpu = resources.get("CPU", 0), resources.get("GPU", 0)
     if have_cpu < need_cpu:
         raise PlacementError(
-            f"the cluster has no room for {need_cpu:g} CPUs ({ranks} trainer rank(s) = trainer.tp*pp*dp, "
+            f"the cluster has no room for {need_cpu:g} CPUs ({ranks} trainer rank(s) = trainer.tp*pp*cp*dp, "
             f"{r.num_generators} generator(s){', eval' if plan.eval_bundle is not None else ''}); lower "
             f"rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus (Ray has {have_cpu:g} CPUs)"
         )
@@ -120,8 +120,8 @@ def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
     rollout_gpus = plan.gpus - trainer_gpus
     if have_gpu < plan.gpus:
         raise PlacementError(
-            f"the run needs {plan.gpus:g} GPUs: {trainer_gpus} for the trainer (trainer.tp*pp*dp = "
-            f"{tc.tp}*{tc.pp}*{tc.dp}) and {rollout_gpus:g} for the engines (rollout.num_generators="
+            f"the run needs {plan.gpus:g} GPUs: {trainer_gpus} for the trainer (trainer.tp*pp*cp*dp = "
+            f"{tc.tp}*{tc.pp}*{tc.cp}*{tc.dp}) and {rollout_gpus:g} for the engines (rollout.num_generators="
             f"{r.num_generators} x engines_per_generator={r.engines_per_generator} x rollout.sglang.tp_size="
             f"{r.sglang.tp_size}{', colocated' if cfg.cluster.colocate else ''}); Ray has {have_gpu:g} GPUs "
             f"on {len(nodes)} node(s). Lower those keys, set cluster.colocate=true, add GPUs, or train on the CPU "
@@ -144,6 +144,21 @@ def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
             f"rollout.sglang.tp_size), and the largest node has {per_node:g}; use more generators with "
             "fewer engines each"
         )
+
+
+def check_tp_groups(rank_nodes: list[str], tp: int) -> None:
+    """Every tensor-parallel group on one node. Megatron numbers TP fastest (ranks k*tp .. k*tp+tp-1 form
+    a group, ranks in (node, GPU) order), and TP all-reduces every layer's activations: across the
+    network that would be the run's bottleneck, so it is refused rather than run slowly. CP, DP and PP
+    groups may span nodes."""
+    for start in range(0, len(rank_nodes), tp):
+        group = rank_nodes[start : start + tp]
+        if len(set(group)) > 1:
+            raise PlacementError(
+                f"trainer ranks {start}..{start + tp - 1} form one TP group (trainer.tp={tp}) but Ray placed "
+                f"them on {len(set(group))} nodes; give every trainer node a multiple of trainer.tp GPUs "
+                "(cluster.trainer_gpus_per_node) or pin the trainer with cluster.trainer_resources"
+            )
 
 
 def local_gpus() -> list[int]:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from stages.trainer.context_parallel import attend_local_queries, cp_info, gather_row, local_positions
+
 try:
     import inspect
 
@@ -29,6 +31,20 @@ except ImportError:  # torch < 2.10
     _VARLEN_ARGS = set()
 
 
+class _ContextParallelOK(DotProductAttention):
+    """DotProductAttention's constructor refuses context parallelism (megatron has it only in
+    transformer-engine's attention). These subclasses do their own (stages/trainer/context_parallel.py),
+    so they build with the check satisfied and keep the config as it is."""
+
+    def __init__(self, config, *args, **kwargs):
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+
+
 def _scale(attn: DotProductAttention) -> float:
     """The softmax scale megatron's attention applies (it folds 1/layer into query-key layer scaling)."""
     scale = attn.softmax_scale
@@ -37,7 +53,7 @@ def _scale(attn: DotProductAttention) -> float:
     return scale
 
 
-class SDPAttention(DotProductAttention):
+class SDPAttention(_ContextParallelOK):
     def forward(
         self,
         query,
@@ -58,6 +74,13 @@ class SDPAttention(DotProductAttention):
             )
         if attention_mask is None and (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
             raise NotImplementedError("SDPAttention needs a mask unless the attention is causal")
+        group, cp, cp_rank = cp_info()
+        if cp > 1:  # local queries over the whole row's keys: the mask rows of this rank's positions
+            if attention_mask is None:
+                raise NotImplementedError("SDPAttention under context parallelism needs the block mask")
+            key, value = gather_row(key, group, cp), gather_row(value, group, cp)
+            mine = local_positions(key.shape[0], cp, cp_rank, query.device)
+            attention_mask = attention_mask.index_select(2, mine)
         rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if rep > 1:  # grouped-query attention: every query head gets its group's key/value
@@ -76,7 +99,7 @@ class SDPAttention(DotProductAttention):
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
-class VarlenAttention(DotProductAttention):
+class VarlenAttention(_ContextParallelOK):
     """Causal attention over packed sequences without an s x s mask: one row [t, 1, heads, hn] holds
     several sequences whose boundaries come in `packed_seq_params.cu_seqlens_q` (flash attention's
     cumulative lengths). On CUDA with bf16/fp16 this is `torch.nn.attention.varlen.varlen_attn`
@@ -114,14 +137,24 @@ class VarlenAttention(DotProductAttention):
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [t, heads, hn]
         cu = packed_seq_params.cu_seqlens_q
         scale = _scale(self)
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _HAVE_VARLEN:
-            ctx = _flash_varlen(q, k, v, cu, packed_seq_params.max_segment_len, scale)
+        flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _HAVE_VARLEN
+        group, cp, cp_rank = cp_info()
+        if cp > 1:  # this rank's positions of the row attend to the whole row's keys and values
+            k, v = gather_row(k, group, cp), gather_row(v, group, cp)
+            mine = local_positions(k.shape[0], cp, cp_rank, q.device)
+            run = (lambda *a: _flash_varlen(*a, scale=scale)) if flash else None
+            ctx = attend_local_queries(q, k, v, cu, mine, scale, flash=run)
+        elif flash:
+            n = packed_seq_params.max_segment_len
+            ctx = _flash_varlen(q, k, v, cu, cu, n, n, scale=scale)
         else:
             ctx = _per_segment_sdpa(q, k, v, cu, scale)
         return ctx.reshape(t, 1, self.hidden_size_per_partition)
 
 
-def _flash_varlen(q, k, v, cu, longest: int, scale: float):
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+    """FlashAttention varlen, causal; for a sequence with fewer queries than keys the mask is aligned
+    bottom-right (the last query sees every key), FlashAttention 2's convention."""
     kw = {"scale": scale}
     kw.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_ARGS else {"is_causal": True})
     rep = q.shape[1] // k.shape[1]
@@ -130,7 +163,7 @@ def _flash_varlen(q, k, v, cu, longest: int, scale: float):
             kw["enable_gqa"] = True
         else:  # FlashAttention takes fewer KV heads natively; this API version does not say so
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
 def _per_segment_sdpa(q, k, v, cu, scale):

@@ -57,7 +57,7 @@ class LossConfig(_Base):
 
 
 class TrainerConfig(_Base):
-    """Megatron trainer. Parallel sizes multiply to the number of processes (torchrun)."""
+    """Megatron trainer. Parallel sizes (tp x pp x cp x dp) multiply to the number of processes."""
 
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_tokens: int = 4096  # token budget per packed micro-batch
@@ -72,7 +72,12 @@ class TrainerConfig(_Base):
     grad_clip: float = 1.0
     tp: int = 1
     pp: int = 1
+    # context parallel: each sequence split over cp ranks (long sequences; stages/trainer/context_parallel.py)
+    cp: int = 1
     dp: int = 1
+    # with tp > 1: activations outside attention and the MLP split over the TP ranks along the sequence
+    # (megatron's --sequence-parallel; less activation memory, the same numbers)
+    sequence_parallel: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
     fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
@@ -112,6 +117,11 @@ class TrainerConfig(_Base):
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
+    @property
+    def ranks(self) -> int:
+        """Trainer processes (one GPU each on CUDA): tp x pp x cp x dp."""
+        return self.tp * self.pp * self.cp * self.dp
+
     def __post_init__(self):
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ValueError("trainer.ppo_epochs and trainer.mini_batches must be >= 1 (1 and 1: one update)")
@@ -123,8 +133,12 @@ class TrainerConfig(_Base):
             raise ValueError(
                 "trainer.micro_batch_tokens must be >= 8 (a packed row is a multiple of 8 tokens)"
             )
-        if min(self.tp, self.pp, self.dp) < 1:
-            raise ValueError("trainer.tp, trainer.pp and trainer.dp must be >= 1")
+        if min(self.tp, self.pp, self.cp, self.dp) < 1:
+            raise ValueError("trainer.tp, trainer.pp, trainer.cp and trainer.dp must be >= 1")
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(
+                "trainer.sequence_parallel splits activations over TP ranks: it needs trainer.tp >= 2"
+            )
         if self.lr < 0 or self.min_lr < 0 or self.fetch_timeout_s <= 0:
             raise ValueError(
                 "trainer.lr and trainer.min_lr must be >= 0 (0 freezes the weights) and "

@@ -8,6 +8,7 @@ megatron-core assumes CUDA in a handful of places (measured in /work/shared/note
   W5 asserts on Tensor.type() == "torch.cuda.*"       -> `device_mode()` reports the CUDA type name
   W6 batch_p2p_sync calls torch.cuda.synchronize()    -> callers set batch_p2p_sync=False on CPU
   W7 torch.cuda.synchronize() (PP + variable lengths) -> no-op
+  W8 pin_memory=True (RoPE's context-parallel split) -> unpinned
 
 `activate()` is idempotent and does nothing when CUDA is available, so the same trainer code runs on
 GPUs unchanged. The shims touch private megatron names: megatron-core is pinned to >=0.16,<0.17 on
@@ -65,6 +66,8 @@ class _CudaToCpu(TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and (isinstance(dev, int) or str(dev).startswith("cuda")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # W8: RoPE's context-parallel split stages its index in pinned memory
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -82,7 +82,7 @@ def export_hf_state(
     """
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() != 0:
+    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # CP ranks hold the same weights
         return None
     local = _local_hf(policy)
     pp = ps.get_pipeline_model_parallel_world_size()

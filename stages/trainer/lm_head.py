@@ -234,7 +234,9 @@ def head_logprobs(
         raise ValueError(f"chunk must be >= 1 (trainer.logits_chunk_tokens), got {chunk}")
     hidden = hidden.to(weight.dtype)
     if hidden.shape[0] == 0:
-        z = hidden.new_zeros(0, dtype=torch.float32) + weight.sum() * 0  # keeps the graph connected
+        # keeps the graph connected to the weight and, through the (empty) hidden, to the whole model:
+        # under context parallelism another rank's backward waits in collectives this one must join
+        z = hidden.new_zeros(0, dtype=torch.float32) + weight.sum() * 0 + hidden.sum().float() * 0
         return z, (z.clone() if entropy else None)
     round_bf16 = not fp32_logits and weight.dtype != torch.float32
     _, tp, _ = _tp()

@@ -24,13 +24,16 @@ ranks can be reduced exactly (sums add, mins/maxes reduce) before dividing by co
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from stages.trainer.config import LossConfig
 
 EPS = 1e-6
 
 
-def _check(**tensors):
+def _check(allow_empty: bool = False, **tensors):
+    """Same-length 1-D tensors; empty only where `allow_empty` (a context-parallel rank may hold none of
+    a micro-batch's response tokens, and still joins the group's collectives)."""
     n = None
     for name, t in tensors.items():
         if t is None:
@@ -42,12 +45,23 @@ def _check(**tensors):
                 f"length mismatch: {name} has {len(t)} entries, expected {n} ({', '.join(tensors)})"
             )
         n = len(t)
-    if n == 0:
+    if n == 0 and not allow_empty:
         raise ValueError(f"empty input ({', '.join(tensors)} have no entries): nothing to train on")
 
 
 def seg_sum(x: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seq, x)
+
+
+def seq_total(x: torch.Tensor, seq: torch.Tensor, n: int, group=None) -> torch.Tensor:
+    """Per-sequence sums [n] of a quantity that needs no gradient, over every rank holding tokens of
+    the sequences: under context parallelism (`group`: the CP group) a sequence's tokens are spread
+    over the group's ranks, and GSPO's ratio, the sequence-level corrections and sample means need the
+    whole sequence's sums."""
+    out = seg_sum(x.detach(), seq, n)
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
 
 
 # -- advantages ----------------------------------------------------------------------------------------
@@ -167,7 +181,7 @@ def token_advantages(
 
 
 # -- off-policy correction -----------------------------------------------------------------------------
-def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfig):
+def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfig, cp_group=None):
     """Detached per-token weights [T] correcting rollout-policy -> trainer-old-policy mismatch.
 
     tis:       w = clamp(exp(old - rollout), tis_low, tis_cap)
@@ -178,14 +192,14 @@ def correction_weights(logp_old, logp_rollout, mask, seq, n: int, cfg: LossConfi
     none:      w = 1
     Returns (w, outside) where `outside` marks tokens whose weight was clipped or zeroed.
     """
-    _check(logp_old=logp_old, logp_rollout=logp_rollout, mask=mask, seq=seq)
+    _check(cp_group is not None, logp_old=logp_old, logp_rollout=logp_rollout, mask=mask, seq=seq)
     with torch.no_grad():
         on = mask > 0  # where, not * mask: a masked -inf rollout logprob would give inf * 0 = NaN
         log_ratio = torch.where(on, logp_old - logp_rollout, torch.zeros_like(logp_old)).float()
         kind = cfg.correction
         if kind in ("seq_tis", "seq_mis"):
             # sum of token log-ratios = log of the product of ratios; clamped so exp stays finite
-            log_ratio = seg_sum(log_ratio, seq, n).clamp(-20.0, 20.0)[seq]
+            log_ratio = seq_total(log_ratio, seq, n, cp_group).clamp(-20.0, 20.0)[seq]
         ratio = torch.exp(log_ratio)
         if kind == "none":
             w = torch.ones_like(ratio)
@@ -222,16 +236,16 @@ def ppo_surrogate(logp, logp_old, adv, eps_low: float, eps_high: float, dual_cli
     return loss, was_clipped.detach()
 
 
-def gspo_surrogate(logp, logp_old, adv, mask, seq, n: int, eps_low: float, eps_high: float):
+def gspo_surrogate(logp, logp_old, adv, mask, seq, n: int, eps_low: float, eps_high: float, cp_group=None):
     """GSPO: sequence ratio s_i = exp(mean_t (logp - old)) clipped per sequence, spread over tokens.
 
     Token form s_i,t = sg(s_i) * exp(logp_t - sg(logp_t)) gives each token the gradient of s_i / |y_i|
     while the forward value equals s_i (GSPO paper, eq. 11).
     """
     on = mask > 0
-    ntok = seg_sum(mask, seq, n).clamp(min=1.0)
+    ntok = seq_total(mask, seq, n, cp_group).clamp(min=1.0)
     tok_log = torch.where(on, logp - logp_old.detach(), torch.zeros_like(logp))  # no inf * 0 on masked
-    seq_log = seg_sum(tok_log, seq, n) / ntok
+    seq_log = seq_total(tok_log, seq, n, cp_group) / ntok
     s_tok = torch.exp(seq_log.detach())[seq] * torch.exp(logp - logp.detach())
     unclipped = s_tok * adv
     clipped = s_tok.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
@@ -269,7 +283,7 @@ def aggregation_mode(cfg: LossConfig) -> str:
 
 
 def aggregate(
-    per_token, mask, seq, n: int, mode: str, denominator: str = "all"
+    per_token, mask, seq, n: int, mode: str, denominator: str = "all", cp_group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(numerator, denominator) of the loss, kept apart so micro-batches and DP ranks can be summed
     before dividing:
@@ -278,33 +292,48 @@ def aggregate(
     `denominator` (trainer.loss.sample_mean_denominator) picks #samples for "sample": "all" counts every
     sample present in `seq`, fully masked ones too (slime divides by the step's whole batch),
     "unmasked" only those with a trained token (verl's seq-mean-token-mean).
+    Under context parallelism (`cp_group`) the token counts are the whole sequences' and the sample count
+    is given by the group's first rank only, since the trainer sums numerators and denominators over it.
     """
     on = mask > 0
     loss = torch.where(on, per_token, torch.zeros_like(per_token))
     if mode == "token":
         return loss.sum(), mask.sum()
     if mode == "sample":
-        ntok = seg_sum(mask, seq, n)
+        ntok = seq_total(mask, seq, n, cp_group)
         per_seq = seg_sum(loss, seq, n) / ntok.clamp(min=1.0)
         if denominator == "all":
-            count = (torch.bincount(seq, minlength=n) > 0).sum()
+            count = seq_total(torch.ones_like(mask), seq, n, cp_group) > 0
         elif denominator == "unmasked":
-            count = (ntok > 0).sum()
+            count = ntok > 0
         else:
             raise ValueError(f"unknown sample_mean_denominator {denominator!r} (all, unmasked)")
+        count = count.sum() if cp_group is None or dist.get_rank(cp_group) == 0 else count.new_zeros(())
         return per_seq.sum(), count.to(per_token.dtype)
     raise ValueError(f"unknown aggregation {mode!r} (token, sample)")
 
 
 def policy_loss(
-    logp, logp_old, logp_rollout, adv_tok, mask, seq, n: int, cfg: LossConfig, logp_ref=None, entropy=None
+    logp,
+    logp_old,
+    logp_rollout,
+    adv_tok,
+    mask,
+    seq,
+    n: int,
+    cfg: LossConfig,
+    logp_ref=None,
+    entropy=None,
+    cp_group=None,
 ):
     """The full per-batch objective. Returns (loss_sum, loss_count, stats) — loss = sum / count.
 
     per token: w_t * pg_t + kl_coef * KL_t - entropy_coef * H_t, aggregated by `aggregation_mode(cfg)`.
     With `logp_ref`, stats carry "sum/kl" (the KL estimate summed over trained tokens, whatever kl_coef).
+    `cp_group`: the context-parallel group whose ranks hold the other tokens of these sequences.
     """
     _check(
+        allow_empty=cp_group is not None,
         logp=logp,
         logp_old=logp_old,
         logp_rollout=logp_rollout,
@@ -322,9 +351,11 @@ def policy_loss(
 
     logp, logp_old, logp_rollout, adv_tok = safe(logp), safe(logp_old), safe(logp_rollout), safe(adv_tok)
     logp_ref, entropy = safe(logp_ref), safe(entropy)
-    w, outside = correction_weights(logp_old, logp_rollout, mask, seq, n, cfg)
+    w, outside = correction_weights(logp_old, logp_rollout, mask, seq, n, cfg, cp_group)
     if cfg.advantage == "gspo":
-        pg, clipped = gspo_surrogate(logp, logp_old, adv_tok, mask, seq, n, cfg.eps_clip, cfg.eps_clip_high)
+        pg, clipped = gspo_surrogate(
+            logp, logp_old, adv_tok, mask, seq, n, cfg.eps_clip, cfg.eps_clip_high, cp_group
+        )
     else:
         pg, clipped = ppo_surrogate(logp, logp_old, adv_tok, cfg.eps_clip, cfg.eps_clip_high, cfg.dual_clip)
     per_token = w * pg
@@ -335,7 +366,9 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     if cfg.entropy_coef and entropy is not None:
         per_token = per_token - cfg.entropy_coef * entropy
-    num, den = aggregate(per_token, mask, seq, n, aggregation_mode(cfg), cfg.sample_mean_denominator)
+    num, den = aggregate(
+        per_token, mask, seq, n, aggregation_mode(cfg), cfg.sample_mean_denominator, cp_group
+    )
     stats = token_stats(logp_old, logp_rollout, w, outside, clipped, mask, entropy)
     if kl is not None:  # logged as kl/value: the token mean of the estimate over trained tokens
         stats["sum/kl"] = (kl.detach() * mask).sum().float()

@@ -23,8 +23,9 @@ from stages.trainer import cpu_shim, hf_mapping
 from stages.weights.base import align_nccl_env
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float = 600.0) -> None:
-    """Join (or create) the process group and megatron's model-parallel groups.
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float = 600.0, cp: int = 1) -> None:
+    """Join (or create) the process group and megatron's model-parallel groups (TP, PP, CP; DP is what
+    is left of the world).
 
     Under torchrun the world comes from the environment. Without RANK in the environment (a plain
     process or a Ray actor) a world of size 1 is created on a free loopback port, so callers never
@@ -48,18 +49,24 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float =
             )
     cpu_shim.activate()
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise ValueError(
-            f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch tp*pp*dp processes"
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; launch tp*pp*cp*dp processes"
         )
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+        )
+        if have != (tp, pp, cp):
             raise RuntimeError(
-                f"model parallel groups already exist with (tp, pp) = {have}, asked for {(tp, pp)}"
+                f"model parallel groups already exist with (tp, pp, cp) = {have}, asked for {(tp, pp, cp)}"
             )
     else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -113,7 +120,9 @@ def use_te(spec: str) -> bool:
     return have if spec == "auto" else spec == "te"
 
 
-def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = False):
+def transformer_config(
+    hc, *, tp: int, pp: int, bf16: bool, recompute: bool = False, cp: int = 1, sequence_parallel: bool = False
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf_mapping.check_supported(hc)
@@ -134,6 +143,8 @@ def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = Fa
         qk_layernorm=hf_mapping.qk_norm(hc),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         params_dtype=torch.float32,  # weights are loaded in fp32; Float16Module casts for bf16
         bf16=bf16,
@@ -146,7 +157,9 @@ def transformer_config(hc, *, tp: int, pp: int, bf16: bool, recompute: bool = Fa
         calculate_per_token_loss=True,  # our loss returns (sum, count); megatron divides by the global count
         batch_p2p_sync=not cpu,  # W6
     )
-    if pp > 1:  # micro-batches have different packed lengths; this validator wants alltoall even when dense
+    if (
+        pp > 1 or sequence_parallel or cp > 1
+    ):  # micro-batches have different packed lengths; this validator wants alltoall even when dense
         kw.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if not cpu:  # megatron's jit-fused SwiGLU (no bias): one kernel instead of silu, mul and their grads
         kw.update(bias_activation_fusion=True)
@@ -209,6 +222,8 @@ def build_policy(
     fp32_lm_head: bool = False,
     attention: str = "sdpa",
     output_hidden: bool = False,
+    cp: int = 1,
+    sequence_parallel: bool = False,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first.
 
@@ -230,8 +245,14 @@ def build_policy(
     from transformers import AutoConfig
 
     hc = AutoConfig.from_pretrained(model_path)
-    cfg = transformer_config(hc, tp=tp, pp=pp, bf16=bf16, recompute=recompute)
+    cfg = transformer_config(
+        hc, tp=tp, pp=pp, bf16=bf16, recompute=recompute, cp=cp, sequence_parallel=sequence_parallel
+    )
     te = use_te(layer_spec)
+    if te and cp > 1:
+        raise ValueError(
+            "trainer.cp > 1 runs in this trainer's own attention (local spec); set trainer.layer_spec=local"
+        )
     layout = resolve_attention(attention, te, bf16)
     if te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
@@ -242,6 +263,10 @@ def build_policy(
         core = {"sdpa": SDPAttention, "varlen": VarlenAttention}.get(layout)
         if core is not None:
             spec.submodules.self_attention.submodules.core_attention = core
+        elif cp > 1:
+            raise ValueError("trainer.cp > 1 needs trainer.attention varlen, sdpa or auto (not unfused)")
+        if sequence_parallel:
+            spec = _sequence_parallel_block(spec, cfg)
     with cpu_shim.device_mode():  # tied embeddings under PP move the shared weight with .cuda()
         model = GPTModel(
             config=cfg,
@@ -272,6 +297,37 @@ def build_policy(
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
     return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path, layout=layout)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, as megatron's local spec builds it, for sequence parallelism, which megatron's
+    wrapper of it refuses. Under SP a norm sees only this rank's positions, so its weight's gradient is
+    partial: marked `sequence_parallel`, megatron's finalize_model_grads sums it over the TP group (the
+    q/k norms, which see this rank's heads, are summed by their names already)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
+def _sequence_parallel_block(layer_spec, cfg):
+    """The local layer spec as a block of this stage's layers whose norms (input, pre-MLP, q/k and the
+    final one) are SequenceParallelRMSNorm: megatron picks the final norm itself unless given a block."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if cfg.normalization != "RMSNorm":
+        raise ValueError(f"sequence parallelism here supports RMSNorm models, not {cfg.normalization}")
+    for sub in (layer_spec.submodules, layer_spec.submodules.self_attention.submodules):
+        for name, value in vars(sub).items():
+            if value is WrappedTorchNorm:
+                setattr(sub, name, SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(cfg), layer_norm=SequenceParallelRMSNorm
+    )
 
 
 def use_fp32_lm_head(model) -> None:
@@ -346,7 +402,7 @@ def packed_row_params(mb, layout: str, device):
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
         )
-    t = mb.tokens.numel()
+    t = mb.segments.numel()  # the whole row, also where a context-parallel rank holds part of it
     params = PackedSeqParams(
         qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t, max_seqlen_kv=t
     )

@@ -127,18 +127,21 @@ def pack(
     samples: list[int],
     micro_batch_tokens: int,
     packed_row: bool = False,
+    align: int = ROW_ALIGN,
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches.
 
     `packed_row`: one row per micro-batch holding up to `micro_batch_tokens` (the varlen and TE layout).
+    `align`: row lengths are multiples of it (a multiple of ROW_ALIGN; context and sequence parallelism
+    split a row into equal parts).
     """
     plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
     seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
     if not samples:
         return []
     longest = max(seq_len.values())
-    row_len = micro_batch_tokens if packed_row else -(-longest // ROW_ALIGN) * ROW_ALIGN
-    if -(-longest // ROW_ALIGN) * ROW_ALIGN > micro_batch_tokens:
+    row_len = micro_batch_tokens if packed_row else -(-longest // align) * align
+    if -(-longest // align) * align > micro_batch_tokens:
         raise ValueError(
             f"a sequence of {longest} tokens does not fit trainer.micro_batch_tokens={micro_batch_tokens}; "
             "raise micro_batch_tokens (or lower rollout.sampling.max_new_tokens / max_prompt_tokens)"
@@ -154,9 +157,7 @@ def pack(
         rows[k].append(i)
         room[k] -= seq_len[i]
     if packed_row:  # each row its own micro-batch, trimmed to what it holds
-        return [
-            _build(tb, [row], -(-(row_len - left) // ROW_ALIGN) * ROW_ALIGN) for row, left in zip(rows, room)
-        ]
+        return [_build(tb, [row], -(-(row_len - left) // align) * align) for row, left in zip(rows, room)]
     per_mb = max(1, micro_batch_tokens // row_len)
     return [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
 

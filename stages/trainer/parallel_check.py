@@ -14,6 +14,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    ap.add_argument("--advantage", default="grpo")
+    ap.add_argument("--correction", default="tis")
+    ap.add_argument("--layout", default="sdpa", help="trainer.attention: sdpa (block mask) or varlen")
+    ap.add_argument("--precision", default="fp32", help="fp32, or bf16 (on CUDA: the varlen layout)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=48)
     ap.add_argument("--optimizer", default="sgd")
@@ -32,6 +38,9 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = RunConfig()
     cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.batch_groups = a.tp, a.pp, 2
+    cfg.trainer.cp, cfg.trainer.sequence_parallel, cfg.trainer.attention = a.cp, a.sp, a.layout
+    cfg.trainer.loss.advantage, cfg.trainer.loss.correction = a.advantage, a.correction
+    cfg.trainer.precision = a.precision
     cfg.trainer.micro_batch_tokens, cfg.trainer.lr = a.micro_batch_tokens, 0.5
     # SGD: Adam's g / sqrt(v) turns float-rounding differences of near-zero gradients into visible
     # weight differences, which would hide real layout bugs behind a loose tolerance

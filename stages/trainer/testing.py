@@ -131,3 +131,40 @@ class ListSource:
 
     def stats(self):
         return {"left": len(self.batches)}
+
+
+def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeout_s: float = 300):
+    """`torchrun --nproc-per-node nproc -m stages.trainer.parallel_check` (tests of the parallel layouts):
+    -> (per-step metrics, exported HF weights)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={port}",
+        "-m",
+        "stages.trainer.parallel_check",
+        "--model-path",
+        model_path,
+        "--out",
+        out,
+        *args,
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(f"{out}/metrics.json") as f:
+        return json.load(f), load_file(f"{out}/weights.safetensors")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pipeline.config import RunConfig
 from stages.trainer import checkpoint, cpu_shim, losses
+from stages.trainer.context_parallel import cp_info, local_positions, local_view
 from stages.trainer.lm_head import head_logprobs
 from stages.trainer.model import (
     build_policy,
@@ -34,7 +35,7 @@ from stages.trainer.model import (
     packed_row_params,
     unwrap,
 )
-from stages.trainer.packing import MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
+from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,14 @@ class Trainer:
         self.source, self.sender, self.run_dir = source, sender, str(run_dir)
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
-        init_distributed(self.tc.tp, self.tc.pp, seed=cfg.run.seed)
+        init_distributed(self.tc.tp, self.tc.pp, seed=cfg.run.seed, cp=self.tc.cp)
         self.rank = dist.get_rank()
+        self.cp_group, self.cp, self.cp_rank = cp_info()
         self.dp = ps.get_data_parallel_world_size()
         if self.tc.dp not in (1, self.dp):
-            raise ValueError(f"trainer.dp={self.tc.dp} but the world gives dp={self.dp} (= world / (tp*pp))")
+            raise ValueError(
+                f"trainer.dp={self.tc.dp} but the world gives dp={self.dp} (= world / (tp*pp*cp))"
+            )
         if self.rank == 0 and source is None:
             raise ValueError(
                 "Trainer on rank 0 needs a BatchSource (buffer client, in-process buffer or replay)"
@@ -73,6 +77,8 @@ class Trainer:
         arch = dict(
             tp=self.tc.tp,
             pp=self.tc.pp,
+            cp=self.tc.cp,
+            sequence_parallel=self.tc.sequence_parallel,
             bf16=bf16,
             layer_spec=self.tc.layer_spec,
             attention=self.tc.attention,
@@ -255,7 +261,11 @@ class Trainer:
         def forward_step(it, m):
             mb = next(it)
             tokens = mb.tokens.to(self.device)
-            pos = torch.arange(tokens.shape[1], device=self.device)[None].expand_as(tokens)
+            if self.cp > 1:  # this rank's positions of the row (RoPE takes them from megatron's CP split)
+                pos = local_positions(mb.segments.shape[1], self.cp, self.cp_rank, self.device)
+            else:
+                pos = torch.arange(tokens.shape[1], device=self.device)
+            pos = pos[None].expand_as(tokens)
             if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
                 out = m(
                     tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **extra
@@ -270,13 +280,19 @@ class Trainer:
                 data_iterator=iter(mbs),
                 model=[model],
                 num_microbatches=len(mbs),
-                seq_length=mbs[0].tokens.shape[1],
+                seq_length=mbs[0].segments.shape[1],  # the whole row: megatron divides by cp and SP's tp
                 micro_batch_size=mbs[0].tokens.shape[0],
                 forward_only=forward_only,
             )
 
     def _mb_logprobs(self, model, mb: MicroBatch, hidden, entropy=False, entropy_grad=False):
         """hidden [b, s, h] of a micro-batch -> logprob (and entropy) of its response tokens [t]."""
+        if self.tc.sequence_parallel:  # [b, s/tp, h] -> [b, s, h]; the head all-reduces the gradient
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(
+                hidden.transpose(0, 1), tensor_parallel_output_grad=False
+            ).transpose(0, 1)
         pick = mb.resp_pos.to(hidden.device)
         return head_logprobs(
             hidden.reshape(-1, hidden.shape[-1])[pick],
@@ -304,14 +320,26 @@ class Trainer:
 
         self._run_schedule(model, mbs, loss_fn, forward_only=True)
         model.train()
-        return out
+        return self._cp_whole(out)
+
+    def _cp_whole(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token values [T] each CP rank filled at its own tokens (zeros elsewhere) -> all of them."""
+        if self.cp > 1:
+            dist.all_reduce(per_token, group=self.cp_group)
+        return per_token
 
     def _pack(self, tb: TokenBatch, samples: list[int]) -> list:
         """`samples` of the batch in micro-batches of trainer.micro_batch_tokens (one packed row each
-        on the varlen / TE layouts)."""
-        return pack(
-            tb, samples, self.tc.micro_batch_tokens, packed_row=self.policy.layout in ("varlen", "te")
+        on the varlen / TE layouts). Under context parallelism each is this rank's part of it."""
+        split = 2 * self.cp * (self.tc.tp if self.tc.sequence_parallel else 1)  # rows cut in equal parts
+        mbs = pack(
+            tb,
+            samples,
+            self.tc.micro_batch_tokens,
+            packed_row=self.policy.layout in ("varlen", "te"),
+            align=math.lcm(ROW_ALIGN, split),
         )
+        return [local_view(mb, self.cp, self.cp_rank) for mb in mbs] if self.cp > 1 else mbs
 
     def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref) -> dict:
         """trainer.ppo_epochs x trainer.mini_batches optimizer updates on one batch. Statistics are
@@ -353,7 +381,7 @@ class Trainer:
         # response tokens are in no micro-batch, so DP rank 0's first micro-batch counts them
         unpacked = [0]
         if count_unpacked and losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
-            if ps.get_data_parallel_rank() == 0:
+            if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
                 unpacked[0] = int((torch.bincount(tb.seq, minlength=tb.n) == 0).sum())
         from_train = old is None
         if from_train:
@@ -377,6 +405,7 @@ class Trainer:
                 lc,
                 logp_ref=ref[ix] if ref is not None else None,
                 entropy=ent,
+                cp_group=self.cp_group,
             )
             if unpacked[0]:
                 den = den + unpacked[0]
@@ -411,7 +440,7 @@ class Trainer:
         acc["sum/skipped"] = torch.tensor(float(not ok))
         acc["sum/grad_norm"] = torch.tensor(float(0.0 if grad_norm is None else grad_norm))
         acc["sum/lr"] = torch.tensor(lr)
-        return acc, old.cpu()
+        return acc, (self._cp_whole(old) if from_train else old).cpu()
 
     def _loss_and_grads_finite(self, acc: dict) -> bool:
         """The step's loss and every gradient are finite, agreed by all ranks (TP/PP ranks hold
@@ -446,7 +475,7 @@ class Trainer:
                     v, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
                 )
             red.update(zip(keys, v.tolist()))
-        dp_div = max(1, self.dp)  # grad_norm / lr were summed over DP replicas of the last stage
+        dp_div = max(1, self.dp * self.cp)  # grad_norm / lr were summed over the DP and CP ranks of the last stage
         ntok = max(red.get("sum/tokens", 0.0), 1.0)
         stale = (self.version - 1) - _min_versions(tb)
         m = {

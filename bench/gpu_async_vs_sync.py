@@ -1,0 +1,101 @@
+"""Async vs sync on GPUs, the same config in both modes, one invocation (issue #17): SmolLM2-135M-Instruct
+on reasoning-gym gsm_symbolic (exported to bench/data/gsm_symbolic.jsonl: the GPU machine has no
+reasoning-gym), up to 1024 new tokens, groups of 8, the same number of optimizer steps in each mode.
+
+    python bench/gpu_async_vs_sync.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 30] [a.b=c ...]
+
+Needs the GPU wheels (docs/gpu.md). Each mode runs `bash bench/gpu_pipeline.sh` (run directory under
+$OUT/<name>). Timing is over the steady part: from the end of step `--skip` to the last step, so the
+engines' start-up and the first (NCCL warm-up) push are left out of both.
+
+JSON (last line): `speedup` = sync seconds per step / async seconds per step (goal >= 1.8 on 2 GPUs,
+disaggregated); `engine_busy_share` (async: 1 - the engines' idle share), `trainer_idle_share` (async:
+the trainer's share of wall time spent waiting for data), and each mode's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.orchestration.metrics import read_history  # noqa: E402
+
+
+def steady(rows: list[dict], skip: int) -> dict:
+    rows = [r for r in rows if "reward/mean" in r]
+    if len(rows) <= skip + 2:
+        raise SystemExit(f"only {len(rows)} steps logged; need more than {skip + 2}")
+    part = rows[skip:]
+    span = part[-1]["time"] - part[0]["time"]
+
+    def mean(key):
+        vals = [r[key] for r in part[1:] if isinstance(r.get(key), int | float)]
+        return round(statistics.mean(vals), 4) if vals else None
+
+    gen = part[-1]["generator/tokens"] - part[0]["generator/tokens"]
+    return {
+        "steps": len(rows),
+        "s_per_step": round(span / (len(part) - 1), 3),
+        "samples_per_s": round(sum(r["samples"] for r in part[1:]) / span, 2),
+        "rollout_tokens_per_s": round(gen / span, 1),
+        "engine_idle_share": mean("generator/idle_share"),
+        "trainer_wait_share": round(sum(r["time/data_wait_s"] for r in part[1:]) / span, 3),
+        "train_s_mean": mean("time/train_s"),
+        "staleness_mean": mean("staleness/mean"),
+        "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:3]), 3),
+        "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-3:]), 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/gpu-2x-disaggregated.yaml")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    common = [
+        f"run.steps={a.steps}",
+        "run.time_limit_s=0",
+        "rollout.data.source=bench/data/gsm_symbolic.jsonl",
+        "rollout.sampling.max_new_tokens=1024",
+        "rollout.group_size=8",
+        "trainer.micro_batch_tokens=16384",
+        "rollout.sglang.disable_cuda_graph=true",
+        *a.overrides,
+    ]
+    modes = {}
+    for mode in ("sync", "async"):
+        name = f"avs{a.tag}-{mode}"
+        # gpu_pipeline.sh sets the data source to basic_arithmetic; the later override here wins
+        cmd = ["bash", "bench/gpu_pipeline.sh", a.config, name, "0", f"run.mode={mode}", *common]
+        r = subprocess.run(cmd, cwd=ROOT, timeout=1800)
+        rows = read_history(out / name / "run" / "metrics.jsonl")
+        modes[mode] = {"rc": r.returncode, **steady(rows, a.skip)}
+        print(json.dumps({mode: modes[mode]}), flush=True)
+    s, y = modes["sync"], modes["async"]
+    result = {
+        "bench": "gpu_async_vs_sync",
+        "config": a.config,
+        "overrides": a.overrides,
+        "speedup": round(s["s_per_step"] / y["s_per_step"], 3),
+        "engine_busy_share": None if y["engine_idle_share"] is None else round(1 - y["engine_idle_share"], 3),
+        "trainer_idle_share": y["trainer_wait_share"],
+        "sync": s,
+        "async": y,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
