@@ -4,8 +4,8 @@ reasoning-gym), up to 1024 new tokens, groups of 8, the same number of optimizer
 
     python bench/gpu_async_vs_sync.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 30] [a.b=c ...]
 
-Needs the GPU wheels (docs/gpu.md). Each mode runs `bash bench/gpu_pipeline.sh` (run directory under
-$OUT/<name>). Timing is over the steady part: from the end of step `--skip` to the last step, so the
+Needs the `gpu` extra (docs/gpu.md). Each mode runs `bash bench/gpu_pipeline.sh` (run directory under
+--out, default $OUT or gpu-out/, as avs-<mode>). Timing is over the steady part: from the end of step `--skip` to the last step, so the
 engines' start-up and the first (NCCL warm-up) push are left out of both.
 
 JSON (last line): `speedup` = sync seconds per step / async seconds per step (goal >= 1.8 on 2 GPUs,
@@ -61,9 +61,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default="", help="output directory (default $OUT, else gpu-out/)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out = Path(a.out or os.environ.get("OUT") or ROOT / "gpu-out")
     common = [
         f"run.steps={a.steps}",
         "run.time_limit_s=0",
@@ -78,7 +79,17 @@ def main() -> None:
     for mode in ("sync", "async"):
         name = f"avs{a.tag}-{mode}"
         # gpu_pipeline.sh sets the data source to basic_arithmetic; the later override here wins
-        cmd = ["bash", "bench/gpu_pipeline.sh", a.config, name, "0", f"run.mode={mode}", *common]
+        cmd = [
+            "bash",
+            "bench/gpu_pipeline.sh",
+            "--out",
+            str(out),
+            a.config,
+            name,
+            "0",
+            f"run.mode={mode}",
+            *common,
+        ]
         r = subprocess.run(cmd, cwd=ROOT, timeout=1800)
         rows = read_history(out / name / "run" / "metrics.jsonl")
         modes[mode] = {"rc": r.returncode, **steady(rows, a.skip)}

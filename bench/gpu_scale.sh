@@ -32,7 +32,9 @@ sequence() {
     trainer.batch_groups=4 trainer.micro_batch_tokens=8192 rollout.group_size=4 rollout.max_inflight_groups=8 \
     rollout.sampling.max_new_tokens=64 rollout.sglang.mem_fraction_static=0.6 weights.bucket_mb=1024 \
     >"$R/7b-tp2.out" 2>&1
-  # the same bytes as one flat NCCL broadcast between two GPUs, nothing else running: the push's floor
+  # the same bytes as one flat NCCL broadcast between two GPUs, nothing else running: the push's floor.
+  # The run's Ray workers may still be exiting (a first attempt met 58 GB of a trainer on GPU 0): wait
+  for _ in $(seq 60); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 2; done
   python bench/nccl_broadcast.py "$model" --dtype bfloat16 --gpus 0,2 --runs 3 >"$R/7b-raw.out" 2>&1
   rm -rf /tmp/models-7b /tmp/buffer-7b-tp2
   # issue #17: sync vs async on 2 GPUs, SmolLM2 on gsm_symbolic with up to 1024 new tokens

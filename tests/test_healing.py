@@ -144,6 +144,7 @@ def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_
     assert set(served) <= stored
 
 
+@pytest.mark.slow  # 20 s; a stage that cannot be healed being named is also covered by the generator tests
 def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tmp_path, ray_session):
     """buffer.durable=false: nothing to restart from, so the run stops, named, within seconds."""
     import ray
@@ -167,7 +168,8 @@ def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tm
 
 @pytest.mark.parametrize(
     "every,ranks",
-    [pytest.param(3, 1, marks=pytest.mark.slow), (0, 1), (3, 2)],  # (3, 2) covers (3, 1) and more
+    # (3, 2) covers (3, 1) and more; (0, 1), a restart from the base model, is slow-marked for the suite's time
+    [pytest.param(3, 1, marks=pytest.mark.slow), pytest.param(0, 1, marks=pytest.mark.slow), (3, 2)],
 )
 def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(
     tmp_path, ray_session, every, ranks

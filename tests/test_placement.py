@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.orchestration.placement import PlacementError, check_fits, make_plan, plan_cfg
+from pipeline.orchestration.placement import PlacementError, check_fits, check_tp_groups, make_plan, plan_cfg
 
 SGLANG = ["rollout.engine=sglang", "trainer.device=cuda", "trainer.batch_groups=8"]
 
@@ -47,7 +47,7 @@ def test_a_cluster_without_the_gpus_is_named_with_the_keys_and_what_ray_has():
         check_fits(plan, cfg, {"CPU": 16, "GPU": 4}, nodes)
     msg = str(e.value)
     assert "needs 6 GPUs" in msg and "Ray has 4 GPUs on 1 node(s)" in msg
-    assert "trainer.tp*pp*dp" in msg and "rollout.num_generators" in msg
+    assert "trainer.tp*pp*cp*dp" in msg and "rollout.num_generators" in msg
     # 8 GPUs over two nodes of 4: a generator's 4 engines x tp 2 cannot span nodes
     cfg = _cfg(*SGLANG, "rollout.engines_per_generator=4", "rollout.sglang.tp_size=2")
     with pytest.raises(PlacementError, match="one generator needs 8 GPUs on one node"):
@@ -126,3 +126,22 @@ def test_ray_gives_every_rank_and_every_engine_gpus_of_its_own(ray_with_gpus):
     assert sorted(used) == list(range(6)), used  # six GPUs, each used by exactly one process
     for gpus, base in gens:  # SGLang's base GPU is the first of the generator's own consecutive pair
         assert len(gpus) == 2 and base == gpus[0] and gpus[1] == gpus[0] + 1
+
+
+def test_a_tp_group_across_two_nodes_is_refused_naming_the_ranks():
+    check_tp_groups(["a", "a", "b", "b"], tp=2)  # each pair on one node
+    with pytest.raises(PlacementError, match=r"ranks 2\.\.3 form one TP group \(trainer.tp=2\).*2 nodes"):
+        check_tp_groups(["a", "a", "a", "b"], tp=2)
+
+
+def test_tp_that_does_not_divide_a_node_is_refused_at_load():
+    with pytest.raises(ConfigError, match="TP group would span two nodes"):
+        load_config(
+            None,
+            [
+                "cluster.trainer_num_nodes=2",
+                "cluster.trainer_gpus_per_node=3",
+                "trainer.tp=2",
+                "trainer.dp=3",
+            ],
+        )

@@ -153,3 +153,19 @@ def test_close_aborts_inflight(tiny_path):
     eng.submit([GenRequest(prompt_ids=PROMPTS[1], params=SamplingParams())], [box.append])
     eng.close()
     assert box and box[0].finish_reason == "abort"
+
+
+def test_an_engine_pool_reports_busy_and_idle_over_its_engines():
+    """The generator's `generator/idle_share` comes from the pool's sums (it showed '-' with SGLang)."""
+    from stages.rollout.engine_pool import EnginePool
+
+    class Stub:
+        def __init__(self, name, busy, idle, updates):
+            self.name, self._s = name, {"busy_s": busy, "idle_s": idle, "tokens": 10, "updates": updates}
+
+        def stats(self):
+            return dict(self._s)
+
+    s = EnginePool([Stub("a", 3.0, 1.0, 5), Stub("b", 1.0, 3.0, 4)]).stats()
+    assert (s["busy_s"], s["idle_s"], s["tokens"], s["updates"]) == (4.0, 4.0, 20, 4)
+    assert s["a"]["busy_s"] == 3.0  # each engine's own figures stay under its name

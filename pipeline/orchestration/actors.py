@@ -1,4 +1,4 @@
-"""The Ray actors that host each stage: buffer, generators, trainer, evaluator.
+"""The Ray actors that host each stage: buffer, generators (and held-out evaluation), trainer.
 
 Each actor is a thin shell around a stage object that also runs alone (BufferServer, Generator,
 Trainer), so what runs under Ray is the same code the standalone entry points and tests run. Heavy
@@ -138,7 +138,8 @@ class GeneratorActor(_Located):
         self.id = generator_id
         cfg = rollout_on_gpus(cfg, local_gpus(), f"generator gen-{index}")  # the engines on Ray's GPUs
         cfg = _reachable(cfg) if reachable else cfg  # SGLang servers the trainer can reach
-        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + index)
+        # SGLang logs as <log_dir>/sglang-gen<index>-<engine>.log: one directory for every generator
+        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}")
         # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
         self.receiver = (
             WeightReceiver(weights_address, self.engine, name=generator_id, curve=curve)
@@ -149,6 +150,7 @@ class GeneratorActor(_Located):
             buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
         )
         self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
+        self.cfg, self.evaluator = cfg, None  # the evaluator is made at the first evaluate()
         # the data position (epoch, index in the epoch's order) continues across incarnations and re-runs
         # in the same directory: a healed generator or a resumed run does not start the prompts over
         self.state_path, self._saved_at = state_path, 0.0
@@ -175,6 +177,17 @@ class GeneratorActor(_Located):
 
     async def run(self) -> dict:
         return await self.gen.run()
+
+    async def evaluate(self, step: int) -> dict:
+        """The held-out sets of cfg.eval on this generator's engine, beside its generation (the same
+        engine the run trains with, SGLang included; no extra process or CPU bundle)."""
+        if self.evaluator is None:
+            from pipeline.orchestration.evaluation import Evaluator
+
+            self.evaluator = Evaluator(self.cfg, self.engine, self.gen.tok)
+        out = await self.evaluator.evaluate()
+        out["eval/step"] = step
+        return out
 
     async def stats(self) -> dict:
         out = dict(self.gen.stats())
@@ -323,30 +336,6 @@ class TrainerActor(_Located):
         if self.source is not None:
             self.source.close()
         return out
-
-
-@ray.remote
-class EvalActor:
-    """Generates a held-out prompt set with the current weights, beside training (never blocking it)."""
-
-    def __init__(self, cfg, weights_address: str, cpus: int = 1, curve=None):
-        _threads(cpus)
-        from pipeline.orchestration.evaluation import Evaluator
-        from stages.rollout.build import build_engine
-        from stages.weights.zmq_transport import WeightReceiver
-
-        self.engine = build_engine(cfg, seed=cfg.run.seed + 99991)
-        self.receiver = WeightReceiver(weights_address, self.engine, name="eval", curve=curve)
-        self.evaluator = Evaluator(cfg, self.engine)
-
-    async def evaluate(self, step: int) -> dict:
-        out = await self.evaluator.evaluate()
-        out["eval/step"] = step
-        return out
-
-    async def close(self) -> None:
-        self.receiver.close()
-        self.engine.close()
 
 
 def actor_env() -> dict:

@@ -133,7 +133,7 @@ class Pipeline:
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
         self.cfg, self.run_dir = effective(cfg), run_dir
-        self.buffer = self.trainer = self.evaluator = None  # self.trainer: rank 0 of self.trainers
+        self.buffer = self.trainer = None  # self.trainer: rank 0 of self.trainers
         self.trainers: list = []
         self.generators: list = []
         self.gen_runs: dict = {}  # ObjectRef of each generator's run() -> generator name
@@ -158,7 +158,6 @@ class Pipeline:
         from pipeline.models import resolve_model
         from pipeline.orchestration.actors import (
             BufferActor,
-            EvalActor,
             GeneratorActor,
             TrainerActor,
             actor_env,
@@ -166,7 +165,7 @@ class Pipeline:
 
         cfg, r = self.cfg, self.cfg.rollout
         model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
-        n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
+        n_gen = r.num_generators
         tc = cfg.trainer
         n_ranks = tc.ranks
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -279,7 +278,7 @@ class Pipeline:
                     buffer_addr,
                     model_path,
                     str(self.run_dir),
-                    n_gen + int(use_eval),
+                    n_gen,
                     urls,
                     reachable=reachable,
                     curve=self.curve,
@@ -301,10 +300,6 @@ class Pipeline:
             self.trainer = trainer(None)
             weights_addr = self.weights_addr = self._wait(self.trainer.weights_address.remote(), "trainer")
             self.generators = generators(weights_addr)
-        if use_eval:
-            self.evaluator = EvalActor.options(**on(plan.eval_bundle)).remote(
-                cfg, weights_addr, curve=self.curve
-            )
         self.gen_ids = [
             self._wait(g.ident.remote(), f"generator gen-{i}") for i, g in enumerate(self.generators)
         ]
@@ -381,15 +376,17 @@ class Pipeline:
             m.update(self._buffer_metrics())
             self._rates(m)
             if eval_ref is not None and ray.wait([eval_ref], timeout=0)[0]:
-                m.update(self._wait(eval_ref, "evaluator"))
+                # a generator that died mid-evaluation is healed by the generator watch: skip this one
+                m.update(self._wait(eval_ref, "evaluation", on_death=lambda: None) or {})
                 eval_ref = None
-            if self.evaluator is not None and eval_ref is None and step % cfg.eval.every_steps == 0:
-                eval_ref = self.evaluator.evaluate.remote(step)  # runs beside training
+            if cfg.eval.every_steps and eval_ref is None and step % cfg.eval.every_steps == 0:
+                eval_ref = self.generators[0].evaluate.remote(step)  # on its engine, beside generation
             metrics.log(step, m)
             progress.update(step, m)
         if eval_ref is not None:
-            m = self._wait(eval_ref, "evaluator")
-            metrics.log(step, m)
+            m = self._wait(eval_ref, "evaluation", on_death=lambda: None)
+            if m:
+                metrics.log(step, m)
         return step
 
     def _trainer_step(self, step: int) -> dict:
@@ -632,8 +629,6 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - reported, the rest still shuts down
                 out["finish_error"] = _root_error(e)
         closers = [g.close.remote() for g in self.generators]
-        if self.evaluator is not None:
-            closers.append(self.evaluator.close.remote())
         # a failed run's generators may be stuck sending to a dead buffer (their close then waits for
         # that send); they close their engines first, and are killed below anyway
         ray.wait(closers, num_returns=len(closers), timeout=min(grace, 10.0) if failed else grace)
@@ -642,7 +637,7 @@ class Pipeline:
                 ray.get(self.buffer.stop.remote(), timeout=grace)
             except Exception as e:  # noqa: BLE001
                 out["buffer_error"] = _root_error(e)
-        for a in [*self.generators, *self.trainers, self.evaluator, self.buffer]:
+        for a in [*self.generators, *self.trainers, self.buffer]:
             if a is not None:
                 ray.kill(a)
         if self.pg is not None:
@@ -654,13 +649,15 @@ class Pipeline:
 
 def preflight(cfg: RunConfig) -> None:
     """What can be checked before Ray starts, so that a typo fails in a second with one line instead
-    of inside an actor's traceback: the model folder, and every line of a dataset file."""
+    of inside an actor's traceback: the model folder, the rollout hooks, and every line of a dataset file."""
     from pipeline.models import ModelError, resolve_model
     from stages.rollout.data import DataError, is_task, read_source
+    from stages.rollout.hooks import HookError, check_hooks
 
     try:
         resolve_model(cfg.model)
-    except ModelError as e:
+        check_hooks(cfg.rollout)  # rollout.generate_fn / rollout_fn / filter load (a typo fails here)
+    except (ModelError, HookError) as e:
         raise StageFailed(str(e)) from None
     data = cfg.rollout.data
     if data.source and not is_task(data.source):

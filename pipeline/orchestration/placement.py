@@ -12,7 +12,6 @@ Bundles (one placement group, PACK: as few nodes as fit):
   generator bundles     {CPU 1, GPU engines_per_generator * rollout.sglang.tp_size} (SGLang; one GPU
                         for a torch engine on CUDA); colocated (cluster.colocate) generator i shares
                         trainer bundle i's GPU instead, half a GPU each in Ray's accounting
-  an eval bundle        {CPU 1}, when eval.every_steps > 0
   plus cluster.trainer_resources in the trainer's bundles and cluster.rollout_resources in the others
   (custom Ray resources that pin the stages to nodes)
 
@@ -36,7 +35,6 @@ class Plan:
     bundles: list[dict]  # the placement group's bundles, in order
     trainer_bundles: list[int]  # bundle of each trainer actor (ranks are given after placement)
     generator_bundles: list[int]
-    eval_bundle: int | None
     trainer_gpus: float  # num_gpus of each trainer actor (0, 1, or 0.5 when colocated)
     generator_gpus: float  # num_gpus of each generator actor
     trainer_device: str  # "cuda" or "cpu": what every rank runs on
@@ -70,7 +68,7 @@ def make_plan(cfg, cluster_gpus: float) -> Plan:
         raise PlacementError(
             "cluster.colocate=true puts the engines on the trainer's GPUs, but the trainer runs on CPU"
         )
-    n_gen, use_eval = r.num_generators, cfg.eval.every_steps > 0
+    n_gen = r.num_generators  # held-out evaluation runs on generator 0's engine: no bundle of its own
     trainer_bundle = {"CPU": 1 + (1 if colocate else 0), "GPU": 1} if on_gpu else {"CPU": 1}
     bundles = [dict(trainer_bundle) for _ in range(ranks)]
     if colocate:
@@ -86,17 +84,12 @@ def make_plan(cfg, cluster_gpus: float) -> Plan:
         g = engine_gpus(cfg)
         gen_bundles = list(range(ranks, ranks + n_gen))
         bundles += [{"CPU": 1, "GPU": g} if g else {"CPU": 1} for _ in range(n_gen)]
-    eval_bundle = None
-    if use_eval:
-        eval_bundle = len(bundles)
-        bundles.append({"CPU": 1})
     for i, b in enumerate(bundles):  # pins to nodes (cluster.*_resources); colocated: the trainer's
         b.update(cfg.cluster.trainer_resources if i < ranks else cfg.cluster.rollout_resources)
     return Plan(
         bundles=bundles,
         trainer_bundles=list(range(ranks)),
         generator_bundles=gen_bundles,
-        eval_bundle=eval_bundle,
         trainer_gpus=(0.5 if colocate else 1.0) if on_gpu else 0.0,
         generator_gpus=0.5 if colocate else float(engine_gpus(cfg)),
         trainer_device="cuda" if on_gpu else "cpu",
@@ -113,7 +106,7 @@ def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
     if have_cpu < need_cpu:
         raise PlacementError(
             f"the cluster has no room for {need_cpu:g} CPUs ({ranks} trainer rank(s) = trainer.tp*pp*cp*dp, "
-            f"{r.num_generators} generator(s){', eval' if plan.eval_bundle is not None else ''}); lower "
+            f"{r.num_generators} generator(s)); lower "
             f"rollout.num_generators or the trainer's parallel sizes, or set cluster.num_cpus (Ray has {have_cpu:g} CPUs)"
         )
     trainer_gpus = ranks if plan.trainer_device == "cuda" else 0

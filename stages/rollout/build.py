@@ -5,11 +5,12 @@ from __future__ import annotations
 from stages.rollout.engine import Engine
 
 
-def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
+def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = "sglang") -> Engine:
     """The inference engine that cfg.rollout.engine names, loaded with cfg.model's weights.
 
     version: the policy version of the initial weights (0 for a fresh run; the checkpoint's step when
-    resuming). seed: sampling seed (default cfg.run.seed).
+    resuming). seed: sampling seed (default cfg.run.seed). name: SGLang engines are named (and log as)
+    `name`-i.
     """
     from pipeline.models import resolve_model
 
@@ -37,6 +38,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None) -> Engine:
             dtype=cfg.model.dtype,
             version=version,
             fp32_lm_head=cfg.model.fp32_lm_head,
+            name=name,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -9,6 +10,23 @@ import msgspec
 
 class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
+
+
+BUILTIN_FILTERS = ("none", "nonzero_std")  # rollout.filter names besides "module:function"
+
+
+def is_hook_spec(spec: str) -> bool:
+    """ "package.module:function" or "path/to/file.py:function" (the form only; loading is hooks.py's)."""
+    where, _, attr = spec.rpartition(":")
+    return bool(where) and attr.isidentifier()
+
+
+def absolute_spec(spec: str) -> str:
+    """A "file.py:fn" spec with the file made absolute: the stages may run in another directory."""
+    path, _, attr = spec.rpartition(":")
+    if path.endswith(".py") and not Path(path).expanduser().is_absolute():
+        return f"{Path(path).expanduser().resolve()}:{attr}"
+    return spec
 
 
 class DataConfig(_Base):
@@ -90,12 +108,37 @@ class RolloutConfig(_Base):
     max_inflight_groups: int = 8  # groups being generated at once per generator
     max_batch_size: int = 64  # sequences decoded together by the torch engine
     chunk_tokens: int = 8  # torch engine: decode steps between checks for a weight update
-    filter: Literal["none", "nonzero_std"] = (
-        "none"  # dynamic sampling: drop groups whose rewards are all equal
-    )
+    # which groups reach the buffer: "none", "nonzero_std" (dynamic sampling: drop groups whose rewards
+    # are all equal) or "module:function" / "file.py:function" taking the scored group -> True to keep it
+    filter: str = "none"
+    # custom rollouts (docs/rollouts.md), each "package.module:function" or "path/to/file.py:function":
+    # generate_fn makes one group (or one sample) from a prompt; "" = the built-in single-turn generator
+    generate_fn: str = ""
+    generate_per_sample: bool = False  # call generate_fn once per sample instead of once per group
+    generate_kwargs: dict[str, Any] = {}  # handed to generate_fn / rollout_fn as ctx.kwargs
+    # rollout_fn replaces the generation loop: an async iterator of groups streamed to the buffer under
+    # the same admission control (stages/rollout/custom_loop.py); it excludes generate_fn
+    rollout_fn: str = ""
     engine_retries: int = 1  # an engine error fails the group; retry it this many times
     delay_model: str = ""  # bench only: "longtail:<mean_s>" adds a per-sequence engine delay
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+
+    def __post_init__(self):
+        for key in ("generate_fn", "rollout_fn", "filter"):
+            spec = getattr(self, key)
+            if key == "filter" and spec in BUILTIN_FILTERS:
+                continue
+            if spec and not is_hook_spec(spec):
+                raise ValueError(
+                    f"rollout.{key}={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'"
+                    + (f" or one of {', '.join(BUILTIN_FILTERS)}" if key == "filter" else "")
+                )
+            setattr(self, key, absolute_spec(spec))  # the stages may run in another directory
+        if self.generate_fn and self.rollout_fn:
+            raise ValueError(
+                "rollout.rollout_fn replaces the generation loop, generate_fn included: set one of them "
+                "(a rollout_fn can call its own per-group function)"
+            )

@@ -11,8 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the interface needs no torch at import: the driver loads hooks without it
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,10 @@ class EnginePool(Engine):
         dtype: str = "bfloat16",
         version: int = 0,
         fp32_lm_head: bool = False,
+        name: str = "sglang",
     ) -> EnginePool:
-        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free)."""
+        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free),
+        named (and logged as) `name`-i: several generators' pools share one log directory."""
 
         def make(i: int) -> SGLangEngine:
             port = cfg.port + 10 * i if cfg.port else None
@@ -44,7 +46,7 @@ class EnginePool(Engine):
                 cfg,
                 dtype=dtype,
                 version=version,
-                name=f"sglang-{i}",
+                name=f"{name}-{i}",
                 gpu_id=gpu,
                 port=port,
                 fp32_lm_head=fp32_lm_head,
@@ -136,4 +138,11 @@ class EnginePool(Engine):
             e.close()
 
     def stats(self) -> dict:
-        return {e.name: e.stats() for e in self.engines}
+        """Each engine's stats by name, and the sums over engines the generator reports (busy_s, idle_s,
+        tokens; updates of the engine that applied the fewest)."""
+        per = {e.name: e.stats() for e in self.engines}
+        out: dict = dict(per)
+        for k in ("busy_s", "idle_s", "tokens"):
+            out[k] = sum(s.get(k, 0) for s in per.values())
+        out["updates"] = min((s.get("updates", 0) for s in per.values()), default=0)
+        return out

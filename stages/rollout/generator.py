@@ -16,32 +16,34 @@ Tokens carry the engine version, so the engine's (older) version is the one that
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.sample import Sample, Status
 from stages.reward.registry import RewardScorer
 from stages.rollout.build import build_engine, load_source
-from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.rollout.engine import Engine, SamplingParams
+from stages.rollout.hooks import (
+    FILTERS,
+    EngineCallError,
+    EngineHandle,
+    GenerateContext,
+    GroupFilter,
+    HookError,
+    blank_samples,
+    check_samples,
+    hook_name,
+    load_hook,
+    nonzero_std,
+    resolve_filter,
+)
+from stages.rollout.single_turn import single_turn
 
 log = logging.getLogger(__name__)
-GroupFilter = Callable[[list[Sample]], bool]  # True = keep the group
-
-_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
-__all__ = ["Generator", "build_engine", "nonzero_std"]
-
-
-def nonzero_std(samples: list[Sample]) -> bool:
-    """Dynamic sampling (DAPO): keep a group only if its rewards differ (all-equal groups have zero
-    GRPO advantage and carry no gradient)."""
-    rewards = [s.reward for s in samples if s.status != Status.FAILED]
-    return len(set(rewards)) > 1
-
-
-FILTERS: dict[str, GroupFilter | None] = {"none": None, "nonzero_std": nonzero_std}
+__all__ = ["FILTERS", "Generator", "build_engine", "nonzero_std"]
 
 
 EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
@@ -58,6 +60,10 @@ class Generator:
     batch_groups: this generator's share of the trainer batch, in groups (trainer.batch_groups /
         num_generators); 0 disables admission control (e.g. a dry run with no trainer)
     source / tokenizer / scorer / group_filter: override what cfg would build (tests, custom tasks)
+
+    Each group is made by the generate_fn (rollout.generate_fn, default: single_turn), called once per
+    group or, with rollout.generate_per_sample, once per sample; what it returns is checked
+    (hooks.check_samples), scored, filtered and put.
     """
 
     def __init__(
@@ -81,7 +87,12 @@ class Generator:
             source, tokenizer = load_source(cfg, tokenizer)
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
         self.scorer = scorer or RewardScorer.from_config(r.reward)
-        self.group_filter = group_filter if group_filter is not None else FILTERS[r.filter]
+        self.group_filter = group_filter if group_filter is not None else resolve_filter(r.filter)
+        self.generate_fn = load_hook(r.generate_fn, "rollout.generate_fn") if r.generate_fn else single_turn
+        self.rollout_fn = load_hook(r.rollout_fn, "rollout.rollout_fn") if r.rollout_fn else None
+        self.generate_name = hook_name(self.generate_fn)
+        if not inspect.iscoroutinefunction(self.generate_fn):
+            raise HookError(f"rollout.generate_fn {self.generate_name}: must be an `async def` function")
         stop_ids = tuple(r.sampling.stop_token_ids)
         self.params = SamplingParams(
             temperature=r.sampling.temperature,
@@ -200,31 +211,19 @@ class Generator:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         tasks: set[asyncio.Task] = set()
-        limit = self.cfg.rollout.max_inflight_groups
         try:
-            while not self._should_stop(stop_event, max_groups):
-                if self._error is not None:
-                    raise self._error
-                if self._running >= limit or not self.admissible():
-                    held_back = self._running < limit  # by staleness admission, not by the in-flight cap
-                    self.counters["admission_waits"] += held_back
-                    t0 = time.perf_counter()
-                    if held_back:
-                        await self._refresh_evicted()
-                        self._warn_if_held_back_long()
-                    await self._wait(stop_event)
-                    self.admission_wait_s += (time.perf_counter() - t0) * held_back
-                    continue
-                prompt = next(self.source)
-                gid = f"{self.id}-{self.group_counter}"
-                self.group_counter += 1
-                self.counters["groups_started"] += 1
-                self._running += 1
-                task = asyncio.create_task(self._group(gid, prompt, self.engine.version))
-                tasks.add(task)
-                task.add_done_callback(lambda t: self._group_done(t, tasks))
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            if self.rollout_fn is not None:
+                from stages.rollout.custom_loop import run_rollout_fn
+
+                await run_rollout_fn(self, stop_event, max_groups)
+            else:
+                while await self.admitted(stop_event, max_groups):
+                    gid, prompt = self.start_group()
+                    task = asyncio.create_task(self._group(gid, prompt, self.engine.version))
+                    tasks.add(task)
+                    task.add_done_callback(lambda t: self._group_done(t, tasks))
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
             if self._error is not None:
                 raise self._error
         finally:
@@ -232,6 +231,34 @@ class Generator:
                 t.cancel()
             self._wake = None
         return self.stats()
+
+    async def admitted(self, stop_event: asyncio.Event | None, max_groups: int | None) -> bool:
+        """Wait until a new group may start (in-flight cap and staleness admission); False once the
+        generator is to stop. Raises the error of a group that failed the run."""
+        limit = self.cfg.rollout.max_inflight_groups
+        while not self._should_stop(stop_event, max_groups):
+            if self._error is not None:
+                raise self._error
+            if self._running < limit and self.admissible():
+                return True
+            held_back = self._running < limit  # by staleness admission, not by the in-flight cap
+            self.counters["admission_waits"] += held_back
+            t0 = time.perf_counter()
+            if held_back:
+                await self._refresh_evicted()
+                self._warn_if_held_back_long()
+            await self._wait(stop_event)
+            self.admission_wait_s += (time.perf_counter() - t0) * held_back
+        return False
+
+    def start_group(self, prompt=None) -> tuple[str, object]:
+        """Count a new group as started (call right after admitted()); returns its id and prompt."""
+        prompt = next(self.source) if prompt is None else prompt
+        gid = f"{self.id}-{self.group_counter}"
+        self.group_counter += 1
+        self.counters["groups_started"] += 1
+        self._running += 1
+        return gid, prompt
 
     def _should_stop(self, stop_event: asyncio.Event | None, max_groups: int | None) -> bool:
         if self._stopping or (stop_event is not None and stop_event.is_set()):
@@ -258,67 +285,81 @@ class Generator:
 
     async def _group(self, gid: str, prompt, start_version: int) -> None:
         try:
-            created = time.time()
-            results = await self._generate(gid, prompt)
-            if results is None:
+            samples = await self._generate(gid, prompt)
+            if samples is None:
                 self.counters["groups_failed"] += 1
                 return
-            samples = await self._score(gid, prompt, results, created)
-            if self.group_filter is not None and not self.group_filter(samples):
-                self.counters["groups_filtered"] += 1
-                return
-            ack = await asyncio.get_running_loop().run_in_executor(self._put_thread, self.sink.put, samples)
-            self.set_trainer_version(ack.trainer_version)
-            self.counters["groups_finished"] += 1
-            self.counters["samples"] += len(samples)
-            self.counters["samples_failed"] += sum(s.status == Status.FAILED for s in samples)
-            self.counters["tokens"] += sum(s.response_len for s in samples)
+            await self._score(samples)
+            await self._put(samples)
         finally:
             self._running -= 1
 
-    async def _generate(self, gid: str, prompt) -> list[GenResult] | None:
+    async def _put(self, samples: list[Sample]) -> None:
+        """Filter a scored group and stream it to the sink (counted either way)."""
+        if self.group_filter is not None and not self.group_filter(samples):
+            self.counters["groups_filtered"] += 1
+            return
+        ack = await asyncio.get_running_loop().run_in_executor(self._put_thread, self.sink.put, samples)
+        self.set_trainer_version(ack.trainer_version)
+        self.counters["groups_finished"] += 1
+        self.counters["samples"] += len(samples)
+        self.counters["samples_failed"] += sum(s.status == Status.FAILED for s in samples)
+        self.counters["tokens"] += sum(s.response_len for s in samples)
+
+    async def _generate(self, gid: str, prompt) -> list[Sample] | None:
+        """The group's Samples from the generate_fn (None when the engine kept failing). An engine error
+        is retried with fresh blanks; anything else the function raises, or a bad return, is raised."""
         n = self.cfg.rollout.group_size
-        reqs = [
-            GenRequest(prompt_ids=list(prompt.ids), params=self.params, rid=f"{gid}-{i}") for i in range(n)
-        ]
         attempts = 1 + max(0, self.cfg.rollout.engine_retries)
         for attempt in range(1, attempts + 1):
+            blanks = blank_samples(
+                group_id=gid, prompt=prompt, n=n, generator_id=self.id, created_at=time.time()
+            )
             try:
-                results = await self.engine.generate(reqs)
+                samples = await self._call_generate_fn(gid, prompt, blanks)
                 if self._delay_mean:  # bench only: a long-tailed per-group latency
                     await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
-                return results
-            except Exception as e:
+                return samples
+            except EngineCallError as e:
                 self.counters["engine_errors"] += 1
                 log.error("group %s: engine error (attempt %d/%d): %s", gid, attempt, attempts, e)
         return None
 
-    async def _score(self, gid: str, prompt, results: list[GenResult], created: float) -> list[Sample]:
-        samples, texts = [], []
-        for i, res in enumerate(results):
-            ids = res.response_ids
-            body = ids[:-1] if res.finish_reason == "stop" and ids else ids
-            texts.append(self.tok.decode(body, skip_special_tokens=False))
-            samples.append(
-                Sample.build(
-                    uid=f"{gid}-{i}",
-                    group_id=gid,
-                    group_index=i,
-                    group_size=len(results),
-                    prompt_ids=prompt.ids,
-                    response_ids=ids,
-                    rollout_logprobs=res.logprobs,
-                    versions=res.versions,
-                    status=_STATUS.get(res.finish_reason, Status.ABORTED),
-                    prompt=prompt.text,
-                    label=prompt.label,
-                    metadata=prompt.metadata,
-                    generator_id=self.id,
-                    created_at=created,
-                )
+    async def _call_generate_fn(self, gid: str, prompt, blanks: list[Sample]) -> list[Sample]:
+        kwargs = self.cfg.rollout.generate_kwargs
+
+        def context(samples: list[Sample], rid: str) -> GenerateContext:
+            return GenerateContext(
+                prompt=prompt,
+                samples=samples,
+                params=self.params,
+                engine=EngineHandle(self.engine, rid),
+                tokenizer=self.tok,
+                kwargs=dict(kwargs),
             )
-        await self.scorer.score(samples, texts)
-        return samples
+
+        try:
+            if self.cfg.rollout.generate_per_sample:
+                got = await asyncio.gather(
+                    *(self.generate_fn(context([b], b.uid)) for b in blanks), return_exceptions=True
+                )
+                errors = [g for g in got if isinstance(g, BaseException)]
+                if errors:  # an engine error anywhere retries the whole group
+                    raise next((e for e in errors if isinstance(e, EngineCallError)), errors[0])
+                got = [s for one in got for s in ([one] if isinstance(one, Sample) else one)]
+            else:
+                got = await self.generate_fn(context(blanks, gid))
+        except (EngineCallError, HookError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise HookError(
+                f"rollout.generate_fn {self.generate_name} raised {type(e).__name__}: {e} (group {gid}); "
+                "an engine error reaches it as EngineCallError, which it should let through"
+            ) from e
+        return check_samples(self.generate_name, got, blanks)
+
+    async def _score(self, samples: list[Sample]) -> None:
+        await score_samples(self.scorer, self.tok, samples)
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -345,6 +386,21 @@ class Generator:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["data"])
         self.group_counter = int(state["group_counter"])
+
+
+async def score_samples(scorer: RewardScorer, tokenizer, samples: list[Sample]) -> None:
+    """Reward every sample that did not fail in generation. The reward function sees the decoded
+    response (environment tokens included) without the final stop token of a completed sample."""
+    todo = [s for s in samples if s.status != Status.FAILED]
+    for s in samples:
+        s.finished_at = time.time()  # the scorer sets it again for those it scores
+    texts = []
+    for s in todo:
+        ids = s.array("response_ids")
+        body = ids[:-1] if s.status == Status.COMPLETED and len(ids) else ids
+        texts.append(tokenizer.decode(body.tolist(), skip_special_tokens=False))
+    if todo:
+        await scorer.score(todo, texts)
 
 
 def _parse_delay(spec: str) -> float:

@@ -37,8 +37,8 @@ import torch
 from pipeline.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.weights import sglang_protocol as proto
 from stages.weights.base import align_nccl_env
-from stages.weights.sglang_protocol import ipc_bucket_body
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,9 @@ class SGLangEngine(Engine):
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self.last_update: dict[str, float] = {}
         self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
+        # busy = at least one request outstanding (the server has work); the rest of the time since the
+        # engine was made is idle: what the pipeline's `generator/idle_share` reports
+        self._busy_s, self._busy_since, self._made_at = 0.0, None, time.perf_counter()
         if start:
             self.start()
 
@@ -334,6 +337,8 @@ class SGLangEngine(Engine):
 
         start_v = self._version
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+        if self.outstanding == 0:
+            self._busy_since = time.perf_counter()
         self.outstanding += len(requests)
         t0 = time.perf_counter()
         try:
@@ -343,6 +348,9 @@ class SGLangEngine(Engine):
                 out = await asyncio.gather(*(self._generate_one(session, r, start_v) for r in requests))
         finally:
             self.outstanding -= len(requests)
+            if self.outstanding == 0 and self._busy_since is not None:
+                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
         self._stats["requests"] += len(out)
         self._stats["tokens"] += sum(len(r.response_ids) for r in out)
         self._stats["gen_s"] += time.perf_counter() - t0
@@ -404,10 +412,10 @@ class SGLangEngine(Engine):
 
     # -- weight updates --------------------------------------------------------------------------
     def pause_generation(self, mode: str | None = None) -> None:
-        self._post("/pause_generation", {"mode": mode or self.cfg.pause_mode})
+        self._post(proto.PAUSE, proto.pause_body(mode or self.cfg.pause_mode))
 
     def continue_generation(self) -> None:
-        self._post("/continue_generation", {})
+        self._post(proto.CONTINUE, {})
 
     pause, resume = pause_generation, continue_generation
 
@@ -440,10 +448,8 @@ class SGLangEngine(Engine):
                     "partly loaded weights: restart() it (or the run) before generating again"
                 ) from e
             t1 = time.perf_counter()
-            try:  # abort_all_requests defaults to true on this route: in-flight requests must survive
-                self._post(
-                    "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
-                )
+            try:
+                self._post(proto.SET_VERSION, proto.version_body(version))
             except EngineError as e:
                 raise EngineError(
                     f"{e}; the server is left paused with the weights of v{version} under an older version "
@@ -514,8 +520,8 @@ class SGLangEngine(Engine):
             self._held.update({n: x.to("cpu", copy=True) for n, x in named})
             self._held_pending = True
         for b in buckets:
-            body, _keep = ipc_bucket_body(b, self.cfg.tp_size, dev)
-            self._post("/update_weights_from_tensor", body)
+            body, _keep = proto.ipc_bucket_body(b, self.cfg.tp_size, dev)
+            self._post(proto.LOAD_TENSOR, body)
 
     def init_weights_update_group(
         self,
@@ -528,12 +534,13 @@ class SGLangEngine(Engine):
     ) -> dict:
         """Join the trainer's NCCL group as ranks rank_offset.. rank_offset+tp_size-1. Blocks until the
         trainer side (rank 0) joins too, so call it from a thread while rank 0 initialises."""
-        body = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset)
-        body.update(world_size=world_size, group_name=group_name, backend=backend)
-        return self._post("/init_weights_update_group", body)
+        body = proto.join_group_body(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+        return self._post(proto.JOIN_GROUP, body)
 
     def destroy_weights_update_group(self, group_name: str = "slipstream-weights") -> dict:
-        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+        return self._post(proto.LEAVE_GROUP, {"group_name": group_name})
 
     def update_weights_from_distributed(
         self,
@@ -546,28 +553,31 @@ class SGLangEngine(Engine):
     ) -> dict:
         """Receive tensors that trainer rank 0 broadcasts (in this order) over the group. Blocks until all
         arrive: call it from a thread while rank 0 broadcasts. With `version`: the whole protocol."""
-        body = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False)
+        body = proto.distributed_body(names, dtypes, shapes, group_name, flat=False)
         # the host copy is older from now on; restart() falls back to disk / base (and says so)
         self._held.clear()
         self._held_version, self._held_pending = None, False
         if version is None:
             t: dict[str, float] = {}
-            self._load(t, self._post, "/update_weights_from_distributed", body)
+            self._load(t, self._post, proto.LOAD_DISTRIBUTED, body)
             return t
         with self.updating(version) as t:
-            self._load(t, self._post, "/update_weights_from_distributed", body)
+            self._load(t, self._post, proto.LOAD_DISTRIBUTED, body)
         return t
 
     def update_weights_from_disk(self, model_path: str | Path, version: int) -> dict:
         """Fallback transport: load an HF folder the trainer wrote. It is also restart()'s source."""
-        body = {"model_path": str(model_path), "flush_cache": False, "abort_all_requests": False}
+        body = proto.disk_body(str(model_path))
         with self.updating(version, resume_on_failed_load=True) as t:
-            self._load(t, self._post, "/update_weights_from_disk", body)
+            self._load(t, self._post, proto.LOAD_DISK, body)
         self._disk = (str(model_path), version)
         return t
 
     def stats(self) -> dict:
+        now = time.perf_counter()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
         s = dict(self._stats, version=self._version, restarts=self.restarts, outstanding=self.outstanding)
+        s.update(busy_s=busy, idle_s=max(0.0, now - self._made_at - busy))
         s["tokens_per_s"] = s["tokens"] / s["gen_s"] if s["gen_s"] else 0.0
         return s
 

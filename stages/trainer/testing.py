@@ -147,7 +147,8 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    path = os.environ.get("PYTHONPATH")  # kept after the repo: the GPU machine's wheels live there
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + (f":{path}" if path else ""), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [

@@ -451,7 +451,10 @@ class Trainer:
         model = self.policy.model
         buffers = model.buffers if isinstance(getattr(model, "buffers", None), list) else []
         for buf in buffers + list(getattr(model, "expert_parallel_buffers", [])):
-            bad += (~torch.isfinite(buf.grad_data)).any().float()
+            # the sum is NaN/inf exactly when an element is (fp32 gradients never add up to 3e38); unlike
+            # isfinite over the buffer, which builds a buffer-sized abs() temporary: 14 GiB per rank for
+            # a 7B model at TP=2, the allocation that ran the 7B pipeline out of memory (bench/RESULTS.md)
+            bad += (~torch.isfinite(buf.grad_data.sum())).float()
         if dist.get_world_size() > 1:
             dist.all_reduce(bad)
         return bool(bad.item() == 0)

@@ -1,11 +1,89 @@
-"""The request bodies of SGLang's weight-update endpoints, shared by the trainer's senders
-(stages/weights/sglang_transport.py) and SGLangEngine (stages/rollout/sglang_engine.py), so that
-neither imports the other.
+"""SGLang's weight-update protocol, in one place for both sides that speak it: the trainer's senders
+(stages/weights/sglang_transport.py, several servers) and SGLangEngine (stages/rollout/sglang_engine.py,
+one server). Neither imports the other; both build their requests here.
+
+The sequence of an update, against a server that keeps generating around it:
+    PAUSE (pause_body)          in_place keeps running sequences and their KV; retract re-queues them
+    LOAD_* one or more times    tensors by CUDA IPC, by an NCCL broadcast from trainer rank 0, or a folder
+    the version                 `weight_version` in the last load's body (senders), or SET_VERSION
+                                (engine) - never before every load has succeeded: a partly loaded server
+                                must not label its weights with the new version
+    CONTINUE
+A failed pause resumes what was paused; a failed load leaves the server paused (its weights belong to
+no version) and the caller says to restart it. Each side adds its own timing and retries.
 """
 
 from __future__ import annotations
 
 import torch
+
+PAUSE = "/pause_generation"
+CONTINUE = "/continue_generation"
+SET_VERSION = "/update_weight_version"
+LOAD_TENSOR = "/update_weights_from_tensor"
+LOAD_DISTRIBUTED = "/update_weights_from_distributed"
+LOAD_DISK = "/update_weights_from_disk"
+JOIN_GROUP = "/init_weights_update_group"
+LEAVE_GROUP = "/destroy_weights_update_group"
+
+
+def pause_body(mode: str) -> dict:
+    return {"mode": mode}
+
+
+def version_body(version: int) -> dict:
+    # abort_all_requests defaults to true on this route: the requests paused in place must survive
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def with_version(body: dict, version: int | None) -> dict:
+    """A load's body that also sets the server's weight version once it has loaded (the last load)."""
+    return body if version is None else {**body, "weight_version": str(version)}
+
+
+def describe(group) -> tuple[list[str], list[str], list[list[int]]]:
+    """Names, dtypes (as SGLang spells them) and shapes of tensors [(name, tensor)], in order."""
+    return (
+        [n for n, _ in group],
+        [str(t.dtype).removeprefix("torch.") for _, t in group],
+        [list(t.shape) for _, t in group],
+    )
+
+
+def distributed_body(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    *,
+    flat: bool,
+    flush_cache: bool = False,
+    version: int | None = None,
+) -> dict:
+    """LOAD_DISTRIBUTED for tensors that rank 0 broadcasts in this order: each alone, or (`flat`) all
+    of them as one FlattenedTensorBucket byte tensor."""
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+    body["flush_cache"] = flush_cache
+    if flat:
+        body["load_format"] = "flattened_bucket"
+    return with_version(body, version)
+
+
+def disk_body(model_path: str) -> dict:
+    return {"model_path": str(model_path), "flush_cache": False, "abort_all_requests": False}
+
+
+def join_group_body(
+    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict:
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
 def ipc_bucket_body(

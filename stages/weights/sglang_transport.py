@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from stages.weights import sglang_protocol as proto
 from stages.weights.base import PushHandle, WeightPushError, WeightSender, align_nccl_env, buckets
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class _SGLangSender(WeightSender):
         t0 = time.monotonic()
         try:
             for url in self.urls:
-                self._post(url, "/pause_generation", {"mode": self.pause_mode}, self.timeout_s, retry=True)
+                self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
         except WeightPushError:
             self._resume_all()  # nothing was loaded: let generation go on, then fail this push
             raise
@@ -119,7 +120,7 @@ class _SGLangSender(WeightSender):
         t["load_s"] = time.monotonic() - t1
         t3 = time.monotonic()
         for url in self.urls:
-            self._post(url, "/continue_generation", {}, self.timeout_s, retry=True)
+            self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
         t["continue_s"] = time.monotonic() - t3
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
@@ -133,7 +134,7 @@ class _SGLangSender(WeightSender):
     def _resume_all(self) -> None:
         for url in self.urls:
             try:
-                self._post(url, "/continue_generation", {}, self.timeout_s, retry=True)
+                self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
             except WeightPushError as e:
                 log.warning("weights: could not resume %s after a failed pause: %s", url, e)
 
@@ -200,15 +201,8 @@ class NcclSGLangSender(_SGLangSender):
             self._http.submit(
                 self._post,
                 url,
-                "/init_weights_update_group",
-                {
-                    "master_address": self.master_address,
-                    "master_port": port,
-                    "rank_offset": off,
-                    "world_size": world,
-                    "group_name": self.group_name,
-                    "backend": "nccl",
-                },
+                proto.JOIN_GROUP,
+                proto.join_group_body(self.master_address, port, off, world, self.group_name, "nccl"),
                 self.timeout_s,
             )
             for url, off in zip(self.urls, offsets)
@@ -230,21 +224,14 @@ class NcclSGLangSender(_SGLangSender):
         if self._group is None:
             self._join()
         check_flat_layout(group)
-        body = {
-            "names": [n for n, _ in group],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
-            "shapes": [list(t.shape) for _, t in group],
-            "group_name": self.group_name,
-            "load_format": "flattened_bucket",
-            "flush_cache": self.flush_cache,
-        }
-        if version is not None:
-            body["weight_version"] = str(version)
+        body = proto.distributed_body(
+            *proto.describe(group), self.group_name, flat=True, flush_cache=self.flush_cache, version=version
+        )
         # the servers rebuild the same layout from names/dtypes/shapes: tensors as bytes, in order
         flat = FlattenedTensorBucket(named_tensors=[(n, t.cuda()) for n, t in group]).get_flattened_tensor()
         torch.cuda.synchronize()
         calls = [  # the servers wait in their receive while we broadcast
-            self._http.submit(self._post, url, "/update_weights_from_distributed", body, self.timeout_s)
+            self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
             for url in self.urls
         ]
         t0 = time.monotonic()  # the NCCL broadcast of this bucket: the floor of any push
@@ -266,17 +253,13 @@ class CudaIpcSGLangSender(_SGLangSender):
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
     def _send_bucket(self, group, version: int | None) -> float:
-        from stages.weights.sglang_protocol import ipc_bucket_body
-
         check_flat_layout(group)
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
         tensors = [(n, t.to(dev).contiguous()) for n, t in group]
         for url, tp in zip(self.urls, self.tp_sizes):
-            body, flat = ipc_bucket_body(tensors, tp, dev)  # flat stays alive until the server answered
-            if version is not None:
-                body["weight_version"] = str(version)
-            self._post(url, "/update_weights_from_tensor", body, self.timeout_s)
+            body, flat = proto.ipc_bucket_body(tensors, tp, dev)  # flat stays alive until the server answered
+            self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes

@@ -1,0 +1,266 @@
+"""Custom rollout hooks: what a `rollout.generate_fn`, `rollout.rollout_fn` or `rollout.filter` given as
+"module:function" is called with, how it is loaded, and the checks on what it returns.
+
+Every hook is named "package.module:function" (importable on the generator's sys.path) or
+"path/to/file.py:function" (loaded from the file; a relative path is taken from the directory the run
+was launched in). docs/rollouts.md has the contract and a complete example of each.
+
+generate_fn:  async fn(ctx: GenerateContext) -> list[Sample]   (per group: one Sample per ctx.samples)
+              async fn(ctx: GenerateContext) -> Sample         (rollout.generate_per_sample: true)
+rollout_fn:   fn(ctx: RolloutContext) -> AsyncIterator[list[Sample]]   (see stages/rollout/custom_loop.py)
+filter:       fn(samples: list[Sample]) -> bool                 (True keeps the group)
+
+The generator hands generate_fn blank Samples (identity, prompt, label and metadata filled in) and
+expects them back with their response filled: `Conversation.fill(sample)` (stages/rollout/multiturn.py)
+or `fill_response(...)` below. Whatever comes back is checked here, and a bad return stops the run
+with an error naming the function, the sample and the field: a silent fix would train on garbage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.sample import F32, I32, PACKED_FIELDS, RESPONSE_ALIGNED, U8, Sample, Status, pack
+from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
+from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+
+
+class HookError(ValueError):
+    """A hook could not be loaded, or returned something the pipeline cannot use."""
+
+
+class EngineCallError(RuntimeError):
+    """The engine failed under a hook's request (retried by the generator like any engine error)."""
+
+
+# -- loading -----------------------------------------------------------------------------------------
+def load_hook(spec: str, key: str) -> Callable[..., Any]:
+    """The callable named by spec; `key` (e.g. "rollout.generate_fn") is named in every error."""
+    if not is_hook_spec(spec):
+        raise HookError(f"{key}={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise HookError(f"{key}={spec!r}: no file {path}")
+        name = f"slipstream_hook_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[name]
+                raise HookError(f"{key}={spec!r}: loading {path} raised {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise HookError(
+                f"{key}={spec!r}: cannot import {where!r} ({e}); put its folder on PYTHONPATH "
+                "or give the file's path (path/to/file.py:function)"
+            ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise HookError(f"{key}={spec!r}: {where} has no callable {attr!r}")
+    return fn
+
+
+def hook_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+
+
+def check_hooks(rollout_cfg) -> None:
+    """Load every hook of a RolloutConfig once (the driver does, before any stage starts), so that a typo
+    fails in a second naming the key rather than in a generator's traceback."""
+    for key in ("generate_fn", "rollout_fn"):
+        spec = getattr(rollout_cfg, key)
+        if spec:
+            fn = load_hook(spec, f"rollout.{key}")
+            if key == "generate_fn" and not inspect.iscoroutinefunction(fn):
+                raise HookError(f"rollout.generate_fn={spec!r}: must be an `async def` function")
+    resolve_filter(rollout_cfg.filter)
+
+
+# -- group filters -----------------------------------------------------------------------------------
+GroupFilter = Callable[[list[Sample]], bool]  # True = keep the group
+
+
+def nonzero_std(samples: list[Sample]) -> bool:
+    """Dynamic sampling (DAPO): keep a group only if its rewards differ (all-equal groups have zero
+    GRPO advantage and carry no gradient)."""
+    rewards = [s.reward for s in samples if s.status != Status.FAILED]
+    return len(set(rewards)) > 1
+
+
+FILTERS: dict[str, GroupFilter | None] = {"none": None, "nonzero_std": nonzero_std}
+assert tuple(FILTERS) == BUILTIN_FILTERS, "stages/rollout/config.py names the built-in filters too"
+
+
+def resolve_filter(spec: str) -> GroupFilter | None:
+    """rollout.filter: a built-in name or "module:function" (samples -> bool, True keeps the group)."""
+    if spec in FILTERS:
+        return FILTERS[spec]
+    if not is_hook_spec(spec):
+        raise HookError(
+            f"rollout.filter={spec!r}: expected {' or '.join(sorted(FILTERS))}, or 'module:function' "
+            "taking the group's scored Samples and returning True to keep it"
+        )
+    return load_hook(spec, "rollout.filter")
+
+
+# -- what a generate_fn sees -------------------------------------------------------------------------
+class EngineHandle:
+    """The engine as a generate_fn sees it: token ids in; token ids, logprobs and versions out.
+
+    To continue a conversation, call generate again with the whole context so far (prompt + response
+    tokens, exactly as generated: never decoded and re-encoded); `Conversation` does this per turn.
+    """
+
+    def __init__(self, engine: Engine, rid_prefix: str):
+        self._engine, self._prefix, self._n = engine, rid_prefix, 0
+        self.calls = 0
+
+    @property
+    def version(self) -> int:
+        """The policy version of the engine's weights now (tokens sampled later may carry a newer one)."""
+        return self._engine.version
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1
+    ) -> list[GenResult]:
+        """n samples of the continuation of prompt_ids. Raises EngineCallError if the engine fails."""
+        ids = [int(t) for t in prompt_ids]
+        reqs = []
+        for _ in range(n):
+            reqs.append(GenRequest(prompt_ids=list(ids), params=params, rid=f"{self._prefix}-{self._n}"))
+            self._n += 1
+        self.calls += 1
+        try:
+            return await self._engine.generate(reqs)
+        except Exception as e:
+            raise EngineCallError(f"{type(e).__name__}: {e}") from e
+
+
+@dataclass(kw_only=True)
+class GenerateContext:
+    """The argument of a generate_fn: one prompt, its blank Samples, and what to generate them with."""
+
+    prompt: Any  # stages.rollout.data.Prompt: text, ids, label, metadata
+    samples: list[Sample]  # blank Samples to fill (one per group member; one in per-sample mode)
+    params: SamplingParams  # rollout.sampling (frozen: use dataclasses.replace for a variant)
+    engine: EngineHandle
+    tokenizer: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)  # rollout.generate_kwargs (a copy per call)
+
+    @property
+    def sample(self) -> Sample:
+        """The one Sample of a per-sample call."""
+        return self.samples[0]
+
+
+def blank_samples(*, group_id: str, prompt, n: int, generator_id: str, created_at: float) -> list[Sample]:
+    """The group's Samples with identity and prompt fields set and an empty response."""
+    prompt_ids = pack(prompt.ids, I32)
+    return [
+        Sample(
+            uid=f"{group_id}-{i}",
+            group_id=group_id,
+            group_index=i,
+            group_size=n,
+            prompt_ids=prompt_ids,
+            prompt=prompt.text,
+            label=prompt.label,
+            metadata=dict(prompt.metadata),
+            generator_id=generator_id,
+            created_at=created_at,
+        )
+        for i in range(n)
+    ]
+
+
+def fill_response(
+    sample: Sample,
+    *,
+    response_ids: Sequence[int],
+    rollout_logprobs: Sequence[float],
+    versions: Sequence[int],
+    loss_mask: Sequence[int] | None = None,
+    status: Status = Status.COMPLETED,
+    error: str = "",
+) -> Sample:
+    """Set the response arrays of `sample` (in place; returned for convenience). loss_mask defaults to
+    all ones (every token is the model's)."""
+    sample.response_ids = pack(response_ids, I32)
+    sample.rollout_logprobs = pack(rollout_logprobs, F32)
+    sample.versions = pack(versions, I32)
+    sample.loss_mask = pack(np.ones(len(response_ids)) if loss_mask is None else loss_mask, U8)
+    sample.status, sample.error = Status(status), error
+    return sample
+
+
+_IDENTITY = ("uid", "group_id", "group_index", "group_size", "prompt_ids")
+
+
+def check_samples(fn_name: str, got: Any, blanks: list[Sample]) -> list[Sample]:
+    """The Samples a generate_fn returned, checked against the blanks it was given; raises HookError
+    naming the function, the sample and the field."""
+    if isinstance(got, Sample):
+        got = [got]
+    if not isinstance(got, list | tuple) or not all(isinstance(s, Sample) for s in got):
+        raise HookError(
+            f"generate_fn {fn_name} returned {type(got).__name__}; it must return the Samples of its "
+            "context (ctx.samples), filled (Conversation.fill or stages.rollout.hooks.fill_response)"
+        )
+    if len(got) != len(blanks):
+        raise HookError(
+            f"generate_fn {fn_name} returned {len(got)} samples for {len(blanks)} in ctx.samples; return "
+            "every one (a sample that went wrong is returned with status failed, not left out)"
+        )
+    by_index = {s.group_index: s for s in got}
+    out = []
+    for blank in blanks:
+        s = by_index.get(blank.group_index)
+        if s is None:
+            raise HookError(f"generate_fn {fn_name}: no sample with group_index {blank.group_index} returned")
+        for name in _IDENTITY:
+            if getattr(s, name) != getattr(blank, name):
+                raise HookError(
+                    f"generate_fn {fn_name}: sample {blank.uid} came back with another {name} "
+                    f"({getattr(s, name)!r:.60}); fill the Samples of ctx.samples, do not make new ones"
+                )
+        _check_arrays(fn_name, s)
+        out.append(s)
+    return out
+
+
+def _check_arrays(fn_name: str, s: Sample) -> None:
+    for name in RESPONSE_ALIGNED:
+        if len(getattr(s, name)) % PACKED_FIELDS[name].itemsize:
+            raise HookError(
+                f"generate_fn {fn_name}: sample {s.uid}: {name} is not packed {PACKED_FIELDS[name]}"
+            )
+    n = s.response_len
+    for name in RESPONSE_ALIGNED[1:]:
+        m = len(getattr(s, name)) // PACKED_FIELDS[name].itemsize
+        if m != n:
+            raise HookError(
+                f"generate_fn {fn_name}: sample {s.uid}: {name} has {m} entries but response_ids has {n}; "
+                "every response token needs a logprob, a version and a loss_mask entry (0 for tokens the "
+                "environment added)"
+            )
+    try:
+        s.validate()
+    except ValueError as e:
+        raise HookError(f"generate_fn {fn_name}: {e}") from None
