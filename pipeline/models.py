@@ -184,6 +184,18 @@ def build_byte_tokenizer(out_dir: Path, chat_template: str = TINY_CHAT_TEMPLATE)
 
 def build_tiny_qwen2(out_dir: Path, warm_steps: int = TINY_WARM_STEPS) -> None:
     """Write the tiny Qwen2 + byte tokenizer into out_dir (deterministic: fixed seeds, one thread)."""
+    write_tiny_qwen2(
+        out_dir,
+        lambda model, tok, ids: _warm_start(model, tok, warm_steps),
+        {"name": "tiny-qwen2", "version": TINY_QWEN2_VERSION, "seed": TINY_SEED},
+    )
+
+
+def write_tiny_qwen2(out_dir: Path, warm, meta: dict) -> None:
+    """The tiny Qwen2 architecture with the byte tokenizer, initialised from TINY_SEED, then
+    `warm(model, tokenizer, special_ids)` (one thread: the same float summation order, so the same
+    weights), saved with `meta` as slipstream_model.json. Every tiny model (tiny-qwen2, the calculator
+    tool's tiny-qwen2-calc) is built this way; only the warm start differs."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -203,18 +215,16 @@ def build_tiny_qwen2(out_dir: Path, warm_steps: int = TINY_WARM_STEPS) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = Qwen2ForCausalLM(config)
-        torch.set_num_threads(1)  # one thread: the same float summation order, so the same weights
+        torch.set_num_threads(1)
         try:
-            _warm_start(model, tok, warm_steps)
+            warm(model, tok, ids)
         finally:
             torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|im_start|>"]
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    (out_dir / "slipstream_model.json").write_text(
-        json.dumps({"name": "tiny-qwen2", "version": TINY_QWEN2_VERSION, "seed": TINY_SEED})
-    )
+    (out_dir / "slipstream_model.json").write_text(json.dumps(meta))
 
 
 def _warm_start(model, tok, steps: int) -> None:

@@ -119,6 +119,22 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
         v = self.array("versions")
         return int(v.min()) if len(v) else -1
 
+    def array_problem(self) -> str | None:
+        """What is wrong with the packed arrays (a length that is not whole elements, or a per-token
+        array not one entry per response token), naming the field; None when they are consistent."""
+        for name, dt in PACKED_FIELDS.items():
+            if len(getattr(self, name)) % dt.itemsize:
+                return f"{name} has {len(getattr(self, name))} bytes, not a multiple of {dt.itemsize} ({dt})"
+        n = self.response_len
+        for name in RESPONSE_ALIGNED[1:]:
+            m = len(getattr(self, name)) // PACKED_FIELDS[name].itemsize
+            if m != n:
+                return (
+                    f"{name} has {m} entries but response_ids has {n}; every response token needs a "
+                    "logprob, a version and a loss_mask entry (0 for tokens the environment added)"
+                )
+        return None
+
     def validate(self) -> None:
         """Raise ValueError naming the field when the record is internally inconsistent."""
         if not self.uid:
@@ -129,20 +145,9 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             raise ValueError(
                 f"Sample {self.uid}: group_index {self.group_index} outside [0, group_size={self.group_size})"
             )
-        for name, dt in PACKED_FIELDS.items():
-            if len(getattr(self, name)) % dt.itemsize:
-                raise ValueError(
-                    f"Sample {self.uid}: {name} has {len(getattr(self, name))} bytes, "
-                    f"not a multiple of {dt.itemsize} ({dt})"
-                )
-        n = self.response_len
-        for name in RESPONSE_ALIGNED[1:]:
-            m = len(getattr(self, name)) // PACKED_FIELDS[name].itemsize
-            if m != n:
-                raise ValueError(
-                    f"Sample {self.uid}: {name} has {m} entries but response_ids has {n}; "
-                    "every response token needs a logprob, a version and a mask entry"
-                )
+        problem = self.array_problem()
+        if problem:
+            raise ValueError(f"Sample {self.uid}: {problem}")
         problem = value_problem(
             reward=np.asarray([self.reward], np.float64),
             group_size=np.asarray([self.group_size]),

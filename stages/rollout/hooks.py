@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.sample import F32, I32, PACKED_FIELDS, RESPONSE_ALIGNED, U8, Sample, Status, pack
+from pipeline.sample import F32, I32, U8, Sample, Status, pack
 from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 
@@ -246,21 +246,6 @@ def check_samples(fn_name: str, got: Any, blanks: list[Sample]) -> list[Sample]:
 
 
 def _check_arrays(fn_name: str, s: Sample) -> None:
-    for name in RESPONSE_ALIGNED:
-        if len(getattr(s, name)) % PACKED_FIELDS[name].itemsize:
-            raise HookError(
-                f"generate_fn {fn_name}: sample {s.uid}: {name} is not packed {PACKED_FIELDS[name]}"
-            )
-    n = s.response_len
-    for name in RESPONSE_ALIGNED[1:]:
-        m = len(getattr(s, name)) // PACKED_FIELDS[name].itemsize
-        if m != n:
-            raise HookError(
-                f"generate_fn {fn_name}: sample {s.uid}: {name} has {m} entries but response_ids has {n}; "
-                "every response token needs a logprob, a version and a loss_mask entry (0 for tokens the "
-                "environment added)"
-            )
-    try:
-        s.validate()
-    except ValueError as e:
-        raise HookError(f"generate_fn {fn_name}: {e}") from None
+    problem = s.array_problem()
+    if problem:
+        raise HookError(f"generate_fn {fn_name}: sample {s.uid}: {problem}")

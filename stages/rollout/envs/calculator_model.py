@@ -11,7 +11,6 @@ tool's result into the answer. Too short a warm start to be good at it; that is 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 VERSION = 2  # part of the cache key (pipeline/models.py): bump when the data or the recipe changes
@@ -53,38 +52,14 @@ def episodes(tok, n: int, seed: int = WARM_SEED) -> list[tuple[list[int], list[i
 
 
 def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
-    """Write tiny-qwen2-calc into out_dir (deterministic)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    """Write tiny-qwen2-calc into out_dir (deterministic): tiny-qwen2's architecture and tokenizer,
+    warm-started on calculator episodes instead of digit repeats."""
+    from pipeline.models import write_tiny_qwen2
 
-    from pipeline.models import TINY_ARCH, TINY_SEED, build_byte_tokenizer
+    def warm(model, tok, ids):
+        _warm_start(model, episodes(tok, 32 * warm_steps), pad=ids["<|endoftext|>"])
 
-    tok = build_byte_tokenizer(out_dir)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        bos_token_id=ids["<|im_start|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        torch_dtype="float32",
-        **TINY_ARCH,
-    )
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        model = Qwen2ForCausalLM(config)
-        torch.set_num_threads(1)  # one thread: the same float summation order, so the same weights
-        try:
-            _warm_start(model, episodes(tok, 32 * warm_steps), pad=ids["<|endoftext|>"])
-        finally:
-            torch.set_num_threads(threads)
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|im_start|>"]
-    )
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    (out_dir / "slipstream_model.json").write_text(
-        json.dumps({"name": "tiny-qwen2-calc", "version": VERSION, "warm_steps": warm_steps})
-    )
+    write_tiny_qwen2(out_dir, warm, {"name": "tiny-qwen2-calc", "version": VERSION, "warm_steps": warm_steps})
 
 
 def _warm_start(model, data: list[tuple[list[int], list[int]]], pad: int, batch: int = 32) -> None:
