@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import math
 
+import msgspec
 import pytest
 from test_multiturn import EOS, ScriptedEngine
 
 from pipeline.config import ConfigError, from_dict
 from pipeline.orchestration.evaluation import Evaluator, pass_at_k
+from stages.rollout.hooks import HookError
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +105,99 @@ def test_eval_dataset_settings_are_checked():
         from_dict({"eval": {"datasets": [{"name": "a"}, {"name": "a"}]}})
     # eval on SGLang engines is allowed now: it runs on the training engines
     assert from_dict({"rollout": {"engine": "sglang"}, "eval": {"every_steps": 5}}).eval.every_steps == 5
+
+
+CALC = {
+    "generate_fn": "stages.rollout.envs.calculator:generate",
+    "reward": {"fn": "exact_match"},
+    "sampling": {"max_new_tokens": 64},
+}
+
+
+def _calc_engine():
+    call, answer = list(b"<tool>2 + 3</tool>") + [EOS], list(b"<answer>5</answer>") + [EOS]
+    return ScriptedEngine(lambda p: [(answer if p.count(EOS) > 1 else call, "stop", None)])
+
+
+def test_eval_with_a_per_sample_generate_fn(tok):
+    """The calculator trains per sample (its generate_fn returns a list of one); evaluation used to
+    raise "returned list" where the generator flattens."""
+    cfg = from_dict(
+        {
+            "rollout": {**CALC, "generate_per_sample": True},
+            "eval": {"datasets": [{"name": "calc", "num_prompts": 2, "samples_per_prompt": 2}]},
+        }
+    )
+    engine = _calc_engine()
+    out = asyncio.run(Evaluator(cfg, engine, tok).evaluate())
+    assert len(engine.prompts) == 8 and out["eval/calc/failed"] == 0.0 and out["eval/calc/errors"] == 0
+
+
+class FailingOn(ScriptedEngine):
+    """Raises for prompts that `fails(prompt_ids, call number)` picks, else answers like the calculator."""
+
+    def __init__(self, fails):
+        inner = _calc_engine()
+        super().__init__(inner.script)
+        self.fails, self.calls = fails, 0
+
+    async def generate(self, requests):
+        self.calls += 1
+        if any(self.fails(r.prompt_ids, self.calls) for r in requests):
+            raise RuntimeError("engine restarting")
+        return await super().generate(requests)
+
+
+def test_engine_errors_in_eval_are_retried_then_counted_not_raised(tok):
+    """Eval runs on the training engine: an engine error is retried like training retries it
+    (rollout.engine_retries), and a prompt still failing is counted in eval/<set>/errors instead of
+    ending the run (it used to raise through the actor, and the launcher stopped the run)."""
+    cfg = from_dict(
+        {
+            "rollout": {**CALC, "engine_retries": 1},
+            "eval": {"datasets": [{"name": "calc", "num_prompts": 3, "samples_per_prompt": 2}]},
+        }
+    )
+    evaluator = Evaluator(cfg, FailingOn(lambda p, k: k == 1), tok)  # the first call fails, once
+    out = asyncio.run(evaluator.evaluate())
+    assert out["eval/calc/errors"] == 0 and out["eval/calc/failed"] == 0.0  # retried
+    no_retry = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, engine_retries=0))
+    out = asyncio.run(Evaluator(no_retry, FailingOn(lambda p, k: k == 1), tok).evaluate())
+    assert out["eval/calc/errors"] == 1 and "eval/calc/accuracy" in out
+    bad = evaluator.sets[0].prompts[1].ids
+    engine = FailingOn(lambda p, k: list(p[: len(bad)]) == list(bad))  # one prompt fails every time
+    out = asyncio.run(Evaluator(cfg, engine, tok).evaluate())
+    assert out["eval/calc/errors"] == 1 and "eval/calc/accuracy" in out and len(engine.prompts) == 8
+    out = asyncio.run(Evaluator(cfg, FailingOn(lambda p, k: True), tok).evaluate())
+    assert out == {"eval/version": 0, "eval/calc/errors": 3}
+
+
+async def buggy_eval_fn(ctx):
+    """Raises on the first prompt; the others would take long."""
+    if ctx.samples[0].group_id.endswith("-0"):
+        raise KeyError("label")
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        CANCELLED.append(ctx.samples[0].group_id)
+        raise
+
+
+CANCELLED: list[str] = []
+
+
+def test_a_bug_in_the_generate_fn_stops_eval_naming_it_and_cancels_the_rest(tok):
+    cfg = from_dict(
+        {
+            "rollout": {"generate_fn": "test_evaluation:buggy_eval_fn"},
+            "eval": {"datasets": [{"num_prompts": 3, "samples_per_prompt": 2}]},
+        }
+    )
+
+    async def run():
+        with pytest.raises(HookError, match=r"test_evaluation:buggy_eval_fn raised KeyError: 'label'"):
+            await asyncio.wait_for(Evaluator(cfg, ScriptedEngine([]), tok).evaluate(), 10)
+        return sorted(CANCELLED)  # before anything else runs: the siblings were cancelled, not left
+
+    CANCELLED.clear()
+    assert asyncio.run(run()) == ["eval-default-1", "eval-default-2"]

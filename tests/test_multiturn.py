@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -231,3 +233,38 @@ def test_engine_error_in_a_custom_generate_fn_is_retried(tok):
     cfg = msgspec.structs.replace(_cfg(generate_fn="test_multiturn:three_turns"), run=_cfg().run)
     sink, stats = _run(cfg, Down([(TURN1, "stop", None)]), tok)
     assert stats["groups_failed"] == 1 and stats["engine_errors"] == 2 and not sink.groups
+
+
+def test_calculator_answers_numbers_out_of_range_with_an_error_result():
+    """OverflowError used to escape calculate(), so the sample failed as a tool crash."""
+    assert calculate("1e999") == calculate("1e308*10/3") == "error: number out of range"
+    assert calculate(
+        "1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308*1e308"
+    ) == (
+        "error: number out of range"
+    )  # an integer too long to print: a ValueError outside the old try, a crash too
+    assert calculate("1e200") == "1e+200" and calculate("2 * 10000000000") == "20000000000"
+
+
+def test_a_timed_out_sync_tool_keeps_a_tool_thread_not_the_default_executor():
+    """The reward scorer runs in the loop's default executor; a hung tool must not take its threads."""
+    release = threading.Event()
+
+    def hangs():
+        release.wait(10)
+        return "late"
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))  # one thread: one hung tool fills it
+        conv = Conversation([1], EngineHandle(ScriptedEngine([]), "t"), SamplingParams(max_new_tokens=8))
+        try:
+            assert await conv.call_tool(hangs, timeout_s=0.1) is None
+            assert conv.status == Status.FAILED and "timed out after 0.1s" in conv.error
+            # the default executor is still free for the scorer
+            return await asyncio.wait_for(loop.run_in_executor(None, threading.current_thread), 2.0)
+        finally:
+            release.set()
+
+    worker = asyncio.run(run())
+    assert not worker.name.startswith("slipstream-tool")

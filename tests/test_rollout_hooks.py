@@ -5,16 +5,19 @@ fail naming the key."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import textwrap
 
+import msgspec
 import pytest
 from test_multiturn import EOS, ScriptedEngine, _cfg, _run
 from test_rollout_generator import FakeSink
 
+from pipeline import wire
 from pipeline.config import ConfigError, from_dict
 from pipeline.sample import Status
 from stages.rollout.generator import Generator
-from stages.rollout.hooks import HookError, load_hook
+from stages.rollout.hooks import HookError, check_hooks, fill_response, load_hook
 
 ANSWER = [ord("7"), EOS]
 
@@ -74,21 +77,38 @@ from stages.rollout.hooks import fill_response
 def keep_first_group(samples):
     return samples[0].group_id.endswith("-0")
 
-async def my_rollout(ctx):
-    """Two groups at a time, each member answered by one engine call; yields them as they finish."""
-    async def one(group):
-        results = await ctx.engine.generate(group.prompt.ids, ctx.params, n=len(group.samples))
-        for s, r in zip(group.samples, results):
-            fill_response(s, response_ids=r.response_ids, rollout_logprobs=r.logprobs, versions=r.versions)
-            s.metadata["by"] = ctx.kwargs["tag"]
-        return group.samples
+async def one(ctx, group):
+    results = await ctx.engine.generate(group.prompt.ids, ctx.params, n=len(group.samples))
+    for s, r in zip(group.samples, results):
+        fill_response(s, response_ids=r.response_ids, rollout_logprobs=r.logprobs, versions=r.versions)
+        s.metadata["by"] = ctx.kwargs["tag"]
+    return group.samples
 
-    pending = set()
+async def my_rollout(ctx):
+    """At most two groups at a time, each member answered by one engine call; yields them as they
+    finish, waiting for the next start and the running groups together."""
+    running, starting = set(), None
     while True:
-        group = await ctx.start_group()
-        if group is None:
-            break
-        pending.add(asyncio.ensure_future(one(group)))
+        if starting is None and len(running) < 2:
+            starting = asyncio.ensure_future(ctx.start_group())
+        done, _ = await asyncio.wait(running | ({starting} - {None}), return_when=asyncio.FIRST_COMPLETED)
+        for d in done & running:
+            running.discard(d)
+            yield d.result()
+        if starting is not None and starting in done:
+            group, starting = starting.result(), None
+            if group is None:
+                break
+            running.add(asyncio.ensure_future(one(ctx, group)))
+    for d in asyncio.as_completed(running):
+        yield await d
+
+async def holds_finished_groups(ctx):
+    """The loop docs/rollouts.md used to show: it waits in start_group() while a finished group is
+    still un-yielded, which admission counts as live."""
+    pending = set()
+    while (group := await ctx.start_group()) is not None:
+        pending.add(asyncio.ensure_future(one(ctx, group)))
         if len(pending) >= 2:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for d in done:
@@ -98,8 +118,14 @@ async def my_rollout(ctx):
 
 async def bad_rollout(ctx):
     group = await ctx.start_group()
-    yield group.samples  # not filled in: an empty response is fine, but ...
+    for s in group.samples:  # an empty response is fine when it is filled in, but ...
+        fill_response(s, response_ids=[], rollout_logprobs=[], versions=[])
+    yield group.samples
     yield ["not a sample"]
+
+async def unfilled_rollout(ctx):
+    group = await ctx.start_group()
+    yield group.samples
 '''
 
 
@@ -200,9 +226,194 @@ def test_the_examples_of_docs_rollouts_run(tok, tmp_path):
     for s in next(iter(sink.groups.values())):
         mask = s.array("loss_mask").tolist()
         assert mask[:2] == [1, 1] and mask[-2:] == [1, 1] and 0 in mask and s.metadata["model_turns"] == 2
-    sink, stats = _run(_cfg(group_size=2, rollout_fn=f"{files['my_loop.py']}:rollout"), engine, tok, groups=3)
-    assert stats["groups_finished"] == 3
+    for fn in ("rollout", "rollout_by_hand"):
+        sink, stats = _run(
+            _cfg(group_size=2, rollout_fn=f"{files['my_loop.py']}:{fn}"), engine, tok, groups=3
+        )
+        assert stats["groups_finished"] == 3
     sink, stats = _run(
         _cfg(group_size=2, filter=f"{files['my_filter.py']}:some_correct"), engine, tok, groups=2
     )
     assert stats["groups_filtered"] + stats["groups_finished"] == 2
+
+
+# -- a trainer that consumes every group: rollout_fns under admission at max_staleness 0 ------------------
+class ConsumingSink(FakeSink):
+    """A trainer with batch_groups=1 that trains on each group as it arrives: every put is one step,
+    whose weights (version + 1) reach the engine before the ack. Records each sample's staleness."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine, self.staleness = engine, []
+
+    def put(self, samples, timeout_s: float = 60.0) -> wire.IngestAck:
+        super().put(samples)
+        with self.lock:
+            self.staleness += [self.trainer_version - s.min_version() for s in samples]
+            self.trainer_version += 1
+            v = self.trainer_version
+        self.engine.update_weights([], version=v)
+        return wire.IngestAck(seq=0, accepted=len(samples), duplicates=0, rejected=0, trainer_version=v)
+
+
+def _run_consumed(cfg, tok, engine=None, groups=4, timeout_s=10.0):
+    """Run to `groups` groups with batch_groups=1 against a ConsumingSink (a wedged loop fails the
+    wait instead of hanging the suite)."""
+    engine = engine or ScriptedEngine([(ANSWER, "stop", None)])
+    sink = ConsumingSink(engine)
+    gen = Generator(cfg, sink, engine, "c", batch_groups=1, source=_source(cfg, tok), tokenizer=tok)
+    stats = asyncio.run(asyncio.wait_for(gen.run(max_groups=groups), timeout_s))
+    return sink, stats
+
+
+def _strict(**rollout):
+    cfg = _cfg(group_size=2, generate_kwargs={"tag": "x"}, **rollout)
+    return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, max_staleness=0))
+
+
+def test_rollout_fns_keep_a_consuming_trainer_fed_at_max_staleness_0(tok, hooks_file, tmp_path):
+    """At max_staleness 0 and one group per step, the next group may start only after the trainer
+    consumed the last one. The loop the docs used to show waited in start_group() holding that group
+    (started 1, finished 0, forever); the docs' loops, run_groups and the by-hand one, and the test's
+    own loop yield finished groups while they wait for admission."""
+    files = _doc_examples(tmp_path)
+    for spec in (
+        f"{files['my_loop.py']}:rollout",
+        f"{files['my_loop.py']}:rollout_by_hand",
+        f"{hooks_file}:my_rollout",
+    ):
+        sink, stats = _run_consumed(_strict(rollout_fn=spec), tok)
+        assert stats["groups_started"] == stats["groups_finished"] == 4, spec
+        assert sink.trainer_version == 4 and set(sink.staleness) == {0}, spec
+
+
+def test_a_rollout_fn_holding_finished_groups_is_named_when_held_back(tok, hooks_file, monkeypatch, caplog):
+    import stages.rollout.generator as generator_module
+
+    monkeypatch.setattr(generator_module, "HELD_BACK_WARN_S", 0.2)
+    cfg = _strict(rollout_fn=f"{hooks_file}:holds_finished_groups")
+    engine = ScriptedEngine([(ANSWER, "stop", None)])
+    gen = Generator(
+        cfg, ConsumingSink(engine), engine, "h", batch_groups=1, source=_source(cfg, tok), tokenizer=tok
+    )
+
+    async def run():
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(0.6)
+        gen.stop()  # start_group() returns None: the function yields what it held and returns
+        return await asyncio.wait_for(task, 10)
+
+    with caplog.at_level(logging.WARNING, logger=generator_module.log.name):
+        stats = asyncio.run(run())
+    assert stats["groups_started"] == 1 and stats["groups_finished"] == 1
+    assert any(
+        "1 started groups are not yet yielded by rollout.rollout_fn" in r.message
+        and "holds_finished_groups (1 of them filled)" in r.message
+        for r in caplog.records
+    ), [r.message for r in caplog.records]
+
+
+def test_run_groups_retries_engine_errors_then_abandons_the_group(tok, tmp_path):
+    class FailsFirst(ScriptedEngine):
+        """The first `n` calls fail (the first group's two attempts under engine_retries=1)."""
+
+        def __init__(self, n):
+            super().__init__([(ANSWER, "stop", None)])
+            self.failures = n
+
+        async def generate(self, requests):
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("engine down")
+            return await super().generate(requests)
+
+    files = _doc_examples(tmp_path)
+    sink, stats = _run_consumed(_strict(rollout_fn=f"{files['my_loop.py']}:rollout"), tok, FailsFirst(1))
+    assert stats["engine_errors"] == 1 and stats["groups_failed"] == 0 and stats["groups_finished"] == 4
+    sink, stats = _run_consumed(_strict(rollout_fn=f"{files['my_loop.py']}:rollout"), tok, FailsFirst(2))
+    assert stats["engine_errors"] == 2 and stats["groups_failed"] == 1 and stats["groups_finished"] == 3
+    assert "c-0" not in sink.groups
+    sink, stats = _run_consumed(
+        _strict(rollout_fn=f"{files['my_loop.py']}:rollout_by_hand"), tok, FailsFirst(1)
+    )
+    assert stats["groups_failed"] == 1 and stats["groups_finished"] == 3  # abandoned by the docs' loop
+
+
+# -- unfilled samples ----------------------------------------------------------------------------------
+async def forgets_to_fill(ctx):
+    """A buggy generate_fn: generates, but fills only the first sample."""
+    results = await ctx.engine.generate(ctx.prompt.ids, ctx.params, n=len(ctx.samples))
+    r = results[0]
+    fill_response(
+        ctx.samples[0], response_ids=r.response_ids, rollout_logprobs=r.logprobs, versions=r.versions
+    )
+    return ctx.samples
+
+
+async def fails_one(ctx):
+    """Fills sample 0, marks sample 1 failed (a sample that went wrong, returned as such)."""
+    (r,) = await ctx.engine.generate(ctx.prompt.ids, ctx.params)
+    fill_response(
+        ctx.samples[0], response_ids=r.response_ids, rollout_logprobs=r.logprobs, versions=r.versions
+    )
+    fill_response(
+        ctx.samples[1],
+        response_ids=[],
+        rollout_logprobs=[],
+        versions=[],
+        status=Status.FAILED,
+        error="env down",
+    )
+    return ctx.samples
+
+
+def test_a_sample_returned_unfilled_stops_the_run_naming_function_and_sample(tok, hooks_file):
+    """Blanks used to be `completed` with an empty response, so a forgotten fill trained on nothing."""
+    with pytest.raises(HookError, match=r"forgets_to_fill: sample mt-0-1 was returned unfilled"):
+        _run(
+            _cfg(group_size=2, generate_fn="test_rollout_hooks:forgets_to_fill"),
+            ScriptedEngine([(ANSWER, "stop", None)]),
+            tok,
+        )
+    with pytest.raises(HookError, match=r"unfilled_rollout: sample mt-0-0 was returned unfilled"):
+        _run(_cfg(group_size=1, rollout_fn=f"{hooks_file}:unfilled_rollout"), ScriptedEngine([]), tok)
+    sink, stats = _run(
+        _cfg(group_size=2, generate_fn="test_rollout_hooks:fails_one"),
+        ScriptedEngine([(ANSWER, "stop", None)]),
+        tok,
+    )
+    assert stats["samples_failed"] == 1 and stats["groups_finished"] == 1
+    ok, failed = sorted(sink.groups["mt-0"], key=lambda s: s.group_index)
+    assert ok.status == Status.COMPLETED and ok.error == "" and failed.error == "env down"
+
+
+# -- filters -----------------------------------------------------------------------------------------------
+FILTERS_FILE = """
+async def async_filter(samples):
+    return False
+
+def raising_filter(samples):
+    raise KeyError("reward_parts")
+
+def forgets_to_return(samples):
+    any(s.reward > 0 for s in samples)
+"""
+
+
+def test_a_filter_must_decide_and_its_errors_name_it(tok, tmp_path):
+    path = tmp_path / "my_filters.py"
+    path.write_text(FILTERS_FILE)
+    with pytest.raises(HookError, match=r"async_filter'?: must be a plain `def`.*always true"):
+        check_hooks(_cfg(filter=f"{path}:async_filter").rollout)
+    with pytest.raises(
+        HookError, match=r"rollout.filter .*raising_filter raised KeyError: 'reward_parts' \(group mt-0\)"
+    ):
+        _run(
+            _cfg(group_size=2, filter=f"{path}:raising_filter"), ScriptedEngine([(ANSWER, "stop", None)]), tok
+        )
+    with pytest.raises(HookError, match=r"forgets_to_return returned NoneType for group mt-0"):
+        _run(
+            _cfg(group_size=2, filter=f"{path}:forgets_to_return"),
+            ScriptedEngine([(ANSWER, "stop", None)]),
+            tok,
+        )

@@ -7,17 +7,25 @@ The samples are made exactly as training makes them (the same generate_fn, so a 
 is evaluated with its tools), with the set's temperature and token budget, and scored by its reward.
 A rollout_fn cannot be asked for a given prompt set; its runs are evaluated with the single-turn
 generator.
+
+Evaluation runs on a training engine, so it meets the engine errors training meets: a prompt whose
+engine call fails is retried rollout.engine_retries times, as a training group is, and a prompt still
+failing is left out of the metrics and counted in `eval/<set>/errors` (logged) rather than ending the
+run. A bug in the generate_fn (a HookError: it raised, or returned something unusable) still stops the
+run, naming the function; the set's other prompts are cancelled.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import math
 
 import msgspec
 
 from pipeline.sample import Sample, Status
 from stages.rollout.engine import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -34,8 +42,7 @@ class EvalSet:
     def __init__(self, cfg, spec, engine, tokenizer=None):
         from stages.reward.registry import RewardScorer, resolve_reward_fn
         from stages.rollout.build import load_source
-        from stages.rollout.hooks import load_hook
-        from stages.rollout.single_turn import single_turn
+        from stages.rollout.hooks import GenerateFn
 
         data = cfg.rollout.data
         source = spec.source or data.source
@@ -67,55 +74,51 @@ class EvalSet:
             max_new_tokens=spec.max_new_tokens or s.max_new_tokens,
             stop_token_ids=tuple(s.stop_token_ids),
         )
-        r = cfg.rollout
-        self.generate_fn = load_hook(r.generate_fn, "rollout.generate_fn") if r.generate_fn else single_turn
-        self.per_sample, self.kwargs = r.generate_per_sample, dict(r.generate_kwargs)
+        self.generate = GenerateFn.from_config(cfg.rollout, self.tok)  # as training calls it
+        self.retries = cfg.rollout.engine_retries
         self.prefix = f"eval/{spec.name}/" if spec.name else "eval/"
 
-    async def _prompt(self, i: int, prompt) -> list[Sample]:
-        from stages.rollout.hooks import (
-            EngineHandle,
-            GenerateContext,
-            blank_samples,
-            check_samples,
-            hook_name,
+    async def _prompt(self, i: int, prompt) -> list[Sample] | None:
+        """The prompt's samples; None when the engine failed on every attempt."""
+        return await self.generate.with_retries(
+            gid=f"eval-{self.spec.name or 'default'}-{i}",
+            prompt=prompt,
+            n=self.spec.samples_per_prompt,
+            generator_id="eval",
+            params=self.params,
+            engine=self.engine,
+            retries=self.retries,
         )
-
-        gid = f"eval-{self.spec.name or 'default'}-{i}"
-        blanks = blank_samples(
-            group_id=gid, prompt=prompt, n=self.spec.samples_per_prompt, generator_id="eval", created_at=0.0
-        )
-
-        def ctx(samples):
-            return GenerateContext(
-                prompt=prompt,
-                samples=samples,
-                params=self.params,
-                engine=EngineHandle(self.engine, samples[0].uid if len(samples) == 1 else gid),
-                tokenizer=self.tok,
-                kwargs=dict(self.kwargs),
-            )
-
-        if self.per_sample:
-            got = list(await asyncio.gather(*(self.generate_fn(ctx([b])) for b in blanks)))
-        else:
-            got = await self.generate_fn(ctx(blanks))
-        return check_samples(hook_name(self.generate_fn), got, blanks)
 
     async def evaluate(self) -> dict:
         from stages.rollout.generator import score_samples
+        from stages.rollout.hooks import gather_or_cancel
 
-        groups = await asyncio.gather(*(self._prompt(i, p) for i, p in enumerate(self.prompts)))
+        got = await gather_or_cancel(*(self._prompt(i, p) for i, p in enumerate(self.prompts)))
+        groups = [g for g in got if g is not None]
+        out: dict = {f"{self.prefix}errors": len(got) - len(groups)}
+        if len(groups) < len(got):
+            log.error(
+                "evaluation %s: %d of %d prompts left out: the engine failed on each of %d attempts",
+                self.prefix.rstrip("/"),
+                len(got) - len(groups),
+                len(got),
+                1 + max(0, self.retries),
+            )
+        if not groups:
+            return out
         samples = [s for g in groups for s in g]
         await score_samples(self.scorer, self.tok, samples)
         n = self.spec.samples_per_prompt
         correct = [sum(s.reward >= self.spec.correct_threshold for s in g) for g in groups]
-        out = {
-            f"{self.prefix}accuracy": sum(correct) / len(samples),
-            f"{self.prefix}reward_mean": sum(s.reward for s in samples) / len(samples),
-            f"{self.prefix}truncated": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-            f"{self.prefix}failed": sum(s.status == Status.FAILED for s in samples) / len(samples),
-        }
+        out.update(
+            {
+                f"{self.prefix}accuracy": sum(correct) / len(samples),
+                f"{self.prefix}reward_mean": sum(s.reward for s in samples) / len(samples),
+                f"{self.prefix}truncated": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+                f"{self.prefix}failed": sum(s.status == Status.FAILED for s in samples) / len(samples),
+            }
+        )
         for k in self.spec.pass_k or [n]:
             out[f"{self.prefix}pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
         return out

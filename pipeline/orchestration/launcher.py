@@ -567,6 +567,8 @@ class Pipeline:
             "groups_running",
             "samples_failed",
             "admission_wait_s",
+            "engine_errors",
+            "engine_restarts",  # SGLang servers restarted by the generators' engine watch
         ):
             out[f"generator/{key}"] = sum(s.get(key, 0) for s in stats)
         busy = sum(s.get("engine_busy_s", 0.0) for s in stats)

@@ -4,28 +4,45 @@ slime's --rollout-function-path replaces the whole rollout of a step; in this st
 function is an async iterator of groups that runs for the generator's whole life:
 
     async def my_rollout(ctx: RolloutContext):
-        while (group := await ctx.start_group()) is not None:   # waits for admission; None = stop
+        async def one(group):
             ... fill group.samples (one per member; Conversation.fill or hooks.fill_response) ...
-            yield group.samples
+            return group.samples
+
+        async for samples in ctx.run_groups(one):   # as many groups at once as admission allows
+            yield samples
 
 `start_group()` is the generator's own admission control (in-flight cap, staleness bound), so the
 groups a rollout_fn makes are trainable under run.max_staleness exactly like the built-in loop's. A
-yielded group is checked (hooks.check_samples), scored with rollout.reward, filtered and put. The
-function may run several groups at once (tasks of its own) and yield them as they finish; a group it
-gives up on is `ctx.abandon(group)` (counted as failed). Groups still open when it returns are
-counted as failed too.
+yielded group is checked (hooks.check_samples), scored with rollout.reward, filtered and put. A started
+group holds its admission place until it is yielded (or abandoned): a function that runs several groups
+at once must wait for admission and for its running groups together and yield each as it finishes,
+never sit in start_group() on a finished group (at run.max_staleness 0 that waits for a trainer step
+which needs exactly that group). `run_groups(fn)` is that loop; docs/rollouts.md shows it written out.
+A group given up on is `ctx.abandon(group)` (counted as failed). Groups still open when the function
+returns are counted as failed too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.sample import Sample
 from stages.rollout.engine import SamplingParams
-from stages.rollout.hooks import EngineHandle, HookError, blank_samples, check_samples, hook_name
+from stages.rollout.hooks import (
+    EngineCallError,
+    EngineHandle,
+    HookError,
+    blank_samples,
+    check_samples,
+    hook_name,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -51,6 +68,7 @@ class RolloutContext:
     _stop: Any = None
     _max_groups: int | None = None
     _open: dict[str, Group] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)  # run_groups' tasks (cancelled at the end)
 
     @property
     def prompts(self):
@@ -67,17 +85,85 @@ class RolloutContext:
         group = Group(
             group_id=gid,
             prompt=prompt,
-            samples=blank_samples(
-                group_id=gid,
-                prompt=prompt,
-                n=self.group_size,
-                generator_id=self._gen.id,
-                created_at=time.time(),
-            ),
+            samples=self._blanks(gid, prompt),
             engine_version=self._gen.engine.version,
         )
         self._open[gid] = group
         return group
+
+    def _blanks(self, gid: str, prompt) -> list[Sample]:
+        return blank_samples(
+            group_id=gid, prompt=prompt, n=self.group_size, generator_id=self._gen.id, created_at=time.time()
+        )
+
+    def open_groups(self) -> list[Group]:
+        """The groups started and not yet yielded or abandoned (each holds an admission place)."""
+        return list(self._open.values())
+
+    async def run_groups(
+        self, fn: Callable[[Group], Awaitable[list[Sample] | None]]
+    ) -> AsyncIterator[list[Sample]]:
+        """Start a group whenever admission lets one start, run `await fn(group)` on each at once, and
+        yield each group's samples as fn returns them (finished groups before the next start, so none is
+        held while admission waits). fn returns group.samples, filled, or None after ctx.abandon(group).
+        An EngineCallError from fn is retried rollout.engine_retries times on fresh blanks, then the group
+        is abandoned (counted as failed); any other exception is raised, naming fn."""
+        name = hook_name(fn)
+        retries = max(0, self._gen.cfg.rollout.engine_retries)
+        running: dict[asyncio.Task, tuple[Group, int]] = {}
+
+        def spawn(group: Group, attempt: int) -> None:
+            task = asyncio.ensure_future(fn(group))
+            self._tasks.add(task)
+            running[task] = (group, attempt)
+
+        starting: asyncio.Task | None = asyncio.ensure_future(self.start_group())
+        self._tasks.add(starting)
+        try:
+            while starting is not None or running:
+                waiting = {*running, *([starting] if starting is not None else [])}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in [t for t in done if t in running]:  # finished groups first
+                    group, attempt = running.pop(task)
+                    self._tasks.discard(task)
+                    try:
+                        samples = task.result()
+                    except EngineCallError as e:
+                        self._gen.counters["engine_errors"] += 1
+                        log.error(
+                            "group %s: engine error (attempt %d/%d): %s",
+                            group.group_id,
+                            attempt,
+                            1 + retries,
+                            e,
+                        )
+                        if attempt <= retries and group.group_id in self._open:
+                            group.samples = self._blanks(group.group_id, group.prompt)
+                            spawn(group, attempt + 1)
+                        else:
+                            self.abandon(group)
+                        continue
+                    except Exception as e:
+                        raise HookError(
+                            f"rollout.rollout_fn: {name} raised {type(e).__name__}: {e} (group {group.group_id})"
+                        ) from e
+                    if samples is None:
+                        self.abandon(group)  # given up by fn (a no-op if it abandoned it itself)
+                    else:
+                        yield samples
+                if starting is not None and starting in done:
+                    self._tasks.discard(starting)
+                    group, starting = starting.result(), None
+                    if group is not None:
+                        spawn(group, 1)
+                        starting = asyncio.ensure_future(self.start_group())
+                        self._tasks.add(starting)
+        finally:
+            pending = [t for t in (*running, starting) if t is not None]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self._tasks.difference_update(pending)
 
     def abandon(self, group: Group) -> None:
         """Give up a started group (it is counted as failed and frees its admission place)."""
@@ -111,6 +197,7 @@ async def run_rollout_fn(gen, stop_event: asyncio.Event | None, max_groups: int 
         _stop=stop_event,
         _max_groups=max_groups,
     )
+    gen.rollout_ctx = ctx
     stream = gen.rollout_fn(ctx)
     if not hasattr(stream, "__anext__"):
         raise HookError(
@@ -134,6 +221,9 @@ async def run_rollout_fn(gen, stop_event: asyncio.Event | None, max_groups: int 
             finally:
                 gen._running -= 1
     finally:
+        for task in list(ctx._tasks):  # run_groups' tasks, if the function returned without finishing it
+            task.cancel()
         for group in list(ctx._open.values()):  # started, never yielded
             ctx.abandon(group)
         await stream.aclose()
+        gen.rollout_ctx = None

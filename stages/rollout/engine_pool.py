@@ -63,7 +63,9 @@ class EnginePool(Engine):
         return cls(started)
 
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        load = [e.outstanding for e in self.engines]
+        # an engine being restarted (engine_watch) takes no new requests while another one is up
+        up = [not getattr(e, "restarting", False) for e in self.engines]
+        load = [e.outstanding if ok or not any(up) else float("inf") for e, ok in zip(self.engines, up)]
         parts: list[list[int]] = [[] for _ in self.engines]
         for i in range(len(requests)):
             k = min(range(len(load)), key=load.__getitem__)
@@ -127,7 +129,7 @@ class EnginePool(Engine):
         return self._each(lambda i, e: e.check_health())
 
     def restart_unhealthy(self) -> list[int]:
-        """Restart every engine that fails check_health(); returns their indices."""
+        """Restart every engine that fails check_health(), one after another; returns their indices."""
         bad = [i for i, ok in enumerate(self.check_health()) if not ok]
         for i in bad:
             self.engines[i].restart()

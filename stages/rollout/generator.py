@@ -16,7 +16,6 @@ Tokens carry the engine version, so the engine's (older) version is the one that
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import random
 import time
@@ -26,21 +25,18 @@ from pipeline.sample import Sample, Status
 from stages.reward.registry import RewardScorer
 from stages.rollout.build import build_engine, load_source
 from stages.rollout.engine import Engine, SamplingParams
+from stages.rollout.engine_watch import watch_for
 from stages.rollout.hooks import (
     FILTERS,
-    EngineCallError,
-    EngineHandle,
-    GenerateContext,
+    GenerateFn,
     GroupFilter,
-    HookError,
-    blank_samples,
-    check_samples,
+    apply_filter,
     hook_name,
+    is_unfilled,
     load_hook,
     nonzero_std,
     resolve_filter,
 )
-from stages.rollout.single_turn import single_turn
 
 log = logging.getLogger(__name__)
 __all__ = ["FILTERS", "Generator", "build_engine", "nonzero_std"]
@@ -62,8 +58,8 @@ class Generator:
     source / tokenizer / scorer / group_filter: override what cfg would build (tests, custom tasks)
 
     Each group is made by the generate_fn (rollout.generate_fn, default: single_turn), called once per
-    group or, with rollout.generate_per_sample, once per sample; what it returns is checked
-    (hooks.check_samples), scored, filtered and put.
+    group or, with rollout.generate_per_sample, once per sample (hooks.GenerateFn, which the evaluator
+    calls too); what it returns is checked (hooks.check_samples), scored, filtered and put.
     """
 
     def __init__(
@@ -88,11 +84,9 @@ class Generator:
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
         self.scorer = scorer or RewardScorer.from_config(r.reward)
         self.group_filter = group_filter if group_filter is not None else resolve_filter(r.filter)
-        self.generate_fn = load_hook(r.generate_fn, "rollout.generate_fn") if r.generate_fn else single_turn
+        self.generate = GenerateFn.from_config(r, self.tok)
         self.rollout_fn = load_hook(r.rollout_fn, "rollout.rollout_fn") if r.rollout_fn else None
-        self.generate_name = hook_name(self.generate_fn)
-        if not inspect.iscoroutinefunction(self.generate_fn):
-            raise HookError(f"rollout.generate_fn {self.generate_name}: must be an `async def` function")
+        self.rollout_ctx = None  # the RolloutContext while a rollout_fn runs (custom_loop.run_rollout_fn)
         stop_ids = tuple(r.sampling.stop_token_ids)
         self.params = SamplingParams(
             temperature=r.sampling.temperature,
@@ -132,6 +126,7 @@ class Generator:
         # thread also keeps groups reaching the buffer in the order they finished
         self._put_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{generator_id}-put")
         self._error: BaseException | None = None
+        self._watch = None  # the engine watch while run() runs (SGLang with rollout.sglang.health_check_s)
         self._started_at = time.perf_counter()
 
     # -- control ----------------------------------------------------------------------------------
@@ -184,13 +179,32 @@ class Generator:
             log.warning(
                 "generator %s: no new group for %.0fs: %d groups started at engine version %d is the most "
                 "run.max_staleness=%d allows until the trainer consumes them and pushes new weights; check "
-                "that a trainer is running against this buffer (and, standalone, --weights)",
+                "that a trainer is running against this buffer (and, standalone, --weights)%s",
                 self.id,
                 now - self._held_since,
                 self.counters["groups_started"],
                 self.engine.version,
                 self.max_staleness,
+                self._unyielded_note(),
             )
+
+    def _unyielded_note(self) -> str:
+        """In rollout_fn mode: how many started groups the function has not yielded (they hold their
+        admission places until it does)."""
+        if self.rollout_ctx is None:
+            return ""
+        groups = self.rollout_ctx.open_groups()
+        filled = sum(not any(is_unfilled(s) for s in g.samples) for g in groups)
+        note = (
+            f"; {len(groups)} started groups are not yet yielded by rollout.rollout_fn "
+            f"{hook_name(self.rollout_fn)} ({filled} of them filled)"
+        )
+        if filled:
+            note += (
+                ": a group counts against admission until it is yielded, so a rollout_fn must yield "
+                "finished groups while it waits in ctx.start_group() (docs/rollouts.md)"
+            )
+        return note
 
     async def _refresh_evicted(self) -> None:
         """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
@@ -211,6 +225,8 @@ class Generator:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         tasks: set[asyncio.Task] = set()
+        self._watch = watch_for(self.engine, self.cfg)  # restarts a dead SGLang server meanwhile
+        watching = asyncio.create_task(self._watch.run()) if self._watch else None
         try:
             if self.rollout_fn is not None:
                 from stages.rollout.custom_loop import run_rollout_fn
@@ -229,6 +245,9 @@ class Generator:
         finally:
             for t in tasks:
                 t.cancel()
+            if watching is not None:
+                watching.cancel()
+                self._watch.close()
             self._wake = None
         return self.stats()
 
@@ -296,7 +315,7 @@ class Generator:
 
     async def _put(self, samples: list[Sample]) -> None:
         """Filter a scored group and stream it to the sink (counted either way)."""
-        if self.group_filter is not None and not self.group_filter(samples):
+        if self.group_filter is not None and not apply_filter(self.group_filter, samples):
             self.counters["groups_filtered"] += 1
             return
         ack = await asyncio.get_running_loop().run_in_executor(self._put_thread, self.sink.put, samples)
@@ -309,54 +328,22 @@ class Generator:
     async def _generate(self, gid: str, prompt) -> list[Sample] | None:
         """The group's Samples from the generate_fn (None when the engine kept failing). An engine error
         is retried with fresh blanks; anything else the function raises, or a bad return, is raised."""
-        n = self.cfg.rollout.group_size
-        attempts = 1 + max(0, self.cfg.rollout.engine_retries)
-        for attempt in range(1, attempts + 1):
-            blanks = blank_samples(
-                group_id=gid, prompt=prompt, n=n, generator_id=self.id, created_at=time.time()
-            )
-            try:
-                samples = await self._call_generate_fn(gid, prompt, blanks)
-                if self._delay_mean:  # bench only: a long-tailed per-group latency
-                    await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
-                return samples
-            except EngineCallError as e:
-                self.counters["engine_errors"] += 1
-                log.error("group %s: engine error (attempt %d/%d): %s", gid, attempt, attempts, e)
-        return None
+        samples = await self.generate.with_retries(
+            gid=gid,
+            prompt=prompt,
+            n=self.cfg.rollout.group_size,
+            generator_id=self.id,
+            params=self.params,
+            engine=self.engine,
+            retries=self.cfg.rollout.engine_retries,
+            on_engine_error=self._count_engine_error,
+        )
+        if samples is not None and self._delay_mean:  # bench only: a long-tailed per-group latency
+            await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
+        return samples
 
-    async def _call_generate_fn(self, gid: str, prompt, blanks: list[Sample]) -> list[Sample]:
-        kwargs = self.cfg.rollout.generate_kwargs
-
-        def context(samples: list[Sample], rid: str) -> GenerateContext:
-            return GenerateContext(
-                prompt=prompt,
-                samples=samples,
-                params=self.params,
-                engine=EngineHandle(self.engine, rid),
-                tokenizer=self.tok,
-                kwargs=dict(kwargs),
-            )
-
-        try:
-            if self.cfg.rollout.generate_per_sample:
-                got = await asyncio.gather(
-                    *(self.generate_fn(context([b], b.uid)) for b in blanks), return_exceptions=True
-                )
-                errors = [g for g in got if isinstance(g, BaseException)]
-                if errors:  # an engine error anywhere retries the whole group
-                    raise next((e for e in errors if isinstance(e, EngineCallError)), errors[0])
-                got = [s for one in got for s in ([one] if isinstance(one, Sample) else one)]
-            else:
-                got = await self.generate_fn(context(blanks, gid))
-        except (EngineCallError, HookError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            raise HookError(
-                f"rollout.generate_fn {self.generate_name} raised {type(e).__name__}: {e} (group {gid}); "
-                "an engine error reaches it as EngineCallError, which it should let through"
-            ) from e
-        return check_samples(self.generate_name, got, blanks)
+    def _count_engine_error(self, _error: BaseException) -> None:
+        self.counters["engine_errors"] += 1
 
     async def _score(self, samples: list[Sample]) -> None:
         await score_samples(self.scorer, self.tok, samples)
@@ -377,6 +364,8 @@ class Generator:
         out.update(
             {f"engine_{k}": v for k, v in eng.items() if k in ("busy_s", "idle_s", "tokens", "updates")}
         )
+        if self._watch is not None:
+            out["engine_restarts"] = self._watch.restarts
         return out
 
     def state_dict(self) -> dict:

@@ -12,17 +12,26 @@ filter:       fn(samples: list[Sample]) -> bool                 (True keeps the 
 
 The generator hands generate_fn blank Samples (identity, prompt, label and metadata filled in) and
 expects them back with their response filled: `Conversation.fill(sample)` (stages/rollout/multiturn.py)
-or `fill_response(...)` below. Whatever comes back is checked here, and a bad return stops the run
-with an error naming the function, the sample and the field: a silent fix would train on garbage.
+or `fill_response(...)` below. A blank starts as `failed` with the error UNFILLED, which filling
+overwrites; a sample returned still carrying it is a bug in the hook. Whatever comes back is checked
+here, and a bad return stops the run with an error naming the function, the sample and the field: a
+silent fix would train on garbage.
+
+`GenerateFn` is the one way a generate_fn is called (the generator's training groups and the
+evaluator's prompts alike): once per group or once per sample, engine errors retried with fresh blanks,
+anything else it raises turned into a HookError naming it, its return checked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,8 @@ import numpy as np
 from pipeline.sample import F32, I32, U8, Sample, Status, pack
 from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class HookError(ValueError):
@@ -117,7 +128,31 @@ def resolve_filter(spec: str) -> GroupFilter | None:
             f"rollout.filter={spec!r}: expected {' or '.join(sorted(FILTERS))}, or 'module:function' "
             "taking the group's scored Samples and returning True to keep it"
         )
-    return load_hook(spec, "rollout.filter")
+    fn = load_hook(spec, "rollout.filter")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise HookError(
+            f"rollout.filter={spec!r}: must be a plain `def` returning True or False; an `async def` "
+            "returns a coroutine, which is always true, so every group would be kept"
+        )
+    return fn
+
+
+def apply_filter(fn: GroupFilter, samples: list[Sample]) -> bool:
+    """fn(samples) as a keep/drop decision; an exception or a return that is no decision (None, a
+    coroutine) is raised as a HookError naming the filter and the group."""
+    name, gid = hook_name(fn), samples[0].group_id if samples else "?"
+    try:
+        keep = fn(samples)
+    except Exception as e:
+        raise HookError(f"rollout.filter {name} raised {type(e).__name__}: {e} (group {gid})") from e
+    if keep is None or inspect.isawaitable(keep):
+        if inspect.iscoroutine(keep):
+            keep.close()  # never awaited: close it rather than leave a warning behind
+        raise HookError(
+            f"rollout.filter {name} returned {type(keep).__name__} for group {gid}; it must return True "
+            "(keep the group) or False (drop it), from a plain `def`"
+        )
+    return bool(keep)
 
 
 # -- what a generate_fn sees -------------------------------------------------------------------------
@@ -170,8 +205,18 @@ class GenerateContext:
         return self.samples[0]
 
 
+# the error of a blank Sample until it is filled: a hook that returns it as it was given has a bug
+UNFILLED = "not filled: returned as given (fill it with Conversation.fill or fill_response)"
+
+
+def is_unfilled(sample: Sample) -> bool:
+    """True while `sample` is still a blank (no fill_response / Conversation.fill, no failure set)."""
+    return sample.status == Status.FAILED and sample.error == UNFILLED
+
+
 def blank_samples(*, group_id: str, prompt, n: int, generator_id: str, created_at: float) -> list[Sample]:
-    """The group's Samples with identity and prompt fields set and an empty response."""
+    """The group's Samples with identity and prompt fields set and an empty response, marked unfilled
+    (status failed, error UNFILLED) until fill_response / Conversation.fill writes the response."""
     prompt_ids = pack(prompt.ids, I32)
     return [
         Sample(
@@ -185,6 +230,8 @@ def blank_samples(*, group_id: str, prompt, n: int, generator_id: str, created_a
             metadata=dict(prompt.metadata),
             generator_id=generator_id,
             created_at=created_at,
+            status=Status.FAILED,
+            error=UNFILLED,
         )
         for i in range(n)
     ]
@@ -200,8 +247,9 @@ def fill_response(
     status: Status = Status.COMPLETED,
     error: str = "",
 ) -> Sample:
-    """Set the response arrays of `sample` (in place; returned for convenience). loss_mask defaults to
-    all ones (every token is the model's)."""
+    """Set the response arrays, status and error of `sample` (in place; returned for convenience).
+    loss_mask defaults to all ones (every token is the model's). A sample that went wrong is filled too,
+    with status=Status.FAILED and the reason in `error` (its response may be empty)."""
     sample.response_ids = pack(response_ids, I32)
     sample.rollout_logprobs = pack(rollout_logprobs, F32)
     sample.versions = pack(versions, I32)
@@ -240,6 +288,14 @@ def check_samples(fn_name: str, got: Any, blanks: list[Sample]) -> list[Sample]:
                     f"generate_fn {fn_name}: sample {blank.uid} came back with another {name} "
                     f"({getattr(s, name)!r:.60}); fill the Samples of ctx.samples, do not make new ones"
                 )
+        if is_unfilled(s):
+            raise HookError(
+                f"generate_fn {fn_name}: sample {s.uid} was returned unfilled, as it was given; fill every "
+                "sample (Conversation.fill or fill_response; one that went wrong with status=Status.FAILED "
+                "and error=...)"
+            )
+        if s.error == UNFILLED:  # status set by hand, error left: the blank's marker is no reason
+            s.error = ""
         _check_arrays(fn_name, s)
         out.append(s)
     return out
@@ -249,3 +305,102 @@ def _check_arrays(fn_name: str, s: Sample) -> None:
     problem = s.array_problem()
     if problem:
         raise HookError(f"generate_fn {fn_name}: sample {s.uid}: {problem}")
+
+
+# -- calling a generate_fn ---------------------------------------------------------------------------
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """asyncio.gather, except that when one raises the others are cancelled (and waited for) before
+    the error is raised: a failing sample or prompt does not leave its siblings running."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class GenerateFn:
+    """A generate_fn bound to how it is called: once per group, or once per sample
+    (rollout.generate_per_sample), with the run's tokenizer and rollout.generate_kwargs.
+
+    Calling it makes one group's Samples from blanks: an engine error reaches the caller as
+    EngineCallError (to retry), anything else the function raises becomes a HookError naming it, and
+    what it returns is checked (check_samples). with_retries() adds the retry loop of rollout.engine_retries.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, per_sample: bool, kwargs: dict[str, Any], tokenizer: Any):
+        self.fn, self.name = fn, hook_name(fn)
+        if not inspect.iscoroutinefunction(fn):
+            raise HookError(f"rollout.generate_fn {self.name}: must be an `async def` function")
+        self.per_sample, self.kwargs, self.tokenizer = per_sample, dict(kwargs), tokenizer
+
+    @classmethod
+    def from_config(cls, rollout_cfg, tokenizer: Any) -> GenerateFn:
+        """rollout.generate_fn (default: the built-in single-turn generator) as the run calls it."""
+        from stages.rollout.single_turn import single_turn
+
+        spec = rollout_cfg.generate_fn
+        fn = load_hook(spec, "rollout.generate_fn") if spec else single_turn
+        return cls(
+            fn,
+            per_sample=rollout_cfg.generate_per_sample,
+            kwargs=rollout_cfg.generate_kwargs,
+            tokenizer=tokenizer,
+        )
+
+    async def __call__(
+        self, *, gid: str, prompt: Any, blanks: list[Sample], params: SamplingParams, engine: Engine
+    ) -> list[Sample]:
+        def context(samples: list[Sample], rid: str) -> GenerateContext:
+            return GenerateContext(
+                prompt=prompt,
+                samples=samples,
+                params=params,
+                engine=EngineHandle(engine, rid),
+                tokenizer=self.tokenizer,
+                kwargs=dict(self.kwargs),
+            )
+
+        try:
+            if self.per_sample:  # an error in one sample cancels the others (an engine error retries all)
+                got = await gather_or_cancel(*(self.fn(context([b], b.uid)) for b in blanks))
+                got = [s for one in got for s in ([one] if isinstance(one, Sample) else one)]
+            else:
+                got = await self.fn(context(blanks, gid))
+        except (EngineCallError, HookError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise HookError(
+                f"rollout.generate_fn {self.name} raised {type(e).__name__}: {e} (group {gid}); "
+                "an engine error reaches it as EngineCallError, which it should let through"
+            ) from e
+        return check_samples(self.name, got, blanks)
+
+    async def with_retries(
+        self,
+        *,
+        gid: str,
+        prompt: Any,
+        n: int,
+        generator_id: str,
+        params: SamplingParams,
+        engine: Engine,
+        retries: int,
+        on_engine_error: Callable[[EngineCallError], None] | None = None,
+    ) -> list[Sample] | None:
+        """The group's n Samples, or None when the engine failed on every one of 1 + retries attempts
+        (each attempt with fresh blanks; each failure logged and passed to on_engine_error)."""
+        attempts = 1 + max(0, retries)
+        for attempt in range(1, attempts + 1):
+            blanks = blank_samples(
+                group_id=gid, prompt=prompt, n=n, generator_id=generator_id, created_at=time.time()
+            )
+            try:
+                return await self(gid=gid, prompt=prompt, blanks=blanks, params=params, engine=engine)
+            except EngineCallError as e:
+                log.error("group %s: engine error (attempt %d/%d): %s", gid, attempt, attempts, e)
+                if on_engine_error is not None:
+                    on_engine_error(e)
+        return None

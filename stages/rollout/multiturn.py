@@ -16,13 +16,20 @@ Rules (each one a known source of wrong training data in multi-turn RL):
 - The response (model and environment tokens) never exceeds its budget: what would pass it is cut
   off and the sample ends `truncated`. A tool that raises or times out ends the sample `failed`, the
   reason in `error` and metadata["failure"]; the other samples of the group are not affected.
+- Sync tools run in a thread pool of their own (TOOL_THREADS threads), not the event loop's default
+  executor, which the reward scorer and the buffer polling use: a tool that hangs past its timeout
+  keeps its thread until it returns, and can only starve other tool calls (which then time out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.sample import Sample, Status
@@ -30,6 +37,20 @@ from stages.rollout.engine import GenResult, SamplingParams
 from stages.rollout.hooks import EngineHandle, fill_response
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+TOOL_THREADS = 32  # threads for sync tools, per process (shared by every conversation)
+_tool_pool: ThreadPoolExecutor | None = None
+_tool_pool_lock = threading.Lock()
+
+
+def _tool_executor() -> ThreadPoolExecutor:
+    global _tool_pool
+    with _tool_pool_lock:
+        if _tool_pool is None:
+            _tool_pool = ThreadPoolExecutor(max_workers=TOOL_THREADS, thread_name_prefix="slipstream-tool")
+        return _tool_pool
+
+
 _MARK = "\x1fslipstream-turn\x1f"  # dummy assistant content; found again in the rendered text
 
 
@@ -195,14 +216,18 @@ class Conversation:
         self._last_stop = None
 
     async def call_tool(self, fn: Callable[..., Any], *args, timeout_s: float = 30.0, **kwargs) -> Any:
-        """fn(*args, **kwargs) (sync in a worker thread, or async), within timeout_s. If it raises or
-        times out the sample ends failed, with the reason in `error` and metadata["failure"], and None
-        is returned. (A timed-out thread cannot be stopped; it is abandoned, its result ignored.)"""
+        """fn(*args, **kwargs) (async, or sync in a thread of the tools' own pool of TOOL_THREADS),
+        within timeout_s (for a sync tool, time queued for a thread included). If it raises or times out
+        the sample ends failed, with the reason in `error` and metadata["failure"], and None is returned.
+        A timed-out async tool is cancelled; a timed-out sync tool cannot be stopped: it keeps its pool
+        thread until it returns (its result is ignored), so a tool that can hang should time out itself."""
         name = getattr(fn, "__name__", "tool")
         try:
             if asyncio.iscoroutinefunction(fn):
                 return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
+            call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+            running = asyncio.get_running_loop().run_in_executor(_tool_executor(), call)
+            return await asyncio.wait_for(running, timeout_s)
         except TimeoutError:
             self.fail(f"tool {name} timed out after {timeout_s:g}s")
         except Exception as e:

@@ -139,6 +139,7 @@ class SGLangEngine(Engine):
         self._finalizer: weakref.finalize | None = None
         self._update_lock = threading.RLock()
         self.outstanding = 0  # requests sent and not yet answered
+        self.restarting = False  # True while restart() relaunches the server
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self.last_update: dict[str, float] = {}
         self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
@@ -239,9 +240,13 @@ class SGLangEngine(Engine):
         """
         with self._update_lock:
             t0 = time.perf_counter()
-            self._stop()
-            path, version = self._resync_source()
-            self.start(path, version)
+            self.restarting = True  # the pool sends new requests elsewhere meanwhile
+            try:
+                self._stop()
+                path, version = self._resync_source()
+                self.start(path, version)
+            finally:
+                self.restarting = False
             self.restarts += 1
             secs = time.perf_counter() - t0
             log.warning("%s: restarted at version %d from %s in %.1fs", self.name, version, path, secs)

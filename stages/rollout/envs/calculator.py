@@ -19,36 +19,39 @@ the whole budget, rollout.sampling.max_new_tokens).
 from __future__ import annotations
 
 import ast
-import asyncio
 import functools
 import operator
 import re
 from fractions import Fraction
 
 from pipeline.sample import Sample
-from stages.rollout.hooks import GenerateContext
+from stages.rollout.hooks import GenerateContext, gather_or_cancel
 from stages.rollout.multiturn import Conversation, TurnTemplate
 
 TOOL_CALL = re.compile(r"<tool>(.*?)</tool>", re.S)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPRESSION_CHARS = 200
+MAX_EXACT = 10**100  # integers below this are written out; larger values as floats (e.g. 1.5e+120)
 
 
 def calculate(expression: str) -> str:
     """The value of an arithmetic expression (numbers, + - * /, parentheses, unary minus), exact
-    (fractions), as text. A malformed expression is the model's mistake, not the tool's: it gets an
-    "error: ..." result to read, as a real tool would answer, rather than failing the sample."""
+    (fractions), as text. A malformed expression, a division by zero or a number out of range is the
+    model's mistake, not the tool's: it gets an "error: ..." result to read, as a real tool would
+    answer, rather than failing the sample."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         return f"error: expression longer than {MAX_EXPRESSION_CHARS} characters"
     try:
         value = _eval(ast.parse(expression.strip(), mode="eval").body)
+        if value.denominator == 1 and abs(value.numerator) < MAX_EXACT:
+            return str(value.numerator)
+        return f"{float(value):.6g}"
     except ZeroDivisionError:
         return "error: division by zero"
+    except ArithmeticError:  # OverflowError: 1e999 (infinite), or a result past the float range
+        return "error: number out of range"
     except (SyntaxError, ValueError, TypeError):
         return "error: syntax"
-    if value.denominator == 1:
-        return str(value.numerator)
-    return f"{float(value):.6g}"
 
 
 def _eval(node: ast.AST) -> Fraction:
@@ -101,5 +104,6 @@ async def episode(ctx: GenerateContext, sample: Sample, tool=calculate) -> Sampl
 
 
 async def generate(ctx: GenerateContext) -> list[Sample]:
-    """generate_fn: the episodes of a group (or of one sample) run at once; the engine batches them."""
-    return list(await asyncio.gather(*(episode(ctx, s) for s in ctx.samples)))
+    """generate_fn: the episodes of a group (or of one sample) run at once; the engine batches them.
+    An engine error in one episode cancels the others (the group is retried whole)."""
+    return list(await gather_or_cancel(*(episode(ctx, s) for s in ctx.samples)))
