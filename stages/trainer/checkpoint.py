@@ -1,8 +1,8 @@
 """Trainer checkpoints: megatron distributed checkpoints (model + optimizer state, any TP/PP/DP
 layout) plus a small `trainer_state.json` with the policy version.
 
-Layout: <run dir>/checkpoints/step_<version>/ (megatron dist_checkpointing folder + trainer_state.json)
-and <run dir>/checkpoints/latest (the folder name, replaced atomically only after the save finished,
+Layout: <run dir>/checkpoints/step_<version>/ (megatron dist_checkpointing folder + trainer_state.json,
+and with advantage=ppo the critic's own dist_checkpointing folder `critic/` inside it) and <run dir>/checkpoints/latest (the folder name, replaced atomically only after the save finished,
 so a crash mid-save resumes from the previous one). Resume continues at the next version. The buffer
 remembers what it handed out, so a resumed trainer reuses no sample; samples consumed after the last
 checkpoint are lost to training, never trained twice.
@@ -17,7 +17,7 @@ import shutil
 
 import torch.distributed as dist
 
-from stages.trainer import cpu_shim
+from stages.trainer import cpu_shim, critic
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,25 @@ def save(trainer) -> str:
     dist.barrier()
     with cpu_shim.device_mode():
         dist_checkpointing.save(_sharded(trainer, False), path)
+    has_critic = getattr(trainer, "critic", None) is not None
+    if has_critic:  # its own folder (megatron wants an empty one), made after the policy's save
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(path, "critic"))
+        dist.barrier()
+        with cpu_shim.device_mode():
+            dist_checkpointing.save(
+                critic.sharded_state_dict(trainer.critic, False), os.path.join(path, "critic")
+            )
     dist.barrier()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # written last: its presence marks the whole checkpoint complete
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
-            json.dump({"version": trainer.version, "model_path": trainer.policy.model_path}, f)
+            state = {
+                "version": trainer.version,
+                "model_path": trainer.policy.model_path,
+                "critic": has_critic,
+            }
+            json.dump(state, f)
         tmp = os.path.join(_root(trainer), "latest.tmp")
         with open(tmp, "w") as f:
             f.write(name)
@@ -115,11 +130,23 @@ def load_latest(trainer) -> dict | None:
             "(its optimizer-state loader); set trainer.distributed_optimizer=false (the default) to resume, "
             "or trainer.resume=false to start fresh"
         )
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    value_model = getattr(trainer, "critic", None)
+    if value_model is not None and not state.get("critic"):
+        raise ValueError(
+            f"{path} has no critic (it was saved without trainer.loss.advantage=ppo), which this run trains: "
+            "set trainer.resume=false to start fresh, or resume with the checkpoint's advantage estimator"
+        )
     with cpu_shim.device_mode():
         loaded = dist_checkpointing.load(_sharded(trainer, True), path)
         trainer.policy.model.module.load_state_dict(loaded["model"])
         trainer.optimizer.load_state_dict(loaded["optimizer"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
+        if value_model is not None:
+            loaded = dist_checkpointing.load(
+                critic.sharded_state_dict(value_model, True), os.path.join(path, "critic")
+            )
+            value_model.model.module.load_state_dict(loaded["model"])
+            value_model.optimizer.load_state_dict(loaded["optimizer"])
     log.info("resumed from %s at version %s", path, state["version"])
     return state

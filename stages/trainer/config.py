@@ -15,13 +15,24 @@ class LossConfig(_Base):
     """Conventions that differ between frameworks are keys here whose defaults are slime's; the values
     that reproduce this project before issue #16 are named in the comments (docs/algorithms.md)."""
 
-    advantage: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = "grpo"
+    # ppo: GAE against a critic (a value model trained beside the policy: stages/trainer/critic.py)
+    advantage: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"] = "grpo"
     grpo_std_norm: bool = True  # divide group-centred rewards by the group std
     # group std of grpo / gspo: unbiased = Bessel-corrected torch.std (slime, verl); population = before #16
     grpo_std: Literal["population", "unbiased"] = "unbiased"
     # REINFORCE++ whitening: token = over all trained tokens, Bessel-corrected (slime, verl, OpenRLHF);
     # sample = over samples, population std (before #16)
     reinforce_pp_whiten: Literal["token", "sample"] = "token"
+    # discount of the per-token returns (reinforce_pp) and of GAE (ppo); 1 = slime's default
+    gamma: float = 1.0
+    lambd: float = 1.0  # GAE's lambda (ppo only); slime's --lambd, default 1
+    # k1 KL to the reference per token, times this, subtracted from the reward (the REINFORCE++ paper's and
+    # slime's --kl-coef; reinforce_pp, reinforce_pp_baseline, ppo). 0 = off (slime's default)
+    kl_in_reward_coef: float = 0.0
+    value_clip: float = 0.2  # ppo: the critic's value may move this far from its old value (slime's 0.2)
+    # ppo advantages: none (slime's default, --normalize-advantages off) or token = whitened over the batch's
+    # trained tokens (verl, OpenRLHF, slime --normalize-advantages)
+    ppo_whiten: Literal["none", "token"] = "none"
     dual_clip: float = 0.0  # dual-clip PPO's c (> 1; verl uses 3): caps the loss of A < 0 tokens at -c A
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28  # asymmetric upper clip (DAPO clip-higher); = eps_clip for symmetric
@@ -44,6 +55,33 @@ class LossConfig(_Base):
     mis_high: float = 2.0
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Also called by the Trainer: tests and tools set fields after construction."""
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            raise ValueError("trainer.loss.gamma and trainer.loss.lambd must be in [0, 1] (1 and 1: slime's)")
+        if self.kl_in_reward_coef < 0 or self.value_clip <= 0:
+            raise ValueError("trainer.loss.kl_in_reward_coef must be >= 0 and trainer.loss.value_clip > 0")
+        returns = self.advantage in ("reinforce_pp", "ppo")  # estimators with per-token returns
+        if self.gamma != 1 and not returns:
+            raise ValueError(
+                f"trainer.loss.gamma={self.gamma} discounts returns of advantage reinforce_pp or ppo only; "
+                f"advantage={self.advantage} has no per-token return: set gamma=1"
+            )
+        if self.lambd != 1 and self.advantage != "ppo":
+            raise ValueError(f"trainer.loss.lambd is GAE's (advantage=ppo); set lambd=1 for {self.advantage}")
+        if self.kl_in_reward_coef and self.advantage in ("grpo", "gspo"):
+            raise ValueError(
+                f"trainer.loss.kl_in_reward_coef puts the KL into per-token rewards (reinforce_pp, "
+                f"reinforce_pp_baseline, ppo); for advantage={self.advantage} use kl_coef (the KL in the loss)"
+            )
+        if (self.kl_in_reward_coef or self.gamma != 1) and self.advantage.startswith("reinforce_pp"):
+            if self.reinforce_pp_whiten != "token":
+                raise ValueError(
+                    "trainer.loss.kl_in_reward_coef and gamma make per-token returns, which "
+                    "reinforce_pp_whiten=sample cannot whiten per sample: set reinforce_pp_whiten=token"
+                )
         if not 0 <= self.eps_clip < 1 or self.eps_clip_high < 0:
             raise ValueError("trainer.loss.eps_clip must be in [0, 1) and eps_clip_high >= 0")
         if self.tis_cap <= 0 or not 0 <= self.tis_low <= self.tis_cap:
@@ -107,6 +145,9 @@ class TrainerConfig(_Base):
     # the second update on). The policy version still advances once per batch.
     ppo_epochs: int = 1
     mini_batches: int = 1
+    # learning rate of the critic (trainer.loss.advantage=ppo); None = trainer.lr (slime's --critic-lr). It
+    # follows the policy's schedule (warmup, cosine), scaled by critic_lr / lr
+    critic_lr: float | None = None
     recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
     # the card's bf16 peak in TFLOP/s for the perf/mfu metric (0: not logged); an H100 SXM measured ~800
     # on an 8192^3 matmul (bench/trainer_gpu.py prints the peak it measures)
@@ -123,6 +164,9 @@ class TrainerConfig(_Base):
         return self.tp * self.pp * self.cp * self.dp
 
     def __post_init__(self):
+        check_critic_layout(self)
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise ValueError("trainer.critic_lr must be >= 0, or null for trainer.lr")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ValueError("trainer.ppo_epochs and trainer.mini_batches must be >= 1 (1 and 1: one update)")
         if self.peak_tflops < 0:
@@ -146,3 +190,21 @@ class TrainerConfig(_Base):
             )
         if self.logits_chunk_tokens < 1:
             raise ValueError("trainer.logits_chunk_tokens must be >= 1 (try 2048)")
+
+
+def check_critic_layout(tc: TrainerConfig) -> None:
+    """The critic (advantage=ppo) is built and tested for TP and DP; refuse the layouts it does not support
+    rather than train a wrong value model."""
+    if tc.loss.advantage != "ppo":
+        return
+    fixes = (
+        ("trainer.pp=1", tc.pp > 1),
+        ("trainer.cp=1", tc.cp > 1),
+        ("trainer.sequence_parallel=false", tc.sequence_parallel),
+    )
+    bad = [fix for fix, on in fixes if on]
+    if bad:
+        raise ValueError(
+            f"trainer.loss.advantage=ppo trains a critic, which supports trainer.tp and trainer.dp only; "
+            f"set {', '.join(bad)}, or use an estimator without a critic (grpo, gspo, reinforce_pp)"
+        )

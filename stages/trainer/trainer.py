@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
-from stages.trainer import checkpoint, cpu_shim, losses
+from stages.trainer import checkpoint, cpu_shim, critic, losses
+from stages.trainer.config import check_critic_layout
 from stages.trainer.context_parallel import cp_info, local_positions, local_view
 from stages.trainer.lm_head import head_logprobs
 from stages.trainer.model import (
@@ -51,6 +52,8 @@ class Trainer:
 
         self.cfg, self.tc = cfg, cfg.trainer
         self.source, self.sender, self.run_dir = source, sender, str(run_dir)
+        self.tc.loss.validate()  # again: fields may have been set after the config was built
+        check_critic_layout(self.tc)
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
         init_distributed(self.tc.tp, self.tc.pp, seed=cfg.run.seed, cp=self.tc.cp)
@@ -88,7 +91,7 @@ class Trainer:
             model_path, **arch, recompute=self.tc.recompute, distributed_optimizer=self.dist_opt
         )
         self.ref = None
-        if self.tc.loss.kl_coef > 0:  # frozen initial policy for the KL term
+        if self.tc.loss.kl_coef > 0 or self.tc.loss.kl_in_reward_coef > 0:  # frozen initial policy for the KL
             self.ref = build_policy(model_path, **arch, ddp=False)
             unwrap(self.ref.model).eval().requires_grad_(False)
         opt_cfg = OptimizerConfig(
@@ -105,8 +108,13 @@ class Trainer:
         )
         with cpu_shim.device_mode():
             self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
+        self.critic = None
+        if self.tc.loss.advantage == "ppo":  # the value model, same build settings and parallelism
+            self.critic = critic.build_critic(model_path, arch, opt_cfg, self.tc, self.device)
         if self.device.type == "cuda":
             use_fused_adam(self.optimizer)
+            if self.critic is not None:
+                use_fused_adam(self.critic.optimizer)
         self.temperature = cfg.rollout.sampling.temperature
         self.version = 0
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
@@ -191,36 +199,69 @@ class Trainer:
                 f"{batch.column('uid').to_pylist()[:3]}): nothing to train on; check the engine's "
                 "max_new_tokens and why generation ended at once"
             )
-        # per token [T] (REINFORCE++ whitens over tokens), from the whole batch on every rank: the
-        # statistics need no collective
-        adv = losses.token_advantages(
-            tb.rewards,
-            losses.group_ids_to_index(tb.group_ids),
-            tb.seq,
-            tb.mask,
-            self.tc.loss,
-            valid=tb.trainable,
-        )
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
         mbs = self._pack(tb, shard)
         # logp_old = the current weights' logprobs, before the update. With one optimizer step per batch
         # the training forward computes exactly these (same weights, no dropout), so by default they
         # are taken from it (detached) instead of from a second forward over the batch
         updates = self.tc.ppo_epochs * self.tc.mini_batches
-        # several updates need logp_old of the weights before the first: only a separate pass has it
-        separate = self.tc.old_logprobs == "separate_pass" or updates > 1
+        # several updates need logp_old of the weights before the first, and the KL in the reward needs it
+        # before the advantage: only a separate pass has it then
+        separate = (
+            self.tc.old_logprobs == "separate_pass" or updates > 1 or self.tc.loss.kl_in_reward_coef > 0
+        )
         old = self._logprobs(self.policy.model, tb, mbs) if separate else None
         ref = self._logprobs(self.ref.model, tb, mbs) if self.ref is not None else None
+        adv, value_batch = self._advantages(tb, mbs, old, ref)
         if updates == 1:
             stats, old = self._train(tb, mbs, adv, old, ref)
+            if value_batch is not None:
+                _accumulate(stats, critic.update(self, tb, mbs, *value_batch, count_unpacked=True))
         else:
-            stats, old = self._train_updates(tb, shard, adv, old, ref), old.cpu()
+            stats, old = self._train_updates(tb, shard, adv, old, ref, value_batch), old.cpu()
         stats.update(_engine_mismatch(tb, old, shard, self.version))
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
+        if value_batch is not None:  # the critic's values of this batch before its update
+            on = (tb.mask > 0) & tb.trainable[tb.seq]
+            metrics["critic/value_mean"] = float(value_batch[0][on].mean()) if on.any() else 0.0
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
         return metrics
+
+    def _advantages(self, tb: TokenBatch, mbs, old, ref):
+        """Per-token advantages [T] of the whole batch, the same on every rank, and for ppo the critic's
+        (values, returns) [T]. The statistics (whitening, group means) are over the whole batch, so the
+        per-token inputs computed per shard (logp_old, logp_ref, values) are gathered first."""
+        lc = self.tc.loss
+        kl = None
+        if lc.kl_in_reward_coef:  # k1 per token, as the REINFORCE++ paper and slime put it into the reward
+            kl = losses.kl_penalty(self._batch_whole(old), self._batch_whole(ref), "k1")
+        groups = losses.group_ids_to_index(tb.group_ids)
+        if self.critic is None:
+            adv = losses.token_advantages(tb.rewards, groups, tb.seq, tb.mask, lc, valid=tb.trainable, kl=kl)
+            return adv, None
+        values = self._batch_whole(critic.values(self, tb, mbs))
+        adv, returns = losses.ppo_advantages(
+            tb.rewards, tb.seq, tb.mask, values, lc, valid=tb.trainable, kl=kl
+        )
+        return adv, (values, returns)
+
+    def _batch_whole(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token values [T] this rank filled for its DP shard (on the last PP stage; whole sequences
+        on every CP rank after _cp_whole) -> the whole batch's, on every rank, on the CPU: one all-reduce
+        to which exactly one rank contributes each token."""
+        from megatron.core import parallel_state as ps
+
+        x = per_token.detach().clone()
+        if dist.get_world_size() > 1:
+            own = (
+                ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and self.cp_rank == 0
+            )
+            if not own:
+                x.zero_()
+            dist.all_reduce(x)
+        return x.cpu()
 
     def _perf(self, tokens: float, seconds: float, separate_pass: bool) -> dict:
         """Model TFLOP/s per GPU (or process) in the 6 x params x tokens convention (fwd + bwd; 8 x with
@@ -240,6 +281,13 @@ class Trainer:
         return out
 
     def _set_lr(self) -> float:
+        lr = self._lr_now()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _lr_now(self) -> float:
+        """The policy's learning rate at this version (warmup, then constant or cosine)."""
         s, tc = self.version, self.tc
         if tc.warmup_steps and s < tc.warmup_steps:
             lr = tc.lr * (s + 1) / tc.warmup_steps
@@ -248,8 +296,6 @@ class Trainer:
         else:  # cosine from lr to min_lr over the run
             frac = min(1.0, (s - tc.warmup_steps) / max(1, self.cfg.run.steps - tc.warmup_steps))
             lr = tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * frac))
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         return lr
 
     def _run_schedule(self, model, mbs, loss_fn, forward_only: bool):
@@ -341,10 +387,11 @@ class Trainer:
         )
         return [local_view(mb, self.cp, self.cp_rank) for mb in mbs] if self.cp > 1 else mbs
 
-    def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref) -> dict:
-        """trainer.ppo_epochs x trainer.mini_batches optimizer updates on one batch. Statistics are
+    def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref, value_batch=None) -> dict:
+        """trainer.ppo_epochs x trainer.mini_batches optimizer updates on one batch (each followed by the
+        critic's on the same mini-batch, with `value_batch` = (old values, returns)). Statistics are
         summed over the updates (token means stay means; tokens/trained counts each update's tokens);
-        grad_norm and lr are their means."""
+        grad norms and lr are their means."""
         m = self.tc.mini_batches
         if len(shard) < m:
             raise ValueError(
@@ -356,11 +403,15 @@ class Trainer:
         acc: dict = {}
         for epoch in range(self.tc.ppo_epochs):
             for i, mbs in enumerate(packed):
-                st, _ = self._train(tb, mbs, adv, old, ref, count_unpacked=epoch == 0 and i == 0)
+                first = epoch == 0 and i == 0
+                st, _ = self._train(tb, mbs, adv, old, ref, count_unpacked=first)
                 _accumulate(acc, st)
+                if value_batch is not None:
+                    _accumulate(acc, critic.update(self, tb, mbs, *value_batch, count_unpacked=first))
         n = self.tc.ppo_epochs * m
-        for k in ("sum/grad_norm", "sum/lr"):
-            acc[k] = acc[k] / n
+        for k in ("sum/grad_norm", "sum/lr", "sum/critic_grad_norm"):
+            if k in acc:
+                acc[k] = acc[k] / n
         return acc
 
     def _train(
@@ -442,13 +493,13 @@ class Trainer:
         acc["sum/lr"] = torch.tensor(lr)
         return acc, (self._cp_whole(old) if from_train else old).cpu()
 
-    def _loss_and_grads_finite(self, acc: dict) -> bool:
-        """The step's loss and every gradient are finite, agreed by all ranks (TP/PP ranks hold
-        different gradient shards; DP replicas hold the same reduced ones)."""
+    def _loss_and_grads_finite(self, acc: dict, model=None) -> bool:
+        """The step's loss and every gradient of `model` (the policy's by default) are finite, agreed by
+        all ranks (TP/PP ranks hold different gradient shards; DP replicas hold the same reduced ones)."""
         bad = torch.zeros((), device=self.device)
         if "sum/loss_num" in acc:
             bad += (~torch.isfinite(acc["sum/loss_num"].to(self.device))).float()
-        model = self.policy.model
+        model = self.policy.model if model is None else model
         buffers = model.buffers if isinstance(getattr(model, "buffers", None), list) else []
         for buf in buffers + list(getattr(model, "expert_parallel_buffers", [])):
             # the sum is NaN/inf exactly when an element is (fp32 gradients never add up to 3e38); unlike
@@ -478,7 +529,8 @@ class Trainer:
                     v, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
                 )
             red.update(zip(keys, v.tolist()))
-        dp_div = max(1, self.dp * self.cp)  # grad_norm / lr were summed over the DP and CP ranks of the last stage
+        # grad norms / lr were summed over the DP and CP ranks of the last stage
+        dp_div = max(1, self.dp * self.cp)
         ntok = max(red.get("sum/tokens", 0.0), 1.0)
         stale = (self.version - 1) - _min_versions(tb)
         m = {
@@ -502,6 +554,7 @@ class Trainer:
             "entropy": red.get("sum/entropy", 0.0) / ntok,
             # KL(policy || reference) estimate (trainer.loss.kl_type), token mean over trained tokens
             **({"kl/value": red["sum/kl"] / ntok} if self.ref is not None else {}),
+            **(self._critic_metrics(red, dp_div) if self.critic is not None else {}),
             "staleness/mean": float(stale.float().mean()),
             "staleness/max": float(stale.max()),
             **{
@@ -519,6 +572,16 @@ class Trainer:
             "samples": tb.n,
         }
         return m
+
+    @staticmethod
+    def _critic_metrics(red: dict, dp_div: int) -> dict:
+        return {
+            "critic/value_loss": red["sum/value_loss_num"] / max(red["sum/value_loss_den"], 1.0),
+            # tokens whose value moved more than trainer.loss.value_clip from the value before the update
+            "critic/clip_frac": red["sum/value_clipped"] / max(red["sum/value_tokens"], 1.0),
+            "critic/grad_norm": red["sum/critic_grad_norm"] / dp_div,
+            "critic/skipped": float(red["sum/critic_skipped"] > 0),
+        }
 
     # -- after the step: announce, push, checkpoint --------------------------------------------------
     def after_step(self, metrics: dict) -> None:
@@ -644,6 +707,12 @@ STAT_KEYS = (
     "sum/loss_den",
     "sum/grad_norm",
     "sum/lr",
+    "sum/value_loss_num",
+    "sum/value_loss_den",
+    "sum/value_clipped",
+    "sum/value_tokens",
+    "sum/critic_grad_norm",
+    "sum/critic_skipped",
 )
 
 
