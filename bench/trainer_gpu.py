@@ -252,7 +252,7 @@ def run_hf(shape, path, a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.trainer import losses
+    from stages.trainer import advantages
 
     # SDPA's cuDNN backend builds a new plan for every new sequence length (~4 ms of CPU per backward call
     # here, and every micro-batch has another length): the flash backend gives the HF loop its best time
@@ -309,8 +309,8 @@ def run_hf(shape, path, a) -> dict:
             prof.__enter__()
         samples = workload(shape, a, vocab, step)
         r = torch.tensor([s.reward for s in samples])
-        g = losses.group_ids_to_index([s.group_id for s in samples])
-        adv = dict(zip([s.uid for s in samples], losses.advantages(r, g).tolist()))
+        g = advantages.group_ids_to_index([s.group_id for s in samples])
+        adv = dict(zip([s.uid for s in samples], advantages.advantages(r, g).tolist()))
         mbs = [tensors(b, adv) for b in batches(samples)]
         ntok = sum(len(s.array("prompt_ids")) + len(s.array("response_ids")) for s in samples)
         torch.cuda.synchronize()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import RunConfig
+from stages.trainer import advantages as A
 from stages.trainer import losses as L
 from stages.trainer.config import LossConfig, TrainerConfig
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
@@ -28,13 +29,13 @@ def test_gae_over_a_masked_sequence():
     seq = T([0, 0, 0, 0, 1, 1])
     mask = T([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
     values = T([0.5, 0.6, 100.0, 0.8, 0.1, -0.2])
-    reward = L.token_rewards(T([1.0, 0.0]), seq, mask)
+    reward = A.token_rewards(T([1.0, 0.0]), seq, mask)
     close(reward, [0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    adv, ret = L.gae(reward, values, seq, mask, 2, gamma=0.9, lambd=0.8)
+    adv, ret = A.gae(reward, values, seq, mask, 2, gamma=0.9, lambd=0.8)
     close(adv, [0.23008, 0.264, 0.0, 0.2, -0.136, 0.2])
     close(ret, [0.73008, 0.864, 0.0, 1.0, -0.036, 0.0])
     # gamma = lambda = 1 (slime's defaults): A_t = reward - V_t, R_t = reward on every trained token
-    adv, ret = L.gae(reward, values, seq, mask, 2, gamma=1.0, lambd=1.0)
+    adv, ret = A.gae(reward, values, seq, mask, 2, gamma=1.0, lambd=1.0)
     close(adv, [0.5, 0.4, 0.0, 0.2, -0.1, 0.2])
     close(ret, [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
 
@@ -44,12 +45,12 @@ def test_ppo_advantages_with_kl_in_the_reward_and_whitening():
     # A = [-.1 + 1.1 - .3, 1.1 - .4] = [.7, .7]; R = [1.0, 1.1]
     seq, mask, values = T([0, 0]), T([1.0, 1.0]), T([0.3, 0.4])
     cfg = LossConfig(advantage="ppo", kl_in_reward_coef=0.2)
-    adv, ret = L.ppo_advantages(T([1.0]), seq, mask, values, cfg, kl=T([0.5, -0.5]))
+    adv, ret = A.ppo_advantages(T([1.0]), seq, mask, values, cfg, kl=T([0.5, -0.5]))
     close(adv, [0.7, 0.7])
     close(ret, [1.0, 1.1])
     # ppo_whiten=token: A = [.1, .6] -> mean .35, Bessel var .125 -> -+ .25 / sqrt(.125)
     cfg = LossConfig(advantage="ppo", ppo_whiten="token")
-    adv, _ = L.ppo_advantages(T([1.0]), seq, mask, T([0.9, 0.4]), cfg)
+    adv, _ = A.ppo_advantages(T([1.0]), seq, mask, T([0.9, 0.4]), cfg)
     close(adv, [-0.25 / (0.125 + 1e-8) ** 0.5, 0.25 / (0.125 + 1e-8) ** 0.5])
 
 

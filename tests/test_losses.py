@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from stages.trainer import advantages as A
 from stages.trainer import losses as L
 from stages.trainer.config import LossConfig
 
@@ -20,29 +21,29 @@ def close(a, b, tol=1e-5):
 def test_grpo_advantages():
     # population std (grpo_std=population, before #16): group 0: rewards 1, 0 -> mean .5, std .5 -> +1, -1;
     # group 1: 2, 2, 5 -> mean 3, std sqrt(2)
-    adv = L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std="population")
+    adv = A.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std="population")
     s = math.sqrt(2.0)
     close(adv, [1.0, -1.0, -1 / s, -1 / s, 2 / s])
     # unbiased (the default, slime / verl): group 0 std sqrt(.5); group 1 var (1 + 1 + 4) / 2 = 3
-    adv = L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo")
+    adv = A.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo")
     s = math.sqrt(3.0)
     close(adv, [1 / math.sqrt(2.0), -1 / math.sqrt(2.0), -1 / s, -1 / s, 2 / s])
     close(
-        L.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std_norm=False),
+        A.advantages(T([1.0, 0.0, 2.0, 2.0, 5.0]), T([0, 0, 1, 1, 1]), "grpo", std_norm=False),
         [0.5, -0.5, -1.0, -1.0, 2.0],
     )
-    close(L.advantages(T([3.0, 3.0]), T([0, 0]), "grpo"), [0.0, 0.0])  # equal rewards: no signal, no NaN
+    close(A.advantages(T([3.0, 3.0]), T([0, 0]), "grpo"), [0.0, 0.0])  # equal rewards: no signal, no NaN
 
 
 def test_reinforce_pp_advantages():
     # the per-sample convention (reinforce_pp_whiten=sample, before #16), population std
     # no baseline: whiten [1, 0, 0, 3] (mean 1, std sqrt(1.5))
     s = math.sqrt(1.5)
-    close(L.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp"), [0, -1 / s, -1 / s, 2 / s])
+    close(A.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp"), [0, -1 / s, -1 / s, 2 / s])
     # group baseline first: [.5, -.5, -1.5, 1.5] -> mean 0, std sqrt(1.25)
     s = math.sqrt(1.25)
     close(
-        L.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp_baseline"),
+        A.advantages(T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1]), "reinforce_pp_baseline"),
         [0.5 / s, -0.5 / s, -1.5 / s, 1.5 / s],
     )
 
@@ -138,21 +139,21 @@ def test_bad_input_is_explained():
     with pytest.raises(ValueError, match="length mismatch"):
         L.policy_loss(T([0.0]), T([0.0, 0.0]), T([0.0]), T([0.0]), T([1.0]), T([0]), 1, LossConfig())
     with pytest.raises(ValueError, match="empty"):
-        L.advantages(T([]), T([]), "grpo")
+        A.advantages(T([]), T([]), "grpo")
 
 
 def test_failed_samples_do_not_move_their_group_baseline():
     # group 0: three real rewards of 1 and a verifier crash (placeholder 0); group 1: 0 and 1
     r, g = T([1.0, 1.0, 1.0, 0.0, 0.0, 1.0]), T([0, 0, 0, 0, 1, 1])
     valid = torch.tensor([True, True, True, False, True, True])
-    close(L.advantages(r, g, "grpo", valid=valid, std="population"), [0.0, 0.0, 0.0, 0.0, -1.0, 1.0])
+    close(A.advantages(r, g, "grpo", valid=valid, std="population"), [0.0, 0.0, 0.0, 0.0, -1.0, 1.0])
     h = 1 / math.sqrt(2.0)
-    close(L.advantages(r, g, "grpo", valid=valid), [0.0, 0.0, 0.0, 0.0, -h, h])
-    close(L.advantages(r, g, "grpo", std_norm=False, valid=valid), [0.0, 0.0, 0.0, 0.0, -0.5, 0.5])
+    close(A.advantages(r, g, "grpo", valid=valid), [0.0, 0.0, 0.0, 0.0, -h, h])
+    close(A.advantages(r, g, "grpo", std_norm=False, valid=valid), [0.0, 0.0, 0.0, 0.0, -0.5, 0.5])
     # without the mask the crash would reward the three correct answers (the bug this guards against)
-    assert float(L.advantages(r, g, "grpo", std="population")[0]) > 0.5
+    assert float(A.advantages(r, g, "grpo", std="population")[0]) > 0.5
     # reinforce_pp: whitened over the valid samples only (4 ones and a zero), the failed one gets 0
-    adv = L.advantages(r, g, "reinforce_pp", valid=valid)
+    adv = A.advantages(r, g, "reinforce_pp", valid=valid)
     assert float(adv[3]) == 0.0
     close(adv[[0, 1, 2, 4, 5]], [0.5, 0.5, 0.5, -2.0, 0.5])
 
@@ -172,10 +173,10 @@ def test_dual_clip_caps_negative_advantage_tokens():
 
 def test_grpo_std_conventions():
     r, g = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
-    assert L.advantages(r, g, std="population").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
-    assert L.advantages(r, g, std="unbiased").tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
+    assert A.advantages(r, g, std="population").tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert A.advantages(r, g, std="unbiased").tolist() == pytest.approx([0.7071, -0.7071], abs=1e-4)
     with pytest.raises(ValueError, match="grpo_std"):
-        L.advantages(r, g, std="sample")
+        A.advantages(r, g, std="sample")
 
 
 # -- conventions (issue #16): each key's default is slime's, the old behaviour is one key away -------
@@ -197,10 +198,10 @@ def test_token_advantages_grpo_broadcasts_the_unbiased_group_advantage():
     # rewards [1, 0] in one group, lengths [1, 3]: +-1/sqrt(2) on every token (population: +-1)
     r, g, seq, mask = T([1.0, 0.0]), T([0, 0]), T([0, 1, 1, 1]), T([1.0, 1.0, 1.0, 1.0])
     h = 1 / math.sqrt(2.0)
-    close(L.token_advantages(r, g, seq, mask, LossConfig()), [h, -h, -h, -h])
-    close(L.token_advantages(r, g, seq, mask, LossConfig(grpo_std="population")), [1.0, -1.0, -1.0, -1.0])
+    close(A.token_advantages(r, g, seq, mask, LossConfig()), [h, -h, -h, -h])
+    close(A.token_advantages(r, g, seq, mask, LossConfig(grpo_std="population")), [1.0, -1.0, -1.0, -1.0])
     # a masked token gets 0 (it is not trained on)
-    close(L.token_advantages(r, g, seq, T([1.0, 1.0, 0.0, 1.0]), LossConfig()), [h, -h, 0.0, -h])
+    close(A.token_advantages(r, g, seq, T([1.0, 1.0, 0.0, 1.0]), LossConfig()), [h, -h, 0.0, -h])
 
 
 def test_reinforce_pp_token_whitening_issue_example():
@@ -208,10 +209,10 @@ def test_reinforce_pp_token_whitening_issue_example():
     # .5625 + 3 * .0625 = .75, Bessel var .75 / 3 = .25, std .5 -> [1.5, -.5, -.5, -.5]
     r, g, seq, mask = T([1.0, 0.0]), T([0, 1]), T([0, 1, 1, 1]), T([1.0, 1.0, 1.0, 1.0])
     cfg = LossConfig(advantage="reinforce_pp")
-    close(L.token_advantages(r, g, seq, mask, cfg), [1.5, -0.5, -0.5, -0.5])
+    close(A.token_advantages(r, g, seq, mask, cfg), [1.5, -0.5, -0.5, -0.5])
     # the per-sample convention: two samples, mean .5, population std .5 -> +-1 on every token
     old = LossConfig(advantage="reinforce_pp", reinforce_pp_whiten="sample")
-    close(L.token_advantages(r, g, seq, mask, old), [1.0, -1.0, -1.0, -1.0])
+    close(A.token_advantages(r, g, seq, mask, old), [1.0, -1.0, -1.0, -1.0])
 
 
 def test_reinforce_pp_token_whitening_masks_and_invalid_samples():
@@ -219,10 +220,10 @@ def test_reinforce_pp_token_whitening_masks_and_invalid_samples():
     r, g = T([1.0, 0.0, 5.0]), T([0, 1, 2])
     seq, mask = T([0, 1, 1, 1, 1, 2, 2]), T([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     valid = torch.tensor([True, True, False])
-    adv = L.token_advantages(r, g, seq, mask, LossConfig(advantage="reinforce_pp"), valid=valid)
+    adv = A.token_advantages(r, g, seq, mask, LossConfig(advantage="reinforce_pp"), valid=valid)
     close(adv, [1.5, -0.5, 0.0, -0.5, -0.5, 0.0, 0.0])
     # one trained token: no Bessel correction, variance 0, advantage 0 (not NaN)
-    one = L.token_advantages(T([3.0]), T([0]), T([0]), T([1.0]), LossConfig(advantage="reinforce_pp"))
+    one = A.token_advantages(T([3.0]), T([0]), T([0]), T([1.0]), LossConfig(advantage="reinforce_pp"))
     close(one, [0.0])
 
 
@@ -232,7 +233,7 @@ def test_reinforce_pp_baseline_token_whitening():
     # squared sum 246/36, Bessel var 246/36/5 = 41/30
     r, g = T([1.0, 0.0, 0.0, 3.0]), T([0, 0, 1, 1])
     seq, mask = T([0, 0, 1, 2, 3, 3]), torch.ones(6)
-    adv = L.token_advantages(r, g, seq, mask, LossConfig(advantage="reinforce_pp_baseline"))
+    adv = A.token_advantages(r, g, seq, mask, LossConfig(advantage="reinforce_pp_baseline"))
     sd = math.sqrt(41 / 30)
     close(adv, [1 / 6 / sd, 1 / 6 / sd, -5 / 6 / sd, -11 / 6 / sd, 7 / 6 / sd, 7 / 6 / sd])
 
@@ -402,8 +403,8 @@ def test_trainer_sample_mean_counts_every_sample_and_logs_kl(tmp_path):
     cfg.trainer.lr = 0.0
     tr = Trainer(cfg, ListSource([]), make_tiny_hf(str(tmp_path / "m")), str(tmp_path / "run"))
     tb = to_token_batch(batch)
-    adv = L.token_advantages(
-        tb.rewards, L.group_ids_to_index(tb.group_ids), tb.seq, tb.mask, cfg.trainer.loss, valid=tb.trainable
+    adv = A.token_advantages(
+        tb.rewards, A.group_ids_to_index(tb.group_ids), tb.seq, tb.mask, cfg.trainer.loss, valid=tb.trainable
     )
     # every packed sample has trained tokens (make_samples masks at most the last one); A is constant
     # over a sample's tokens here (no KL in the reward, gamma 1), so its sample mean is A_i

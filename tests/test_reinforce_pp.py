@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stages.trainer import losses as L
+from stages.trainer import advantages as A
 from stages.trainer.config import LossConfig
 
 T = torch.tensor
@@ -22,11 +22,11 @@ def close(a, b, tol=1e-6):
 def test_discounted_returns_with_kl_in_the_reward():
     # one sample, reward 1, k1 = [.2, -.4, 1.0], coefficient .1: token rewards [-.02, .04, -.1 + 1]
     r, seq, mask, kl = T([1.0]), T([0, 0, 0]), T([1.0, 1.0, 1.0]), T([0.2, -0.4, 1.0])
-    close(L.reinforce_pp_returns(r, seq, mask, 1.0), [1.0, 1.0, 1.0])  # gamma 1, no KL: today's G
-    close(L.reinforce_pp_returns(r, seq, mask, 0.5), [0.25, 0.5, 1.0])
-    close(L.reinforce_pp_returns(r, seq, mask, 1.0, kl=kl, kl_coef=0.1), [0.92, 0.94, 0.9])
+    close(A.reinforce_pp_returns(r, seq, mask, 1.0), [1.0, 1.0, 1.0])  # gamma 1, no KL: today's G
+    close(A.reinforce_pp_returns(r, seq, mask, 0.5), [0.25, 0.5, 1.0])
+    close(A.reinforce_pp_returns(r, seq, mask, 1.0, kl=kl, kl_coef=0.1), [0.92, 0.94, 0.9])
     # gamma .5: G3 = .9, G2 = .04 + .5 * .9 = .49, G1 = -.02 + .5 * .49 = .225
-    close(L.reinforce_pp_returns(r, seq, mask, 0.5, kl=kl, kl_coef=0.1), [0.225, 0.49, 0.9])
+    close(A.reinforce_pp_returns(r, seq, mask, 0.5, kl=kl, kl_coef=0.1), [0.225, 0.49, 0.9])
 
 
 def test_masked_tokens_are_not_steps_and_carry_nothing():
@@ -34,9 +34,9 @@ def test_masked_tokens_are_not_steps_and_carry_nothing():
     # the last trained token: r = [-.02, 1 + .04]; gamma .5 over trained tokens: G = [-.02 + .52, 1.04]
     r, seq, mask = T([1.0]), T([0, 0, 0, 0]), T([1.0, 0.0, 1.0, 0.0])
     kl = T([0.2, 9.0, -0.4, math.inf])
-    close(L.reinforce_pp_returns(r, seq, mask, 0.5, kl=kl, kl_coef=0.1), [0.5, 0.0, 1.04, 0.0])
+    close(A.reinforce_pp_returns(r, seq, mask, 0.5, kl=kl, kl_coef=0.1), [0.5, 0.0, 1.04, 0.0])
     # a FAILED sample (valid False) gets neither reward nor KL
-    got = L.reinforce_pp_returns(T([1.0, 7.0]), T([0, 1, 1]), T([1.0, 1.0, 1.0]), 0.5, valid=T([True, False]))
+    got = A.reinforce_pp_returns(T([1.0, 7.0]), T([0, 1, 1]), T([1.0, 1.0, 1.0]), 0.5, valid=T([True, False]))
     close(got, [1.0, 0.0, 0.0])
 
 
@@ -49,11 +49,11 @@ def test_token_advantages_whiten_the_discounted_kl_returns():
     cfg = LossConfig(advantage="reinforce_pp", gamma=0.5, kl_in_reward_coef=0.5)
     sd = math.sqrt(0.315625 + 1e-8)
     close(
-        L.token_advantages(r, g, seq, mask, cfg, kl=kl),
+        A.token_advantages(r, g, seq, mask, cfg, kl=kl),
         [0.8375 / sd, -0.2125 / sd, -0.2625 / sd, -0.3625 / sd],
     )
     with pytest.raises(ValueError, match="kl_in_reward_coef"):  # the coefficient without the KL: refused
-        L.token_advantages(r, g, seq, mask, cfg)
+        A.token_advantages(r, g, seq, mask, cfg)
 
 
 def test_baseline_subtracts_the_token_kl_undiscounted():
@@ -63,7 +63,7 @@ def test_baseline_subtracts_the_token_kl_undiscounted():
     r, g, seq, mask = T([1.0, 0.0]), T([0, 0]), T([0, 1, 1]), torch.ones(3)
     cfg = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward_coef=0.5)
     sd = math.sqrt(582 / 1800 + 1e-8)
-    got = L.token_advantages(r, g, seq, mask, cfg, kl=T([0.2, 0.4, -0.2]))
+    got = A.token_advantages(r, g, seq, mask, cfg, kl=T([0.2, 0.4, -0.2]))
     close(got, [19 / 30 / sd, -14 / 30 / sd, -5 / 30 / sd])
 
 
@@ -74,7 +74,7 @@ def test_discounted_suffix_sum_matches_the_step_by_step_scan():
         for t in reversed(range(x.shape[1])):  # crosses chunk borders (128)
             run = x[:, t] + w * run
             want[:, t] = run
-        close(L.discounted_suffix_sum(x, w), want, tol=1e-9)
+        close(A.discounted_suffix_sum(x, w), want, tol=1e-9)
 
 
 @pytest.mark.parametrize(

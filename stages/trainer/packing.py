@@ -11,7 +11,7 @@ Response token j of a sample is predicted at input position prompt_len - 1 + j.
 
 Samples that are not trainable (aborted / failed status) get a zero loss mask, and their reward does
 not count toward the advantage baseline either: `TokenBatch.trainable` leaves them out of the group
-and batch statistics (losses.advantages `valid`), since a verifier crash's placeholder reward is not
+and batch statistics (advantages.advantages `valid`), since a verifier crash's placeholder reward is not
 real. Samples without response tokens are in no micro-batch.
 """
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
-from stages.trainer import checkpoint, cpu_shim, critic, losses
+from stages.trainer import advantages, checkpoint, cpu_shim, critic, losses
 from stages.trainer.config import check_critic_layout
 from stages.trainer.context_parallel import cp_info, local_positions, local_view
 from stages.trainer.lm_head import head_logprobs
@@ -237,12 +237,14 @@ class Trainer:
         kl = None
         if lc.kl_in_reward_coef:  # k1 per token, as the REINFORCE++ paper and slime put it into the reward
             kl = losses.kl_penalty(self._batch_whole(old), self._batch_whole(ref), "k1")
-        groups = losses.group_ids_to_index(tb.group_ids)
+        groups = advantages.group_ids_to_index(tb.group_ids)
         if self.critic is None:
-            adv = losses.token_advantages(tb.rewards, groups, tb.seq, tb.mask, lc, valid=tb.trainable, kl=kl)
+            adv = advantages.token_advantages(
+                tb.rewards, groups, tb.seq, tb.mask, lc, valid=tb.trainable, kl=kl
+            )
             return adv, None
         values = self._batch_whole(critic.values(self, tb, mbs))
-        adv, returns = losses.ppo_advantages(
+        adv, returns = advantages.ppo_advantages(
             tb.rewards, tb.seq, tb.mask, values, lc, valid=tb.trainable, kl=kl
         )
         return adv, (values, returns)
