@@ -175,3 +175,26 @@ def test_critic_under_dp2_and_tp2_matches_one_rank(tmp_path, layout):
     assert ref_m[1]["critic/value_mean"] != 0.0  # the critic did move between the two steps
     for k in ref_w:
         assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+
+
+@pytest.mark.slow  # ~30 s: a whole pipeline run
+def test_a_ppo_pipeline_run_completes_and_its_value_loss_falls(tmp_path):
+    """bin/run-pipeline with advantage=ppo: the critic trains inside the real pipeline (async, Ray,
+    buffer, torch engine) and its value loss at the end is well below the first step's."""
+    import json
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline", "trainer.loss.advantage=ppo", "run.steps=12", f"run.dir={run_dir}"]
+        + ["eval.every_steps=0", "metrics.tensorboard=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    vl = [row["critic/value_loss"] for row in rows if "critic/value_loss" in row]
+    assert len(vl) == 12
+    assert sum(vl[-4:]) / 4 < 0.5 * vl[0], vl
