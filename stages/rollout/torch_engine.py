@@ -227,8 +227,7 @@ class TorchEngine(Engine):
 
     def _apply_update(self, upd: _Update) -> None:
         try:
-            params = dict(self.model.named_parameters())
-            params.update(self.model.named_buffers())
+            params = _checkpoint_names(self.model)
             tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
             unknown = [n for n, _ in upd.tensors if n not in params and not (tied and n == "lm_head.weight")]
             if unknown:
@@ -369,6 +368,30 @@ class TorchEngine(Engine):
 
 
 # ---------------------------------------------------------------------------------------------------
+def _checkpoint_names(model) -> dict[str, torch.Tensor]:
+    """The model's tensors by the names checkpoints, SGLang and the trainer's export use.
+
+    transformers 5 keeps an MoE layer's experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, h],
+    `mlp.experts.down_proj` [E, h, I]) while checkpoints name each expert
+    (`mlp.experts.{e}.gate_proj.weight`, ...): those names become views into the fused tensors, so an
+    update writes the expert in place."""
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    for name, p in list(out.items()):
+        if p.dim() != 3:
+            continue
+        if name.endswith(".experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], p.shape[1] // 2
+            for e in range(p.shape[0]):  # [gate; up] per expert, transformers' own order
+                out[f"{base}{e}.gate_proj.weight"] = p.data[e, :inter]
+                out[f"{base}{e}.up_proj.weight"] = p.data[e, inter:]
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(p.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = p.data[e]
+    return out
+
+
 def _settle(fut: asyncio.Future, res: GenResult | BaseException) -> None:
     if fut.done():  # the awaiting task was cancelled
         return

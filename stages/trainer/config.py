@@ -116,6 +116,14 @@ class TrainerConfig(_Base):
     # with tp > 1: activations outside attention and the MLP split over the TP ranks along the sequence
     # (megatron's --sequence-parallel; less activation memory, the same numbers)
     sequence_parallel: bool = False
+    # MoE models (stages/trainer/moe.py): experts split over `ep` ranks (expert parallel; out of the
+    # tp*cp*dp ranks of a pipeline stage, so no extra processes) and each expert over `etp` ranks
+    # (expert tensor parallel; 0 = tp, megatron's default)
+    ep: int = 1
+    etp: int = 0
+    # the routers' load-balancing auxiliary loss (megatron's aux_loss); 0 = off: RL keeps the router
+    # where the engine's is
+    moe_aux_loss_coef: float = 0.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
     fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
@@ -179,6 +187,15 @@ class TrainerConfig(_Base):
             )
         if min(self.tp, self.pp, self.cp, self.dp) < 1:
             raise ValueError("trainer.tp, trainer.pp, trainer.cp and trainer.dp must be >= 1")
+        if self.ep < 1 or self.etp < 0 or self.moe_aux_loss_coef < 0:
+            raise ValueError(
+                "trainer.ep must be >= 1, trainer.etp >= 0 (0: = tp), trainer.moe_aux_loss_coef >= 0"
+            )
+        if (self.tp * self.cp * self.dp) % (self.ep * (self.etp or self.tp)):
+            raise ValueError(
+                f"trainer.ep * trainer.etp = {self.ep}*{self.etp or self.tp} must divide tp*cp*dp = "
+                f"{self.tp * self.cp * self.dp}: experts are split over the ranks of a pipeline stage"
+            )
         if self.sequence_parallel and self.tp < 2:
             raise ValueError(
                 "trainer.sequence_parallel splits activations over TP ranks: it needs trainer.tp >= 2"

@@ -3,7 +3,9 @@ checkpoints), and write a save_pretrained-compatible folder.
 
 Collective: every rank must call `export_hf_state` together. TP shards are gathered inside each TP
 group of data-parallel replica 0; pipeline stages > 0 then send their HF tensors to rank 0 (the
-stage leaders tp=0/dp=0 are exactly the members of rank 0's pipeline group).
+stage leaders tp=0/dp=0 are exactly the members of rank 0's pipeline group). MoE experts are gathered
+over their expert-TP and expert-parallel groups, which span data-parallel ranks, so every rank takes
+part in those (stages/trainer/moe.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from stages.trainer import hf_mapping
+from stages.trainer import hf_mapping, moe
 from stages.trainer.model import Policy, unwrap
 
 TOKENIZER_FILES = (
@@ -32,27 +34,36 @@ TOKENIZER_FILES = (
 )
 
 
-def _local_hf(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+def _local_hf(policy: Policy, dense: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's parameters, TP-merged and renamed to HF (on every rank of DP replica 0), one
-    parameter at a time: only one gathered tensor exists at once, never a whole-model copy. Every TP
-    rank must consume it to the end (each parameter's gather is a collective)."""
+    parameter at a time: only one gathered tensor exists at once, never a whole-model copy (an expert
+    parameter: one per EP rank). Every rank must consume it to the end (each parameter's gather is a
+    collective); `dense=False` (ranks outside DP replica 0) takes part in the expert gathers only."""
     from megatron.core import parallel_state as ps
 
     m = unwrap(policy.model)
+    hc = policy.hf_config
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
     for key, p in m.named_parameters():
+        layer = None
+        if key.startswith("decoder.layers."):
+            layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
+        if moe.is_expert_param(key):
+            for global_key, full in moe.gather_experts(key, p.detach(), hc, hf_mapping.merge_tp):
+                if dense:
+                    yield from hf_mapping.mcore_to_hf(global_key, full, hc, layer, policy.te)
+            continue
+        if not dense:
+            continue
         t = p.detach()
         if tp > 1 and hf_mapping.tp_layout(key) != "replicated":
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=group)
         else:
             shards = [t]
-        full = hf_mapping.merge_tp(key, shards, policy.hf_config)
-        layer = None
-        if key.startswith("decoder.layers."):
-            layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
-        yield from hf_mapping.mcore_to_hf(key, full, policy.hf_config, layer, policy.te)
+        full = hf_mapping.merge_tp(key, shards, hc)
+        yield from hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
 
 
 class HostSnapshot:
@@ -83,6 +94,8 @@ def export_hf_state(
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # CP ranks hold the same weights
+        for _ in _local_hf(policy, dense=False):  # but other experts, under expert parallelism
+            pass
         return None
     local = _local_hf(policy)
     pp = ps.get_pipeline_model_parallel_world_size()

@@ -19,17 +19,26 @@ import torch
 import torch.distributed as dist
 
 from pipeline.net import free_port
-from stages.trainer import cpu_shim, hf_mapping
+from stages.trainer import cpu_shim, hf_mapping, moe
 from stages.weights.base import align_nccl_env
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float = 600.0, cp: int = 1) -> None:
+def init_distributed(
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    cp: int = 1,
+    ep: int | None = None,
+    etp: int | None = None,
+) -> None:
     """Join (or create) the process group and megatron's model-parallel groups (TP, PP, CP; DP is what
-    is left of the world).
+    is left of the world; for MoE models EP and ETP, which split the experts over tp*cp*dp ranks).
 
     Under torchrun the world comes from the environment. Without RANK in the environment (a plain
     process or a Ray actor) a world of size 1 is created on a free loopback port, so callers never
-    have to set MASTER_ADDR/PORT themselves.
+    have to set MASTER_ADDR/PORT themselves. `ep` / `etp` None: as the existing groups have them, or
+    1 and tp when creating them (megatron's default: experts split over TP like a dense MLP).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -58,14 +67,27 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, timeout_s: float =
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size() if ep is not None else None,
+            ps.get_expert_tensor_parallel_world_size() if etp is not None else None,
         )
-        if have != (tp, pp, cp):
+        if have != (tp, pp, cp, ep, etp):
             raise RuntimeError(
-                f"model parallel groups already exist with (tp, pp, cp) = {have}, asked for {(tp, pp, cp)}"
+                f"model parallel groups already exist with (tp, pp, cp, ep, etp) = {have}, "
+                f"asked for {(tp, pp, cp, ep, etp)}"
             )
     else:
+        ep, etp = ep or 1, etp or tp
+        if (world // pp) % (ep * etp):
+            raise ValueError(
+                f"trainer.ep * trainer.etp = {ep}*{etp} must divide the {world // pp} ranks of a pipeline "
+                f"stage (tp*cp*dp): experts are split over those ranks"
+            )
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -87,6 +109,7 @@ class Policy:
     te: bool  # transformer-engine layer spec in use
     model_path: str
     layout: str = "sdpa"  # how micro-batches are fed: "varlen" / "te" (packed row) or block-mask rows
+    router_stats: object = None  # moe.RouterStats of an MoE model (collective .metrics() per step)
 
 
 def head_weight(model) -> torch.Tensor | None:
@@ -121,7 +144,17 @@ def use_te(spec: str) -> bool:
 
 
 def transformer_config(
-    hc, *, tp: int, pp: int, bf16: bool, recompute: bool = False, cp: int = 1, sequence_parallel: bool = False
+    hc,
+    *,
+    tp: int,
+    pp: int,
+    bf16: bool,
+    recompute: bool = False,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    te: bool = False,
+    moe_aux_loss_coef: float = 0.0,
+    moe_capacity_factor: float | None = None,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -141,6 +174,7 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=hf_mapping.qkv_bias(hc),
         qk_layernorm=hf_mapping.qk_norm(hc),
+        rotary_interleaved=hf_mapping.rotary_interleaved(hc),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -161,6 +195,15 @@ def transformer_config(
         pp > 1 or sequence_parallel or cp > 1
     ):  # micro-batches have different packed lengths; this validator wants alltoall even when dense
         kw.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if moe.is_moe(hc):
+        if tp > 1 and not sequence_parallel:  # megatron refuses it only once training starts
+            raise ValueError(
+                f"{hc.model_type} with trainer.tp={tp}: megatron's MoE layers under tensor parallelism "
+                "take sequence-parallel input; set trainer.sequence_parallel=true"
+            )
+        kw.update(
+            moe.config_kwargs(hc, te=te, aux_loss_coef=moe_aux_loss_coef, capacity_factor=moe_capacity_factor)
+        )
     if not cpu:  # megatron's jit-fused SwiGLU (no bias): one kernel instead of silu, mul and their grads
         kw.update(bias_activation_fusion=True)
     if recompute:  # full recompute: every layer's activations recomputed in the backward
@@ -224,6 +267,8 @@ def build_policy(
     output_hidden: bool = False,
     cp: int = 1,
     sequence_parallel: bool = False,
+    moe_aux_loss_coef: float = 0.0,
+    moe_capacity_factor: float | None = None,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first.
 
@@ -232,6 +277,9 @@ def build_policy(
     or "unfused" (megatron's DotProductAttention). `output_hidden`: the model returns the final
     hidden states [b, s, h] instead of logits, for lm_head.head_logprobs (the trainer's path); the
     logits path (tests, benches) keeps megatron's output layer, with `fp32_lm_head` as before.
+    MoE models (stages/trainer/moe.py) take EP/ETP from init_distributed's groups;
+    `moe_aux_loss_coef` > 0 adds megatron's load-balancing loss (trainer.moe_aux_loss_coef), and
+    `moe_capacity_factor` makes routing drop tokens past that capacity (None: dropless).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -239,35 +287,44 @@ def build_policy(
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
     from transformers import AutoConfig
 
+    from stages.trainer import specs  # imports megatron: not at module import
+
     hc = AutoConfig.from_pretrained(model_path)
-    cfg = transformer_config(
-        hc, tp=tp, pp=pp, bf16=bf16, recompute=recompute, cp=cp, sequence_parallel=sequence_parallel
-    )
     te = use_te(layer_spec)
+    cfg = transformer_config(
+        hc,
+        tp=tp,
+        pp=pp,
+        bf16=bf16,
+        recompute=recompute,
+        cp=cp,
+        sequence_parallel=sequence_parallel,
+        te=te,
+        moe_aux_loss_coef=moe_aux_loss_coef,
+        moe_capacity_factor=moe_capacity_factor,
+    )
     if te and cp > 1:
         raise ValueError(
             "trainer.cp > 1 runs in this trainer's own attention (local spec); set trainer.layer_spec=local"
         )
     layout = resolve_attention(attention, te, bf16)
-    if te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    else:
+    core = None
+    if not te:
         from stages.trainer.attention import SDPAttention, VarlenAttention
 
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
         core = {"sdpa": SDPAttention, "varlen": VarlenAttention}.get(layout)
-        if core is not None:
-            spec.submodules.self_attention.submodules.core_attention = core
-        elif cp > 1:
+        if core is None and cp > 1:
             raise ValueError("trainer.cp > 1 needs trainer.attention varlen, sdpa or auto (not unfused)")
-        if sequence_parallel:
-            spec = _sequence_parallel_block(spec, cfg)
-    with cpu_shim.device_mode():  # tied embeddings under PP move the shared weight with .cuda()
+    layers = moe.moe_layers(hc) if moe.is_moe(hc) else None
+    spec = specs.decoder_block_spec(hc, cfg, te=te, core_attention=core, moe_layers=layers)
+    if layers:
+        moe.prepare_megatron()
+    # tied embeddings under PP move the shared weight with .cuda()
+    with cpu_shim.device_mode(), specs.quiet_unknown_mlp():
         model = GPTModel(
             config=cfg,
             transformer_layer_spec=spec,
@@ -278,8 +335,16 @@ def build_policy(
             share_embeddings_and_output_weights=hc.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(hf_mapping.rope_theta(hc)),
+            rotary_percent=hf_mapping.rotary_percent(hc),
         )
+    inv_freq = hf_mapping.rope_inv_freq(hc)
+    if inv_freq is not None:  # set before the first forward: megatron caches the rotary table per length
+        rope = model.rotary_pos_emb
+        rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
     load_hf_weights(model, model_path, hc, te)
+    stats = None
+    if layers:  # hooks on the routers, before any wrapper
+        stats = moe.RouterStats(model, hc, moe_capacity_factor, aux_loss=moe_aux_loss_coef > 0)
     if output_hidden:
         bypass_output_layer(model)
     elif bf16 and fp32_lm_head:
@@ -296,37 +361,14 @@ def build_policy(
         model = DistributedDataParallel(cfg, ddp_cfg, model)
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
-    return Policy(model=model, hf_config=hc, config=cfg, te=te, model_path=model_path, layout=layout)
-
-
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm, as megatron's local spec builds it, for sequence parallelism, which megatron's
-    wrapper of it refuses. Under SP a norm sees only this rank's positions, so its weight's gradient is
-    partial: marked `sequence_parallel`, megatron's finalize_model_grads sums it over the TP group (the
-    q/k norms, which see this rank's heads, are summed by their names already)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = True
-
-
-def _sequence_parallel_block(layer_spec, cfg):
-    """The local layer spec as a block of this stage's layers whose norms (input, pre-MLP, q/k and the
-    final one) are SequenceParallelRMSNorm: megatron picks the final norm itself unless given a block."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
-    if cfg.normalization != "RMSNorm":
-        raise ValueError(f"sequence parallelism here supports RMSNorm models, not {cfg.normalization}")
-    for sub in (layer_spec.submodules, layer_spec.submodules.self_attention.submodules):
-        for name, value in vars(sub).items():
-            if value is WrappedTorchNorm:
-                setattr(sub, name, SequenceParallelRMSNorm)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * get_num_layers_to_build(cfg), layer_norm=SequenceParallelRMSNorm
+    return Policy(
+        model=model,
+        hf_config=hc,
+        config=cfg,
+        te=te,
+        model_path=model_path,
+        layout=layout,
+        router_stats=stats,
     )
 
 
@@ -363,6 +405,10 @@ def load_hf_weights(model, model_path: str, hc, te: bool) -> None:
         pre=m.pre_process,
         post=m.post_process,
         te=te,
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
     )
     res = m.load_state_dict(sd, strict=False)
     missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]

@@ -16,6 +16,8 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default: --tp)")
     ap.add_argument("--advantage", default="grpo")
     ap.add_argument("--correction", default="tis")
     ap.add_argument("--layout", default="sdpa", help="trainer.attention: sdpa (block mask) or varlen")
@@ -32,6 +34,7 @@ def main() -> None:
 
     from pipeline.config import RunConfig
     from stages.trainer.export import export_hf_state
+    from stages.trainer.model import init_distributed
     from stages.trainer.testing import ListSource, make_batch
     from stages.trainer.trainer import Trainer
 
@@ -51,6 +54,10 @@ def main() -> None:
     with open(os.path.join(a.model_path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     src = ListSource([make_batch(2, 4, seed=i + tr_offset, vocab=vocab) for i in range(a.steps)])
+    if hasattr(cfg.trainer, "ep"):  # the trainer takes EP/ETP from its config once it has the keys
+        cfg.trainer.ep, cfg.trainer.etp = a.ep, a.etp or a.tp
+    else:  # else the groups are made here first, and the trainer joins them as they are
+        init_distributed(a.tp, a.pp, seed=cfg.run.seed, cp=a.cp, ep=a.ep, etp=a.etp or a.tp)
     tr = Trainer(cfg, src if int(os.environ.get("RANK", 0)) == 0 else None, a.model_path, a.out + "/run")
     if a.push and tr.rank == 0:
         from stages.weights.zmq_transport import ZmqWeightSender

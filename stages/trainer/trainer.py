@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
-from stages.trainer import advantages, checkpoint, cpu_shim, critic, losses
+from stages.trainer import advantages, checkpoint, cpu_shim, critic, losses, moe
 from stages.trainer.config import check_critic_layout
 from stages.trainer.context_parallel import cp_info, local_positions, local_view
 from stages.trainer.lm_head import head_logprobs
@@ -56,7 +56,14 @@ class Trainer:
         check_critic_layout(self.tc)
         if self.tc.threads:
             torch.set_num_threads(self.tc.threads)
-        init_distributed(self.tc.tp, self.tc.pp, seed=cfg.run.seed, cp=self.tc.cp)
+        init_distributed(
+            self.tc.tp,
+            self.tc.pp,
+            seed=cfg.run.seed,
+            cp=self.tc.cp,
+            ep=self.tc.ep,
+            etp=self.tc.etp or self.tc.tp,
+        )
         self.rank = dist.get_rank()
         self.cp_group, self.cp, self.cp_rank = cp_info()
         self.dp = ps.get_data_parallel_world_size()
@@ -86,6 +93,7 @@ class Trainer:
             layer_spec=self.tc.layer_spec,
             attention=self.tc.attention,
             output_hidden=True,  # the LM head runs fused with the logprob (lm_head.head_logprobs)
+            moe_aux_loss_coef=self.tc.moe_aux_loss_coef,
         )
         self.policy = build_policy(
             model_path, **arch, recompute=self.tc.recompute, distributed_optimizer=self.dist_opt
@@ -222,6 +230,8 @@ class Trainer:
         stats.update(_engine_mismatch(tb, old, shard, self.version))
         self.version += 1
         metrics = self._finish_metrics(tb, adv, stats)
+        if self.policy.router_stats is not None:  # MoE: tokens per expert etc. (collective)
+            metrics.update(self.policy.router_stats.metrics())
         if value_batch is not None:  # the critic's values of this batch before its update
             on = (tb.mask > 0) & tb.trainable[tb.seq]
             metrics["critic/value_mean"] = float(value_batch[0][on].mean()) if on.any() else 0.0
@@ -305,6 +315,10 @@ class Trainer:
 
         layout = self.policy.layout
         extra = {"fp32_output": False} if self.tc.precision == "bf16" else {}  # hidden stays bf16
+        # megatron scatters padding_mask for sequence parallelism on the first pipeline stage only
+        moe_padding = self.policy.router_stats is not None and not (
+            self.tc.pp > 1 and self.tc.sequence_parallel
+        )
 
         def forward_step(it, m):
             mb = next(it)
@@ -314,12 +328,13 @@ class Trainer:
             else:
                 pos = torch.arange(tokens.shape[1], device=self.device)
             pos = pos[None].expand_as(tokens)
+            kw = dict(extra)
+            if moe_padding:  # MoE: padding positions left out of router metrics and load-balancing loss
+                kw["padding_mask"] = mb.segments.to(self.device).gather(1, pos) < 0
             if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
-                out = m(
-                    tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **extra
-                )
+                out = m(tokens, pos, None, packed_seq_params=packed_row_params(mb, layout, self.device), **kw)
             else:  # explicit block-diagonal mask (W3, and it keeps packed sequences apart)
-                out = m(tokens, pos, causal_block_mask(mb.segments.to(self.device)), **extra)
+                out = m(tokens, pos, causal_block_mask(mb.segments.to(self.device)), **kw)
             return out, lambda hidden: loss_fn(mb, hidden)
 
         with cpu_shim.device_mode():
@@ -362,6 +377,8 @@ class Trainer:
         model.eval()
 
         def loss_fn(mb, hidden):
+            if mb.num_tokens == 0:  # an empty micro-batch (moe.equalize_microbatches)
+                return hidden.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
             lp, _ = self._mb_logprobs(model, mb, hidden)
             out[mb.tok_index.to(self.device)] = lp.float()
             return hidden.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
@@ -380,13 +397,16 @@ class Trainer:
         """`samples` of the batch in micro-batches of trainer.micro_batch_tokens (one packed row each
         on the varlen / TE layouts). Under context parallelism each is this rank's part of it."""
         split = 2 * self.cp * (self.tc.tp if self.tc.sequence_parallel else 1)  # rows cut in equal parts
+        align = math.lcm(ROW_ALIGN, split)
         mbs = pack(
             tb,
             samples,
             self.tc.micro_batch_tokens,
             packed_row=self.policy.layout in ("varlen", "te"),
-            align=math.lcm(ROW_ALIGN, split),
+            align=align,
         )
+        # expert parallelism: every DP rank runs as many micro-batches as the others (collective)
+        mbs = moe.equalize_microbatches(mbs, align)
         return [local_view(mb, self.cp, self.cp_rank) for mb in mbs] if self.cp > 1 else mbs
 
     def _train_updates(self, tb: TokenBatch, shard: list[int], adv, old, ref, value_batch=None) -> dict:
@@ -441,6 +461,9 @@ class Trainer:
             old = torch.zeros_like(rollout)
 
         def loss_fn(mb: MicroBatch, hidden):
+            if mb.num_tokens == 0:  # an empty micro-batch (moe.equalize_microbatches): no loss, but
+                # its backward must run, through the MoE all-to-alls the other EP ranks take part in
+                return hidden.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
             logp, ent = self._mb_logprobs(
                 self.policy.model, mb, hidden, entropy=True, entropy_grad=lc.entropy_coef > 0
             )

@@ -1,0 +1,340 @@
+"""Mixture-of-experts models (Qwen3-MoE) in the megatron trainer: which layers are MoE, the
+TransformerConfig keys, the HF <-> megatron expert weights under expert parallelism (EP) and expert
+tensor parallelism (ETP), megatron's all-to-all token dispatcher on CPU, and router metrics.
+
+Layouts:
+  * HF (checkpoint format, what save_pretrained writes and SGLang loads): `mlp.gate.weight` [E, h]
+    (the router) and per expert `mlp.experts.{e}.{gate,up,down}_proj.weight`. transformers 5 keeps
+    them fused in memory (`mlp.experts.gate_up_proj` [E, 2I, h], `down_proj` [E, h, I]) and also
+    reads that form from disk, so both are read here; the export writes the checkpoint format.
+  * megatron local spec (SequentialMLP): `mlp.router.weight` and per local expert
+    `mlp.experts.local_experts.{i}.linear_fc1.weight` = cat(gate, up), `...linear_fc2.weight`;
+    the TE spec's grouped GEMM (TEGroupedMLP) holds `mlp.experts.linear_fc1.weight{i}`.
+  * EP rank r holds global experts r * E/ep .. (r+1) * E/ep - 1 as local 0 ..; ETP shards each
+    expert's fc1 (gate and up separately) and fc2 like TP does a dense MLP.
+
+Routing matches Qwen3-MoE: softmax router, top-k; with `norm_topk_prob` the k weights are renormalised,
+which is megatron's softmax over the top-k logits (`moe_router_pre_softmax=False`), without it they
+are the full softmax's values (`pre_softmax=True`). No shared experts in this family.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+MOE_TYPES = ("qwen3_moe",)
+_LOCAL = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def is_moe(hc) -> bool:
+    return hc.model_type in MOE_TYPES
+
+
+def moe_layers(hc) -> list[bool]:
+    """Per layer, whether it is an MoE layer (Qwen3-MoE: every `decoder_sparse_step`-th, except
+    `mlp_only_layers`, which are dense MLPs of `intermediate_size`)."""
+    step = getattr(hc, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hc, "mlp_only_layers", None) or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(hc.num_hidden_layers)]
+
+
+def check_supported(hc) -> None:
+    if not is_moe(hc):
+        return
+    if getattr(hc, "shared_expert_intermediate_size", 0):
+        raise ValueError(f"{hc.model_type}: shared experts are not mapped (Qwen3-MoE has none)")
+    if hc.num_experts_per_tok == 1 and hc.norm_topk_prob:
+        # one renormalised weight is always 1; megatron's softmax over one logit has no gradient
+        raise ValueError(f"{hc.model_type}: top-1 routing with norm_topk_prob=true is not mapped")
+
+
+def config_kwargs(hc, *, te: bool, aux_loss_coef: float = 0.0, capacity_factor: float | None = None) -> dict:
+    """TransformerConfig keys of an MoE model; EP and ETP come from the initialised groups."""
+    from megatron.core import parallel_state as ps
+
+    if aux_loss_coef < 0:
+        raise ValueError("trainer.moe_aux_loss_coef must be >= 0 (0: no load-balancing loss)")
+    layers = moe_layers(hc)
+    experts, ep = hc.num_experts, ps.get_expert_model_parallel_world_size()
+    if experts % ep:
+        raise ValueError(f"trainer.ep={ep} does not divide the model's {experts} experts")
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=hc.moe_intermediate_size,
+        moe_layer_freq=[int(x) for x in layers],
+        moe_router_topk=hc.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not hc.norm_topk_prob,
+        # RL keeps the router as the engine has it: no balancing loss unless asked for
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coef,
+        # dropless by default: a dropped token's logprob is not the engine's
+        moe_expert_capacity_factor=capacity_factor,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=te,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+# -- HF <-> megatron ---------------------------------------------------------------------------------
+def _expert_hf(get: Callable[[str], torch.Tensor], p: str, e: int, inter: int):
+    """(gate [I, h], up [I, h], down [h, I]) of HF expert e of the layer with prefix p."""
+    try:
+        return tuple(get(p + f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down"))
+    except KeyError:  # the fused in-memory form of transformers 5, saved as is
+        gate_up = get(p + "mlp.experts.gate_up_proj")[e]
+        return gate_up[:inter], gate_up[inter:], get(p + "mlp.experts.down_proj")[e]
+
+
+def hf_to_mcore_moe(get, hc, p: str, *, ep: int, ep_rank: int, etp: int, etp_rank: int, te: bool) -> dict:
+    """An MoE layer's router and this EP/ETP rank's experts (keys relative to the layer)."""
+    nl = hc.num_experts // ep
+    out = {"mlp.router.weight": get(p + "mlp.gate.weight")}
+    for i in range(nl):
+        gate, up, down = _expert_hf(get, p, ep_rank * nl + i, hc.moe_intermediate_size)
+        fc1 = torch.cat([gate.chunk(etp, 0)[etp_rank], up.chunk(etp, 0)[etp_rank]]).contiguous()
+        fc2 = down.chunk(etp, 1)[etp_rank].contiguous()
+        if te:
+            out[f"mlp.experts.linear_fc1.weight{i}"], out[f"mlp.experts.linear_fc2.weight{i}"] = fc1, fc2
+        else:
+            out[f"mlp.experts.local_experts.{i}.linear_fc1.weight"] = fc1
+            out[f"mlp.experts.local_experts.{i}.linear_fc2.weight"] = fc2
+    return out
+
+
+def mcore_to_hf_moe(sub: str, full: torch.Tensor, p: str) -> list[tuple[str, torch.Tensor]] | None:
+    """A layer-relative megatron key of an MoE layer (experts numbered globally, ETP-merged) -> HF
+    pairs; None if `sub` is not an MoE key."""
+    if sub == "mlp.router.weight":
+        return [(p + "mlp.gate.weight", full)]
+    m = re.fullmatch(
+        r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))", sub
+    )
+    if m is None:
+        return None
+    e, fc = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
+    q = p + f"mlp.experts.{e}."
+    if fc == "fc2":
+        return [(q + "down_proj.weight", full)]
+    gate, up = full.chunk(2, 0)
+    return [(q + "gate_proj.weight", gate), (q + "up_proj.weight", up)]
+
+
+def is_expert_param(key: str) -> bool:
+    return bool(_LOCAL.match(key) or _GROUPED.match(key))
+
+
+def global_expert_key(key: str, ep_rank: int, num_local: int) -> str:
+    """A local expert's parameter name -> the same name with its global expert index."""
+    m = _LOCAL.match(key)
+    if m:
+        return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
+    m = _GROUPED.match(key)
+    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}"
+
+
+def gather_experts(key: str, t: torch.Tensor, hc, merge_tp) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over this rank's ETP and EP groups: one local expert parameter -> (global key, full
+    tensor) for the same local slot on every EP rank. Every rank of the world calls it for every
+    expert parameter in the same order (EP groups span data-parallel ranks)."""
+    from megatron.core import parallel_state as ps
+
+    from stages.trainer.hf_mapping import tp_layout
+
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if etp > 1 and tp_layout(key) != "replicated":
+        shards = [torch.empty_like(t) for _ in range(etp)]
+        dist.all_gather(shards, t.contiguous(), group=ps.get_expert_tensor_parallel_group())
+        t = merge_tp(key, shards, hc)
+    ep = ps.get_expert_model_parallel_world_size()
+    parts = [t]
+    if ep > 1:
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t.contiguous(), group=ps.get_expert_model_parallel_group())
+    nl = hc.num_experts // ep
+    for r, full in enumerate(parts):
+        yield global_expert_key(key, r, nl), full
+
+
+# -- megatron's all-to-all dispatcher on CPU ---------------------------------------------------------
+def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without CUDA streams: on CPU the
+    split sizes are host tensors already; the all-to-all wants them as numpy, as on GPUs."""
+
+    def host(t, as_numpy=False):
+        return t.numpy() if as_numpy and torch.is_tensor(t) else t
+
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = host(self.input_splits, True)
+        self.output_splits = host(self.output_splits, True)
+        self.output_splits_tp = host(self.output_splits_tp, True)
+    return tokens_per_expert
+
+
+_TE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+    "te_general_gemm",
+)
+
+
+def prepare_megatron() -> None:
+    """Before building an MoE model. megatron-core 0.16's moe_utils imports its transformer-engine
+    kernels in a try block and, without TE, leaves the names undefined; the router's gating GEMM then
+    tests `te_general_gemm is not None` and raises NameError (CPU, or a GPU without TE). The names
+    become None, which is what that code tests for. On CPU, also `cpu_alltoall`. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    if not torch.cuda.is_available():
+        cpu_alltoall()
+
+
+def cpu_alltoall() -> None:
+    """Let megatron's all-to-all token dispatcher run without CUDA (W9 of cpu_shim's list): it makes a
+    CUDA side stream for device-to-host copies of the split sizes."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    if D.cuda_dtoh_stream is None:
+        D.cuda_dtoh_stream = "cpu: no stream"  # the constructor makes a stream only when unset
+    D._maybe_dtoh_and_synchronize = _dtoh_without_streams
+
+
+# -- router metrics ----------------------------------------------------------------------------------
+class RouterStats:
+    """Tokens per expert (and, with a capacity factor, dropped assignments) of every router on this
+    rank, counted by forward hooks and turned into metrics once per step.
+
+    Counts are summed over the whole world: data-parallel and context-parallel ranks route different
+    tokens, pipeline stages own different layers (rows of other stages are zero), and TP ranks without
+    sequence parallelism route the same tokens, which scales a layer's counts uniformly and leaves the
+    ratios below as they are. Positions the model's forward gets as `padding_mask` (True = padding;
+    megatron hands it to each router, whose load-balancing loss leaves them out too) are not counted;
+    without it every routed position is."""
+
+    def __init__(self, model, hc, capacity_factor: float | None = None, aux_loss: bool = False):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from stages.trainer.model import unwrap
+
+        self.experts, self.topk = hc.num_experts, hc.num_experts_per_tok
+        self.capacity, self.aux_loss = capacity_factor, aux_loss
+        # per global layer: E expert loads, tokens routed, router calls, summed aux loss
+        self.counts: torch.Tensor | None = None
+        self.layers = hc.num_hidden_layers
+        for layer in unwrap(model).decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if isinstance(router, TopKRouter):
+                router.register_forward_hook(self._hook(layer.layer_number - 1), with_kwargs=True)
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs, out):
+            _, routing_map = out
+            padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            with torch.no_grad():
+                if self.counts is None:
+                    self.counts = torch.zeros(
+                        self.layers, self.experts + 3, dtype=torch.float64, device=routing_map.device
+                    )
+                if padding is not None:  # [s, b] like the router's tokens, flattened the same way
+                    routing_map = routing_map[~padding.reshape(-1)]
+                self.counts[i, : self.experts] += routing_map.sum(0)
+                self.counts[i, self.experts] += routing_map.shape[0]
+                self.counts[i, self.experts + 1] += 1
+
+        return hook
+
+    def _aux_losses(self) -> None:
+        """Move megatron's per-layer load-balancing loss sums (unscaled, one per router call) into
+        the counts and clear its tracker."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if entry is not None and self.counts is not None:
+            values = entry["values"]
+            self.counts[: len(values), self.experts + 2] += values.to(self.counts)
+            values.zero_()
+
+    def metrics(self) -> dict[str, float]:
+        """Collective (every rank): the step's router metrics; resets the counts.
+
+        moe/load_max_over_mean: the busiest expert's tokens over the mean per expert (1 = balanced,
+        E/k = all to the same experts), mean over MoE layers; `_worst_layer` is the largest;
+        moe/dropped: assignments dropped by the capacity factor; moe/aux_loss: the load-balancing
+        loss (unscaled) when trainer.moe_aux_loss_coef > 0."""
+        if self.aux_loss:
+            self._aux_losses()
+        c = self.counts
+        if c is None:  # this rank has no MoE layer (a pipeline stage), but must join the sum
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            c = torch.zeros(self.layers, self.experts + 3, dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(c)
+        c = c.cpu()
+        self.counts = None
+        rows = c[c[:, self.experts] > 0]
+        if len(rows) == 0:
+            return {}
+        load = rows[:, : self.experts]
+        ratio = load.max(1).values / load.mean(1).clamp_min(1e-12)
+        out = {
+            "moe/load_max_over_mean": ratio.mean().item(),
+            "moe/load_max_over_mean_worst_layer": ratio.max().item(),
+        }
+        if self.capacity is not None:
+            assigned = rows[:, self.experts].sum() * self.topk
+            out["moe/dropped"] = (1 - load.sum() / assigned).item()
+        if self.aux_loss:
+            out["moe/aux_loss"] = (rows[:, self.experts + 2].sum() / rows[:, self.experts + 1].sum()).item()
+        return out
+
+
+# -- micro-batch counts under expert parallelism -----------------------------------------------------
+def equalize_microbatches(mbs: list, align: int, group=None) -> list:
+    """Collective over `group` (the data-parallel group): this rank's micro-batches, padded with empty
+    ones up to the largest count in the group.
+
+    Each MoE layer's all-to-all runs over the EP group, which spans data-parallel ranks, so every rank
+    must run as many forwards and backwards as the others; a rank with fewer micro-batches would wait
+    in its gradient sync while the others wait in an all-to-all (a hang). An empty micro-batch is one
+    row of `align` padding positions with no response token: it is routed, and adds nothing to the
+    loss, the logprobs or the token counts."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return mbs
+    group = group or ps.get_data_parallel_group()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = torch.tensor([len(mbs)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    return list(mbs) + [empty_microbatch(align) for _ in range(int(n.item()) - len(mbs))]
+
+
+def empty_microbatch(row_len: int):
+    from stages.trainer.packing import MicroBatch
+
+    zeros = torch.zeros(1, row_len, dtype=torch.long)
+    return MicroBatch(
+        tokens=zeros,
+        targets=zeros.clone(),
+        segments=torch.full((1, row_len), -1, dtype=torch.long),  # padding's own segment id
+        resp_pos=torch.zeros(0, dtype=torch.long),
+        tok_index=torch.zeros(0, dtype=torch.long),
+        num_tokens=0,
+        cu_seqlens=torch.tensor([0, row_len], dtype=torch.int32),
+        max_segment_len=row_len,
+    )
