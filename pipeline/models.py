@@ -274,16 +274,24 @@ def _warm_start(model, tok, steps: int) -> None:
             digits = [ord(rng.choice("0123456789")) for _ in range(rng.randint(1, 3))]
             prompt, answer = [im_start, *digits, im_end, im_start], [*digits, im_end]
             rows.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)[:, 1:]
-        logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
-        logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        masked_nll_step(model, opt, rows, pad)
     model.eval()
+
+
+def masked_nll_step(model, opt, rows: list[tuple[list[int], list[int]]], pad: int) -> None:
+    """One optimizer step of next-token loss on rows of (token ids, loss mask), padded with `pad`: the
+    warm start of every tiny model (the mask picks the tokens the model is taught to write)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)[:, 1:]
+    logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
+    logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(logp * mask).sum() / mask.sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_
     assert again.history[-1]["generator/data_epoch"] >= 5
 
 
-@pytest.mark.parametrize("layout", ["trainer.dp=2", "trainer.tp=2"])
+# dp=2 in the pipeline is also run by test_healing's 2-rank trainer kill; slow-marked for the suite's time
+@pytest.mark.parametrize("layout", [pytest.param("trainer.dp=2", marks=pytest.mark.slow), "trainer.tp=2"])
 def test_trainer_of_two_ranks_runs_in_the_pipeline(tmp_path, ray_session, layout):
     """bin/run-pipeline trainer.tp=2 (or dp=2): two trainer actors form one gloo world, rank 0 fetches and
     broadcasts, pushes reach the engine, and the final HF export has the model's own vocabulary (the

@@ -1,5 +1,9 @@
 """TP=2, PP=2, DP=2, CP=2 and TP=2 with sequence parallelism (two gloo processes under torchrun)
-reproduce the TP=1 losses, gradient norms and trained weights on the same data and initial weights."""
+reproduce the TP=1 losses, gradient norms and trained weights on the same data and initial weights.
+
+The layouts train GSPO with the sequence-level TIS weight: besides the per-token terms, its sequence
+ratio, the seq_tis weight and the per-sequence mean need each sequence's sums over every rank holding
+its tokens (CP) and must not be counted twice (TP copies), so one run checks all of them."""
 
 from __future__ import annotations
 
@@ -9,24 +13,25 @@ import torch
 from stages.trainer.testing import make_tiny_hf
 from stages.trainer.testing import run_parallel_check as _run
 
+GSPO = ("--advantage", "gspo", "--correction", "seq_tis")
+
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     d = tmp_path_factory.mktemp("par")
     path = make_tiny_hf(str(d / "qwen2"), "qwen2")
-    return path, d, _run(path, str(d / "tp1"), 1)
+    return path, d, _run(path, str(d / "tp1"), 1, *GSPO)
 
 
 @pytest.mark.parametrize(
     "layout",
-    # CP=2 is checked with GSPO below (its attention and its per-sequence sums at once)
-    [("--tp", "2"), ("--pp", "2"), (), ("--tp", "2", "--sp")],
-    ids=["tp2", "pp2", "dp2", "tp2-sp"],
+    [("--tp", "2"), ("--pp", "2"), (), ("--cp", "2"), ("--tp", "2", "--sp")],
+    ids=["tp2", "pp2", "dp2", "cp2", "tp2-sp"],
 )
 def test_parallel_layout_matches_tp1(baseline, layout):
     path, d, (ref_m, ref_w) = baseline
     name = "-".join(layout) or "dp2"
-    m, w = _run(path, str(d / name), 2, *layout)
+    m, w = _run(path, str(d / name), 2, *GSPO, *layout)
     for a, b in zip(ref_m, m):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
@@ -60,18 +65,8 @@ def _assert_same_training(ref_m, ref_w, m, w):
         assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
 
 
-def test_cp2_gspo_needs_whole_sequences(baseline):
-    """GSPO's sequence ratio, the seq_tis weight and the per-sequence mean need each sequence's sums over
-    both CP ranks: CP=2 matches one rank."""
-    path, d, _ = baseline
-    args = ("--advantage", "gspo", "--correction", "seq_tis")
-    ref_m, ref_w = _run(path, str(d / "gspo-1"), 1, *args)
-    m, w = _run(path, str(d / "gspo-cp2"), 2, "--cp", "2", *args)
-    _assert_same_training(ref_m, ref_w, m, w)
-
-
 @pytest.mark.slow
 def test_tp2_sp_cp2_on_four_ranks(baseline):
     path, d, (ref_m, ref_w) = baseline
-    m, w = _run(path, str(d / "tp2-sp-cp2"), 4, "--tp", "2", "--sp", "--cp", "2")
+    m, w = _run(path, str(d / "tp2-sp-cp2"), 4, *GSPO, "--tp", "2", "--sp", "--cp", "2")
     _assert_same_training(ref_m, ref_w, m, w)

@@ -65,19 +65,12 @@ def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
 def _warm_start(model, data: list[tuple[list[int], list[int]]], pad: int, batch: int = 32) -> None:
     import torch
 
+    from pipeline.models import masked_nll_step
+
     # no shuffle: reasoning-gym's order is already random, and without one the first k steps of any
     # build are the same, so a build of fewer steps is a prefix of a longer one
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)  # tiny-qwen2's; 1e-2 measured worse
     model.train()
     for start in range(0, len(data) - batch + 1, batch):
-        rows = data[start : start + batch]
-        width = max(len(r) for r, _ in rows)
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)[:, 1:]
-        logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
-        logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        masked_nll_step(model, opt, data[start : start + batch], pad)
     model.eval()
