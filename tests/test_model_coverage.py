@@ -72,24 +72,9 @@ def test_llama3_inverse_frequencies_are_transformers(tmp_path, dist1):
 
 @pytest.mark.parametrize("kind", ["llama3.1", "glm4"])
 def test_export_round_trip(tmp_path, dist1, kind):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from stages.trainer.testing import assert_export_round_trips
 
-    from stages.trainer.export import export_hf_state, save_hf
-    from stages.trainer.model import build_policy
-
-    path = MAKERS[kind](str(tmp_path / kind))
-    src = load_file(f"{path}/model.safetensors")
-    state = export_hf_state(build_policy(path, ddp=False))
-    assert set(state) == set(src)
-    for k in src:
-        assert torch.equal(state[k], src[k]), k
-    out = save_hf(state, path, str(tmp_path / "out"))
-    toks = torch.randint(0, 512, (1, 16))
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
-        b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
-    assert torch.equal(a, b)
+    assert_export_round_trips(MAKERS[kind](str(tmp_path / kind)), str(tmp_path / "out"))
 
 
 def test_unmapped_architectures_are_refused_by_name():

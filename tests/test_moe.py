@@ -50,24 +50,12 @@ def test_logits_match_hf(tmp_path, dist1, overrides):
 
 def test_export_round_trip(tmp_path, dist1):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    from stages.trainer.export import export_hf_state, save_hf
-    from stages.trainer.model import build_policy
+    from stages.trainer.testing import assert_export_round_trips
 
     path = make_tiny(str(tmp_path / "moe"), "qwen3_moe")
-    src = load_file(f"{path}/model.safetensors")
-    assert "model.layers.1.mlp.experts.3.up_proj.weight" in src  # save_pretrained's per-expert form
-    state = export_hf_state(build_policy(path, ddp=False))
-    assert set(state) == set(src)
-    for k in src:
-        assert torch.equal(state[k], src[k]), k
-    out = save_hf(state, path, str(tmp_path / "out"))
-    toks = torch.randint(0, 512, (1, 16))
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
-        b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
-    assert torch.equal(a, b)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(f"{path}/model.safetensors")
+    assert_export_round_trips(path, str(tmp_path / "out"))  # experts exported in save_pretrained's form
 
 
 def test_fused_expert_checkpoint_loads(tmp_path, dist1):
@@ -227,18 +215,12 @@ def test_unmapped_moe_shapes_are_refused():
         check_supported(tf.Qwen3MoeConfig(num_experts_per_tok=1, norm_topk_prob=True))
 
 
-def _trainer_has_ep() -> bool:
-    from stages.trainer.config import TrainerConfig
-
-    return "ep" in TrainerConfig.__struct_fields__
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
         # one micro-batch per rank: EP ranks run the same number of forwards without the trainer's
-        # equalising (moe.equalize_microbatches), so this runs before trainer.ep is wired
+        # equalising (moe.equalize_microbatches)
         ("--ep", "2", "--micro-batch-tokens", "4096"),
         ("--ep", "2"),  # uneven micro-batch counts per DP rank, padded to equal ones
         ("--tp", "2", "--sp"),  # megatron's MoE layers take sequence-parallel input under TP
@@ -250,18 +232,10 @@ def test_expert_parallel_matches_one_rank(tmp_path, layout):
     data-parallel) and TP=2 with sequence parallelism (each expert split over the expert-TP group)
     train like one rank: same losses,
     gradient norms and exported weights after three SGD steps."""
-    from stages.trainer.testing import run_parallel_check
+    from stages.trainer.testing import assert_same_training, run_parallel_check
 
-    if layout == ("--ep", "2") and not _trainer_has_ep():
-        pytest.skip("needs trainer.ep wired into the trainer (its micro-batch equalising)")
     path = make_tiny(str(tmp_path / "moe"), "qwen3_moe")
     extra = tuple(layout[2:]) if layout[0] == "--ep" else ()
     ref_m, ref_w = run_parallel_check(path, str(tmp_path / "one"), 1, "--steps", "3", *extra)
     m, w = run_parallel_check(path, str(tmp_path / "two"), 2, "--steps", "3", *layout)
-    for a, b in zip(ref_m, m, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
-        assert a["tokens/trained"] == b["tokens/trained"]
-    assert set(w) == set(ref_w)
-    for k in ref_w:
-        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+    assert_same_training(ref_m, ref_w, m, w)

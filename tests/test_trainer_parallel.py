@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.trainer.testing import make_tiny_hf
+from stages.trainer.testing import assert_same_training, make_tiny_hf
 from stages.trainer.testing import run_parallel_check as _run
 
 GSPO = ("--advantage", "gspo", "--correction", "seq_tis")
@@ -32,13 +32,7 @@ def test_parallel_layout_matches_tp1(baseline, layout):
     path, d, (ref_m, ref_w) = baseline
     name = "-".join(layout) or "dp2"
     m, w = _run(path, str(d / name), 2, *GSPO, *layout)
-    for a, b in zip(ref_m, m):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
-        assert a["tokens/trained"] == b["tokens/trained"]
-    assert set(w) == set(ref_w)
-    for k in ref_w:
-        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+    assert_same_training(ref_m, ref_w, m, w)
 
 
 def test_tp2_pads_a_vocabulary_tp_does_not_divide(tmp_path):
@@ -56,17 +50,8 @@ def test_tp2_pads_a_vocabulary_tp_does_not_divide(tmp_path):
         assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
 
 
-def _assert_same_training(ref_m, ref_w, m, w):
-    for a, b in zip(ref_m, m, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
-        assert a["tokens/trained"] == b["tokens/trained"]
-    for k in ref_w:
-        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
-
-
 @pytest.mark.slow
 def test_tp2_sp_cp2_on_four_ranks(baseline):
     path, d, (ref_m, ref_w) = baseline
     m, w = _run(path, str(d / "tp2-sp-cp2"), 4, *GSPO, "--tp", "2", "--sp", "--cp", "2")
-    _assert_same_training(ref_m, ref_w, m, w)
+    assert_same_training(ref_m, ref_w, m, w)

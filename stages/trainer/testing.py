@@ -169,3 +169,40 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
     assert r.returncode == 0, r.stderr[-4000:]
     with open(f"{out}/metrics.json") as f:
         return json.load(f), load_file(f"{out}/weights.safetensors")
+
+
+def assert_same_training(ref_m: list[dict], ref_w: dict, m: list[dict], w: dict, atol: float = 1e-5) -> None:
+    """Two parallel_check runs trained alike: per-step loss, gradient norm and trained tokens, and the
+    exported weights (the same tensors, each within `atol`)."""
+    import torch
+
+    for a, b in zip(ref_m, m, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
+        assert a["tokens/trained"] == b["tokens/trained"]
+    assert set(w) == set(ref_w)
+    for k in ref_w:
+        assert torch.allclose(w[k], ref_w[k], atol=atol), k
+
+
+def assert_export_round_trips(path: str, out_dir: str) -> None:
+    """The megatron build of the HF folder `path` exports exactly its tensors, and the folder saved from
+    them computes the same logits as the original (needs init_distributed)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer.export import export_hf_state, save_hf
+    from stages.trainer.model import build_policy
+
+    src = load_file(f"{path}/model.safetensors")
+    state = export_hf_state(build_policy(path, ddp=False))
+    assert set(state) == set(src)
+    for k in src:
+        assert torch.equal(state[k], src[k]), k
+    out = save_hf(state, path, out_dir)
+    toks = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
+        b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
+    assert torch.equal(a, b)
