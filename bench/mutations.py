@@ -123,7 +123,7 @@ MUTATIONS = [
         "stages/trainer/lm_head.py",
         "    if real_cols < z.shape[1]:\n",
         "    if False:\n",
-        ("tests/test_trainer_parallel.py::test_tp2_pads_a_vocabulary_tp_does_not_divide",),
+        ("tests/test_trainer_parallel.py::test_parallel_layout_matches_tp1[tp2]",),
     ),
     Mutation(
         "nan_reward_accepted",

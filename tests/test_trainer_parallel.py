@@ -3,12 +3,13 @@ reproduce the TP=1 losses, gradient norms and trained weights on the same data a
 
 The layouts train GSPO with the sequence-level TIS weight: besides the per-token terms, its sequence
 ratio, the seq_tis weight and the per-sequence mean need each sequence's sums over every rank holding
-its tokens (CP) and must not be counted twice (TP copies), so one run checks all of them."""
+its tokens (CP) and must not be counted twice (TP copies), so one run checks all of them. The model's
+vocabulary (259) is not a multiple of TP: the padded row must take no probability mass and the export
+must trim it."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from stages.trainer.testing import assert_same_training, make_tiny_hf
 from stages.trainer.testing import run_parallel_check as _run
@@ -19,7 +20,8 @@ GSPO = ("--advantage", "gspo", "--correction", "seq_tis")
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     d = tmp_path_factory.mktemp("par")
-    path = make_tiny_hf(str(d / "qwen2"), "qwen2")
+    # vocab 259: at TP=2 megatron holds 260 rows, one zero padding row left out of every softmax
+    path = make_tiny_hf(str(d / "qwen2"), "qwen2", vocab_size=259)
     return path, d, _run(path, str(d / "tp1"), 1, *GSPO)
 
 
@@ -33,21 +35,9 @@ def test_parallel_layout_matches_tp1(baseline, layout):
     name = "-".join(layout) or "dp2"
     m, w = _run(path, str(d / name), 2, *GSPO, *layout)
     assert_same_training(ref_m, ref_w, m, w)
-
-
-def test_tp2_pads_a_vocabulary_tp_does_not_divide(tmp_path):
-    """vocab 259 at TP=2: megatron holds 260 rows (one zero padding row, left out of every softmax);
-    losses, gradient norms and the exported (trimmed) weights equal TP=1's."""
-    path = make_tiny_hf(str(tmp_path / "odd"), "qwen2", vocab_size=259)
-    ref_m, ref_w = _run(path, str(tmp_path / "tp1"), 1)
-    m, w = _run(path, str(tmp_path / "tp2"), 2, "--tp", "2")
-    for a, b in zip(ref_m, m):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"])
+    for a, b in zip(ref_m, m):  # a padding row with probability mass would move the entropy
         assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
-    assert w["model.embed_tokens.weight"].shape[0] == 259
-    for k in ref_w:
-        assert torch.allclose(w[k], ref_w[k], atol=1e-5), k
+    assert w["model.embed_tokens.weight"].shape[0] == 259  # exported trimmed to the real vocabulary
 
 
 @pytest.mark.slow
