@@ -10,7 +10,10 @@ engines' start-up and the first (NCCL warm-up) push are left out of both.
 
 JSON (last line): `speedup` = sync seconds per step / async seconds per step (goal >= 1.8 on 2 GPUs,
 disaggregated); `engine_busy_share` (async: 1 - the engines' idle share), `trainer_idle_share` (async:
-the trainer's share of wall time spent waiting for data), and each mode's figures.
+the trainer's share of wall time spent waiting for data), `engine_util` = the async run's generated
+tokens/s over SGLang's own offline throughput (`offline_throughput`: sglang.Engine, no HTTP, no
+trainer, on the rollout GPU with the same model, prompts, sampling, max_new_tokens and concurrency,
+measured after both runs; goal >= 0.8), and each mode's figures. `--offline-only` measures just that.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,11 +52,57 @@ def steady(rows: list[dict], skip: int) -> dict:
         "rollout_tokens_per_s": round(gen / span, 1),
         "engine_idle_share": mean("generator/idle_share"),
         "trainer_wait_share": round(sum(r["time/data_wait_s"] for r in part[1:]) / span, 3),
+        # generation stalled by pushes (async: pause-to-continue summed / wall; sync pushes between batches)
+        "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in part[1:]) / span, 4),
         "train_s_mean": mean("time/train_s"),
         "staleness_mean": mean("staleness/mean"),
         "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:3]), 3),
         "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-3:]), 3),
     }
+
+
+def _device() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+
+
+def offline_throughput(config: str, overrides: list[str], n_prompts: int) -> dict:
+    """SGLang's own generation throughput (sglang.Engine in this process, no HTTP) on the rollout's
+    GPU: the run's model, chat-templated prompts, sampling and group size, at the generator's
+    concurrency (max_inflight_groups x group_size requests in flight), over n_prompts x group_size
+    requests. A child process, so its GPU memory is gone when it returns."""
+    code = f"""
+import json, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from pipeline.config import load_config
+from pipeline.models import resolve_model
+from stages.rollout.build import load_source
+cfg = load_config({config!r}, {overrides!r} + ["model.cache_dir=/tmp/models-offline"])
+r = cfg.rollout
+source, _ = load_source(cfg)
+prompts = [next(source).ids for _ in range({n_prompts})]
+import sglang
+gpu = 1 if cfg.cluster.num_gpus > 1 and not cfg.cluster.colocate else 0  # where the run's engine was
+llm = sglang.Engine(model_path=str(resolve_model(cfg.model)), dtype=cfg.model.dtype, skip_tokenizer_init=True,
+    mem_fraction_static=r.sglang.mem_fraction_static, disable_cuda_graph=r.sglang.disable_cuda_graph,
+    disable_radix_cache=True, enable_fp32_lm_head=cfg.model.fp32_lm_head, base_gpu_id=gpu,
+    max_running_requests=r.max_inflight_groups * r.group_size)
+params = dict(temperature=r.sampling.temperature, top_p=r.sampling.top_p, max_new_tokens=r.sampling.max_new_tokens)
+llm.generate(input_ids=prompts[:8], sampling_params=params)  # warm-up
+ids = [p for p in prompts for _ in range(r.group_size)]
+t0 = time.perf_counter()
+outs = llm.generate(input_ids=ids, sampling_params=params)
+dt = time.perf_counter() - t0
+tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+llm.shutdown()
+print(json.dumps(dict(tokens_per_s=round(tokens / dt, 1), tokens=tokens, seconds=round(dt, 2), requests=len(ids),
+    max_running_requests=r.max_inflight_groups * r.group_size, sglang=sglang.__version__)))
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        raise SystemExit(f"offline throughput failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -62,6 +112,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="", help="output directory (default $OUT, else gpu-out/)")
+    ap.add_argument("--offline-prompts", type=int, default=128, help="prompts (x group_size requests)")
+    ap.add_argument("--offline-only", action="store_true")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or ROOT / "gpu-out")
@@ -76,6 +128,9 @@ def main() -> None:
         *a.overrides,
     ]
     modes = {}
+    if a.offline_only:
+        print(json.dumps({"offline_throughput": offline_throughput(a.config, common, a.offline_prompts)}))
+        return
     for mode in ("sync", "async"):
         name = f"avs{a.tag}-{mode}"
         # gpu_pipeline.sh sets the data source to basic_arithmetic; the later override here wins
@@ -95,6 +150,7 @@ def main() -> None:
         modes[mode] = {"rc": r.returncode, **steady(rows, a.skip)}
         print(json.dumps({mode: modes[mode]}), flush=True)
     s, y = modes["sync"], modes["async"]
+    offline = offline_throughput(a.config, common, a.offline_prompts)
     result = {
         "bench": "gpu_async_vs_sync",
         "config": a.config,
@@ -102,8 +158,12 @@ def main() -> None:
         "speedup": round(s["s_per_step"] / y["s_per_step"], 3),
         "engine_busy_share": None if y["engine_idle_share"] is None else round(1 - y["engine_idle_share"], 3),
         "trainer_idle_share": y["trainer_wait_share"],
+        "engine_util": round(y["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+        "offline_throughput": offline,
         "sync": s,
         "async": y,
+        "device": _device(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(json.dumps(result))
 

@@ -64,6 +64,10 @@ def summarise(run_dir: Path) -> dict:
         "trainer_tokens_per_s": round(train_tok / train_s, 1) if train_s > 0 else None,
         "trainer_data_wait_share": round(sum(r["time/data_wait_s"] for r in steady) / max(span, 1e-9), 3),
         "push_seconds_median": push,  # SGLang pushes pause generation for all of this
+        # generation stalled by pushes: pause-to-continue time summed over the steady steps / their span
+        "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in steady[1:]) / span, 4)
+        if span > 0
+        else None,
         "push_pause_s_median": _med(rows[2:], "push/prev_pause_s"),  # the /pause_generation call itself
         "push_raw_transfer_s_median": raw,
         "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,

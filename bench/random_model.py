@@ -1,7 +1,9 @@
-"""A random-weight HF model folder of a real Qwen2.5 shape that the whole pipeline can run (SGLang
-serves it, megatron trains it), for speed and memory work at sizes no pretrained model here has.
+"""A random-weight HF model folder of a real Qwen2.5 shape, or of the Qwen3-MoE shape `moe-small`
+(16 experts, top-4, ~2B parameters), that the whole pipeline can run (SGLang serves it, megatron
+trains it), for speed and memory work at sizes no pretrained model here has.
 
     python bench/random_model.py 7b /tmp/models        # prints the folder's path
+    python bench/random_model.py moe-small /tmp/models # /tmp/models/qwen3-moe-small-random
 
 The weights come from bench/trainer_gpu.py's build_model (bf16 safetensors, built on the GPU). The
 tokenizer files are SmolLM2-135M's (the only tokenizer on the machine): its 49k ids all fall inside

@@ -4,15 +4,21 @@ One invocation measures, on the same card(s): the bf16 matmul peak (8192^3), the
 megatron trainer (`Trainer.step()` on synthetic GRPO groups from an in-process buffer) and a plain
 HF `Qwen2ForCausalLM` loop (SDPA, bf16 weights, fused AdamW; the same two passes per step as a
 trainer that recomputes logp_old: a no-grad forward and a forward/backward with the GRPO token loss)
-on the same samples. Models are random-weight Qwen2.5 shapes built on the machine.
+on the same samples. Models are random-weight Qwen2.5 shapes built on the machine, and `moe-small`, a
+Qwen3-MoE (16 experts, top-4, ~2B parameters, ~1B active) whose HF loop runs transformers' MoE block
+(grouped_mm where that transformers version has it, else a Python loop over experts).
 
   python bench/trainer_gpu.py --shapes 0.5b,1.5b             # one GPU
+  python bench/trainer_gpu.py --shapes moe-small --results bench/results/trainer_gpu.jsonl
   torchrun --nproc-per-node 2 bench/trainer_gpu.py --shapes 7b --tp 2 --no-hf
+  torchrun --nproc-per-node 2 bench/trainer_gpu.py --shapes moe-small --ep 2 --no-hf
 
 Per shape one JSON object (`shape`, `tokens_per_s`, `mfu`, `vs_hf`, `peak_mem_gb`, ...) is printed
 and, with --results, appended to that file with `device` and `date`; the last line printed is the
 JSON of the last shape. `mfu` = 6 x params x tokens/s over the measured peak (the convention of the
-issue; a step does more work than 6N: the logp_old pass and any recompute are not counted).
+issue; a step does more work than 6N: the logp_old pass and any recompute are not counted); for an
+MoE shape N is the active parameters (`active_params`: attention, router, top-k experts per token,
+embeddings and head; `params` is the total), as is `tflops` (6 x N x tokens/s per GPU).
 """
 
 from __future__ import annotations
@@ -61,6 +67,28 @@ SHAPES = {  # Qwen2.5 configs (vocab 151936 in the 0.5B/1.5B releases, 152064 in
     ),
 }
 SHAPES["1.5b-32k"] = SHAPES["1.5b"]
+# Qwen3-MoE (the trainer's MoE family, stages/trainer/moe.py): every layer MoE, no shared expert,
+# qk-norm, no qkv bias. 1.96B parameters, 1.05B active (the embeddings and head are 0.62B of both)
+SHAPES["moe-small"] = dict(
+    hidden_size=2048,
+    intermediate_size=6144,  # dense MLP of `mlp_only_layers` (none here)
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=1024,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+
+
+def is_moe(shape: str) -> bool:
+    return "num_experts" in SHAPES[shape]
 
 
 def parse() -> argparse.Namespace:
@@ -70,7 +98,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--micro-batch-tokens", default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192")
+    ap.add_argument(
+        "--micro-batch-tokens", default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192,moe-small=8192"
+    )
     ap.add_argument("--hf-micro-batch-tokens", type=int, default=8192, help="halved on OOM")
     ap.add_argument("--recompute", default="1.5b-32k,7b", help="shapes trained with full recompute")
     ap.add_argument(
@@ -79,6 +109,7 @@ def parse() -> argparse.Namespace:
         help="trainer.old_logprobs modes to measure (the first is judged against HF)",
     )
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size of MoE shapes (trainer.ep)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
@@ -102,14 +133,21 @@ def log(*a):
 
 
 def build_model(shape: str, root: str) -> str:
-    """A random-weight HF folder of the shape (bf16 safetensors), built once on rank 0."""
+    """A random-weight HF folder of the shape (bf16 safetensors), built once on rank 0 (on the GPU;
+    on the CPU where there is none). MoE shapes are Qwen3MoeForCausalLM, saved in the per-expert
+    checkpoint format that SGLang and the trainer read."""
     import torch
     import torch.distributed as dist
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    path = os.path.join(root, f"qwen2.5-{shape.split('-')[0]}-random")
+    moe = is_moe(shape)
+    name = f"qwen3-{shape}-random" if moe else f"qwen2.5-{shape.split('-')[0]}-random"
+    path = os.path.join(root, name)
     if rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        cfg = Qwen2Config(
+        config_cls, model_cls = (
+            (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM)
+        )
+        cfg = config_cls(
             **SHAPES[shape],
             max_position_embeddings=32768,
             rope_theta=1e6,
@@ -117,24 +155,49 @@ def build_model(shape: str, root: str) -> str:
             torch_dtype="bfloat16",
         )
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            m = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            m = model_cls(cfg).to(torch.bfloat16)
+        if moe:  # some transformers versions start the router at zero: every token to experts 0..k-1
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if n.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, cfg.initializer_range)
         m.save_pretrained(path)
         del m
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if dist.is_initialized():
         dist.barrier()
     return path
 
 
-def param_count(shape: str) -> int:
-    """Parameters of the HF model of this shape (embeddings, and the head when untied, included)."""
+def param_count(shape: str, active: bool = False) -> int:
+    """Parameters of the HF model of this shape (embeddings, and the head when untied, included).
+    `active`: those one token goes through (an MoE layer's router and top-k experts, not all of them);
+    a dense shape's are all of them."""
     c = SHAPES[shape]
+    if is_moe(shape):
+        return _moe_param_count(c, active)
     h, f, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     hd = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
     layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * f + 2 * h  # qkv(+bias), o, mlp, 2 norms
     return v * h * (1 if c["tie_word_embeddings"] else 2) + L * layer + h
+
+
+def _moe_param_count(c: dict, active: bool) -> int:
+    """Qwen3-MoE: q/k/v/o without bias, per-head q/k RMSNorm; MoE layers (every decoder_sparse_step-th,
+    except mlp_only_layers, as stages/trainer/moe.moe_layers) have a router [E, h] and E SwiGLU
+    experts of moe_intermediate_size, the others a dense SwiGLU MLP of intermediate_size."""
+    h, L, v, hd = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    attn = h * (q + 2 * kv) + q * h + 2 * hd  # q, k, v, o, q_norm, k_norm
+    step, dense = c.get("decoder_sparse_step", 1) or 1, set(c.get("mlp_only_layers") or [])
+    n_moe = sum(i not in dense and (i + 1) % step == 0 for i in range(L))
+    experts = c["num_experts_per_tok"] if active else c["num_experts"]
+    moe_mlp = c["num_experts"] * h + experts * 3 * h * c["moe_intermediate_size"]
+    mlps = n_moe * moe_mlp + (L - n_moe) * 3 * h * c["intermediate_size"]
+    return v * h * (1 if c["tie_word_embeddings"] else 2) + L * (attn + 2 * h) + mlps + h
 
 
 def matmul_peak() -> float:
@@ -191,6 +254,9 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
     tc.micro_batch_tokens, tc.precision, tc.recompute, tc.tp = mbt, "bf16", recompute, a.tp
     tc.old_logprobs, tc.fetch_timeout_s, tc.resume, tc.lr = old_mode, 600.0, False, 1e-6
     tc.logits_chunk_tokens = a.logits_chunk_tokens
+    tc.ep = a.ep  # as main's init_distributed made the groups (a dense model has no experts to split)
+    if is_moe(shape):  # megatron's MoE layers take sequence-parallel input under TP
+        tc.sequence_parallel = a.tp > 1
     cfg.run.max_staleness, cfg.run.steps = 10**6, a.steps + a.warmup
     tmp = tempfile.mkdtemp(prefix="bench-trainer-gpu-", dir=a.workdir)
     src = None
@@ -242,6 +308,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
         "step_s": secs / a.steps,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "params": param_count(shape),
+        "active_params": param_count(shape, active=True),
     }
     parity_trainer = trainer if a.parity else None
     return out, parity_trainer
@@ -348,6 +415,8 @@ def run_hf(shape, path, a) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "micro_batch_tokens": mbt,
     }
+    if is_moe(shape):  # grouped_mm (transformers 5's default where torch has it) or a loop over experts
+        out["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     model = opt = None  # frees the GPU memory before the next shape (the closure above shares the name)
     return out
 
@@ -367,6 +436,14 @@ def hf_with_retries(shape, path, a) -> dict:
                 return {"error": "out of memory at 1024-token micro-batches"}
             a.hf_micro_batch_tokens //= 2
             log(f"  hf {shape}: out of memory, micro-batch tokens -> {a.hf_micro_batch_tokens}")
+            continue
+        except Exception as e:  # transformers' MoE block on this torch: keep the trainer's numbers
+            if not is_moe(shape):
+                raise
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+        gc.collect()  # the traceback, which held the HF model, is gone here
+        torch.cuda.empty_cache()
+        return {"error": error}
 
 
 def parity(trainer, path, shape, a) -> dict:
@@ -415,7 +492,7 @@ def main() -> None:
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun: the world and this rank's GPU before anything
         from stages.trainer.model import init_distributed
 
-        init_distributed(tp=a.tp)
+        init_distributed(tp=a.tp, ep=a.ep)
     mbt = dict(kv.split("=") for kv in a.micro_batch_tokens.split(","))
     recompute = set(a.recompute.split(",")) if a.recompute else set()
     peak = matmul_peak()
@@ -433,6 +510,8 @@ def main() -> None:
             "gpus": n_gpu,
             "peak_tflops": round(peak / 1e12, 1),
         }
+        if is_moe(shape):
+            row["ep"] = a.ep
         for i, mode in enumerate(a.old_logprobs.split(",")):
             try:
                 res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode)
@@ -442,15 +521,18 @@ def main() -> None:
             if "error" in res:
                 row["error" + key] = res["error"]
             else:
-                mfu = 6 * res["params"] * res["tokens_per_s"] / (peak * n_gpu)
+                flops = 6 * res["active_params"] * res["tokens_per_s"]  # active = all of a dense model's
                 row.update(
                     {
                         f"tokens_per_s{key}": round(res["tokens_per_s"], 1),
-                        f"mfu{key}": round(mfu, 4),
+                        f"mfu{key}": round(flops / (peak * n_gpu), 4),
+                        f"tflops{key}": round(flops / n_gpu / 1e12, 1),
                         f"peak_mem_gb{key}": round(res["peak_mem_gb"], 1),
                         "params": res["params"],
                     }
                 )
+                if is_moe(shape):
+                    row["active_params"] = res["active_params"]
                 if i == 0:
                     row["old_logprobs"] = mode
                 if tr is not None and i == 0 and not shape.endswith("32k"):  # HF fp32 can't hold 32k
@@ -465,6 +547,8 @@ def main() -> None:
             row["hf_peak_mem_gb"] = round(hf.get("peak_mem_gb", 0.0), 1) or None
             if "error" in hf:
                 row["hf_error"] = hf["error"]
+            if "experts_implementation" in hf:
+                row["hf_experts_implementation"] = hf["experts_implementation"]
             if row["hf_tokens_per_s"] and "tokens_per_s" in row:
                 row["vs_hf"] = round(row["tokens_per_s"] / row["hf_tokens_per_s"], 3)
                 if "tokens_per_s_from_train_forward" in row:
@@ -473,6 +557,15 @@ def main() -> None:
                     )
             gc.collect()
             torch.cuda.empty_cache()
+        if is_moe(shape) and "vs_hf" not in row:
+            row["vs_hf"] = None
+            row["vs_hf_reason"] = (
+                "--no-hf"
+                if a.no_hf
+                else "the HF loop runs only with --tp 1"
+                if a.tp != 1
+                else row.get("hf_error", "no trainer result")
+            )
         row.update(device=f"{n_gpu}x {dev}", date=datetime.date.today().isoformat(), torch=torch.__version__)
         if rank() == 0:
             print(json.dumps(row), flush=True)

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA
+from pipeline.sample import ARROW_SCHEMA, LEGACY_SCHEMAS, upgrade_batch
 
 SEGMENT_GLOB = "seg-*.arrow"
 LOG_NAME = "consumed.log"
@@ -277,8 +277,9 @@ def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
     src = pa.memory_map(str(path))
     try:
         reader = pa.ipc.open_stream(src)
-        if not reader.schema.equals(ARROW_SCHEMA):
-            raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA")
+        legacy = not reader.schema.equals(ARROW_SCHEMA)
+        if legacy and not any(reader.schema.equals(s) for s in LEGACY_SCHEMAS):
+            raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
         rep.intact_bytes = src.tell()
         while True:
             try:
@@ -289,7 +290,7 @@ def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
             if want is None or int(want) != batch_crc(batch):
                 raise ValueError(f"checksum mismatch in batch {rep.batches}")
             batch.validate(full=True)
-            out.append(batch)
+            out.append(upgrade_batch(batch) if legacy else batch)
             rep.batches += 1
             rep.rows += batch.num_rows
             rep.intact_bytes = src.tell()

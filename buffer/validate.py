@@ -11,7 +11,14 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA, RESPONSE_ALIGNED, Status, min_versions, value_problem
+from pipeline.sample import (
+    ARROW_SCHEMA,
+    RESPONSE_ALIGNED,
+    Status,
+    min_versions,
+    routed_problem,
+    value_problem,
+)
 from pipeline.wire import ProtocolError
 
 _STATUS_SET = frozenset(str(s) for s in Status)
@@ -79,6 +86,7 @@ def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         "logprobs": _values(batch.column("rollout_logprobs")),
         "versions": _values(batch.column("versions")),
         "loss_mask": _values(batch.column("loss_mask")),
+        "routed": _values(batch.column("routed_experts")),
     }
 
 
@@ -92,6 +100,21 @@ def _check_values(batch: pa.RecordBatch) -> None:
         problem = value_problem(**_value_columns(row))
         if problem:
             raise ProtocolError(f"sample {row.column('uid')[0].as_py()}: {problem}", "invalid_sample")
+
+
+def _check_routed_rows(batch: pa.RecordBatch) -> None:
+    """routed_experts of each row: none, or whole rows for its prompt + response - 1 positions."""
+    entries = np.diff(_offsets(batch.column("routed_experts")))
+    if not entries.any():
+        return
+    positions = (
+        np.diff(_offsets(batch.column("prompt_ids"))) + np.diff(_offsets(batch.column("response_ids"))) - 1
+    )
+    bad = (entries > 0) & ((positions <= 0) | (entries % np.maximum(positions, 1) != 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        problem = routed_problem(int(entries[i]), int(positions[i]))
+        raise ProtocolError(f"sample {batch.column('uid')[i].as_py()}: {problem}", "invalid_sample")
 
 
 def check_batch(batch: pa.RecordBatch) -> None:
@@ -134,6 +157,7 @@ def check_batch(batch: pa.RecordBatch) -> None:
                 "logprob, a version and a mask entry",
                 "invalid_sample",
             )
+    _check_routed_rows(batch)
     if not set(batch.column("status").to_pylist()) <= _STATUS_SET:
         raise ProtocolError(
             f"unknown status value; expected one of {[str(s) for s in Status]}", "invalid_sample"

@@ -10,6 +10,10 @@ Per-token arrays and their dtypes (all little-endian):
   rollout_logprobs  float32 one per response token: log p(token) under the *sampling* distribution
   versions          int32   one per response token: the policy version that produced that token
   loss_mask         uint8   one per response token: 1 = trained on, 0 = ignored (e.g. tool output)
+  routed_experts    int16   MoE routing replay (optional, empty otherwise): for each position the trainer
+                            forwards (prompt + response tokens but the last, prompt_len + response_len - 1
+                            rows), the experts the engine routed it to, layer-major: row r holds
+                            [moe layer 0: k ids, moe layer 1: k ids, ...]. SGLang returns the same rows.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 I32 = np.dtype("<i4")
+I16 = np.dtype("<i2")
 F32 = np.dtype("<f4")
 U8 = np.dtype("u1")
 
@@ -34,6 +39,7 @@ PACKED_FIELDS: dict[str, np.dtype] = {
     "rollout_logprobs": F32,
     "versions": I32,
     "loss_mask": U8,
+    "routed_experts": I16,
 }
 RESPONSE_ALIGNED = ("response_ids", "rollout_logprobs", "versions", "loss_mask")
 
@@ -45,7 +51,21 @@ MAX_GROUP_SIZE = 4096
 LOGPROB_SLACK = 1e-4
 
 
-def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mask) -> str:
+def routed_problem(entries: int, positions: int) -> str | None:
+    """What is wrong with `entries` routed_experts values for a sample whose trainer forward has
+    `positions` positions (prompt_len + response_len - 1); None if they make whole rows (or none)."""
+    if entries == 0:
+        return None
+    if positions <= 0 or entries % positions:
+        return (
+            f"routed_experts has {entries} entries, not whole rows for the {max(positions, 0)} positions the "
+            "trainer forwards (prompt + response tokens but the last): one row of moe_layers x top_k expert "
+            "ids per position, or none at all"
+        )
+    return None
+
+
+def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mask, routed=None) -> str:
     """The first out-of-range value among these arrays, described with the bound and the fix; "" if none.
     Shared by Sample.validate (one sample) and buffer.validate.check_batch (whole columns)."""
     if not np.isfinite(reward).all():
@@ -62,6 +82,8 @@ def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mas
         return f"versions holds {versions.min()}; a token's policy version is >= 0"
     if len(loss_mask) and loss_mask.max() > 1:
         return f"loss_mask holds {loss_mask.max()}; it must be 0 or 1 per token"
+    if routed is not None and len(routed) and routed.min() < 0:
+        return f"routed_experts holds {routed.min()}; an expert id is >= 0"
     return ""
 
 
@@ -91,6 +113,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     rollout_logprobs: bytes = b""
     versions: bytes = b""
     loss_mask: bytes = b""
+    routed_experts: bytes = b""  # MoE routing replay rows (see the module docstring); empty for dense models
     reward: float = 0.0
     reward_parts: dict[str, float] = {}
     status: Status = Status.COMPLETED
@@ -133,7 +156,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
                     f"{name} has {m} entries but response_ids has {n}; every response token needs a "
                     "logprob, a version and a loss_mask entry (0 for tokens the environment added)"
                 )
-        return None
+        return routed_problem(len(self.routed_experts) // I16.itemsize, self.prompt_len + n - 1)
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the record is internally inconsistent."""
@@ -155,13 +178,25 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             logprobs=self.array("rollout_logprobs"),
             versions=self.array("versions"),
             loss_mask=self.array("loss_mask"),
+            routed=self.array("routed_experts"),
         )
         if problem:
             raise ValueError(f"Sample {self.uid}: {problem}")
 
     @classmethod
-    def build(cls, *, prompt_ids, response_ids, rollout_logprobs, versions, loss_mask=None, **kw) -> Sample:
-        """Construct from arrays/lists (packing them); loss_mask defaults to all ones."""
+    def build(
+        cls,
+        *,
+        prompt_ids,
+        response_ids,
+        rollout_logprobs,
+        versions,
+        loss_mask=None,
+        routed_experts=None,
+        **kw,
+    ) -> Sample:
+        """Construct from arrays/lists (packing them); loss_mask defaults to all ones, routed_experts
+        (rows x moe_layers x top_k, any shape holding them in order) to none."""
         n = len(response_ids)
         if loss_mask is None:
             loss_mask = np.ones(n, dtype=U8)
@@ -172,6 +207,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             rollout_logprobs=pack(rollout_logprobs, F32),
             versions=pack(versions, I32),
             loss_mask=pack(loss_mask, U8),
+            routed_experts=b"" if routed_experts is None else pack(routed_experts, I16),
             **kw,
         )
 
@@ -191,6 +227,7 @@ ARROW_SCHEMA = pa.schema(
         ("rollout_logprobs", pa.list_(pa.float32())),
         ("versions", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
+        ("routed_experts", pa.list_(pa.int16())),
         ("reward", pa.float64()),
         ("reward_parts", pa.string()),  # JSON object
         ("status", pa.string()),
@@ -210,7 +247,27 @@ _ARROW_TYPES = {
     "rollout_logprobs": pa.float32(),
     "versions": pa.int32(),
     "loss_mask": pa.uint8(),
+    "routed_experts": pa.int16(),
 }
+# Schemas older code wrote (a buffer's segments on disk outlive an update): `upgrade_batch` reads them as
+# ARROW_SCHEMA. Before routing replay a row had no routed_experts column.
+LEGACY_SCHEMAS = (pa.schema([f for f in ARROW_SCHEMA if f.name != "routed_experts"]),)
+
+
+def upgrade_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch in ARROW_SCHEMA or one of LEGACY_SCHEMAS -> ARROW_SCHEMA (missing columns empty).
+    Raises ValueError for any other schema."""
+    if batch.schema.equals(ARROW_SCHEMA):
+        return batch
+    if not any(batch.schema.equals(s) for s in LEGACY_SCHEMAS):
+        raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
+    empty = pa.ListArray.from_arrays(
+        pa.array(np.zeros(batch.num_rows + 1, np.int32)), pa.array([], pa.int16())
+    )
+    cols = [batch.column(f.name) if f.name in batch.schema.names else empty for f in ARROW_SCHEMA]
+    return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
+
+
 _json = msgspec.json.Encoder()
 _unjson = msgspec.json.Decoder()
 

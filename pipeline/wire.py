@@ -17,7 +17,7 @@ import msgspec
 
 from pipeline.sample import Sample
 
-SCHEMA_VERSION = 2  # 2: large Arrow buffers that lie side by side may share one frame (buffer/frames.py)
+SCHEMA_VERSION = 3  # 2: large Arrow buffers may share one frame (buffer/frames.py); 3: routed_experts column
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a single frame above this is refused (raise `max_message_mb` to change)
 
 

@@ -82,3 +82,47 @@ def test_ingest_threads_reports_server_and_client_threads():
     # 48 MB take tens of ms of CPU on both ends (the counters tick every 10 ms)
     assert sum(run["server"].values()) + sum(run["client"].values()) >= 10, run
     assert r["cores"] >= 1
+
+
+def test_trainer_gpu_moe_shape_counts_and_folder(tmp_path, monkeypatch):
+    """bench/trainer_gpu.py's moe-small: total and active parameter counts match the HF model (built on
+    the meta device), the dense shapes' counts are unchanged, and build_model writes a Qwen3-MoE folder
+    (per-expert bf16 tensors, a random router) that transformers loads; a tiny variant, on the CPU."""
+    import torch
+    from safetensors import safe_open
+    from transformers import (
+        AutoModelForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    from bench import trainer_gpu as tg
+
+    c = tg.SHAPES["moe-small"]
+    with torch.device("meta"):
+        total = sum(p.numel() for p in Qwen3MoeForCausalLM(Qwen3MoeConfig(**c)).parameters())
+    idle = c["num_hidden_layers"] * (c["num_experts"] - c["num_experts_per_tok"])
+    assert tg.param_count("moe-small") == total == 1_956_566_016
+    assert tg.param_count("moe-small", active=True) == total - idle * 3 * 2048 * 1024 == 1_050_596_352
+    for shape in ("0.5b", "7b"):
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**tg.SHAPES[shape])).parameters())
+        assert tg.param_count(shape) == tg.param_count(shape, active=True) == n
+
+    tiny = dict(c, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    tiny.update(
+        head_dim=16, moe_intermediate_size=32, intermediate_size=96, vocab_size=512, mlp_only_layers=[0]
+    )
+    monkeypatch.setitem(tg.SHAPES, "moe-tiny", tiny)
+    path = tg.build_model("moe-tiny", str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen3_moe" and model.config.architectures == ["Qwen3MoeForCausalLM"]
+    assert sum(p.numel() for p in model.parameters()) == tg.param_count("moe-tiny")
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert {f.get_tensor(k).dtype for k in keys} == {torch.bfloat16}
+        assert float(f.get_tensor("model.layers.1.mlp.gate.weight").float().std()) > 0.01
+    assert "model.layers.1.mlp.experts.15.up_proj.weight" in keys  # the format SGLang reads
+    assert "model.layers.0.mlp.down_proj.weight" in keys  # mlp_only_layers: a dense MLP

@@ -338,7 +338,7 @@ def test_check_batch_on_slices():
     with pytest.raises(ProtocolError, match="unknown status"):
         check_batch(bad)
     cols = reference_samples_to_batch(s[:3]).columns
-    cols[10] = pa.array(["{}", "[1]", "{}"])  # reward_parts
+    cols[ARROW_SCHEMA.get_field_index("reward_parts")] = pa.array(["{}", "[1]", "{}"])
     with pytest.raises(ProtocolError, match="reward_parts holds '\\[1\\]', not a JSON object"):
         check_batch(pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA))
 

@@ -103,7 +103,8 @@ def test_policies_validate_with_reasons():
 def test_columnar_validation_names_the_problem():
     good = samples_to_batch(synthetic_samples(2))
     check_batch(good)
-    bad_min = good.set_column(19, "min_version", pa.array([-5] * 8, pa.int32()))
+    at = good.schema.get_field_index("min_version")
+    bad_min = good.set_column(at, "min_version", pa.array([-5] * 8, pa.int32()))
     with pytest.raises(ProtocolError, match="min_version does not match"):
         check_batch(bad_min)
     s = synthetic_samples(1, group_size=1)[0]

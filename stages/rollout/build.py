@@ -27,6 +27,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = 
             chunk_tokens=r.chunk_tokens,
             seed=cfg.run.seed if seed is None else seed,
             version=version,
+            record_routing=cfg.trainer.routing_replay,
         )
     if r.engine == "sglang":
         from stages.rollout.engine_pool import EnginePool
@@ -39,6 +40,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = 
             version=version,
             fp32_lm_head=cfg.model.fp32_lm_head,
             name=name,
+            record_routing=cfg.trainer.routing_replay,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 

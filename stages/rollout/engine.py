@@ -41,6 +41,9 @@ class GenResult:
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" | "length" | "abort"
     meta: dict = field(default_factory=dict)
+    # MoE routing replay (engines started with record_routing): [prompt + response - 1, moe_layers * k]
+    # expert ids (numpy int16), the rows pipeline.sample.Sample.routed_experts stores; None otherwise
+    routed_experts: object = None
 
 
 class Engine(ABC):

@@ -34,6 +34,7 @@ class EnginePool(Engine):
         version: int = 0,
         fp32_lm_head: bool = False,
         name: str = "sglang",
+        record_routing: bool = False,
     ) -> EnginePool:
         """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free),
         named (and logged as) `name`-i: several generators' pools share one log directory."""
@@ -50,6 +51,7 @@ class EnginePool(Engine):
                 gpu_id=gpu,
                 port=port,
                 fp32_lm_head=fp32_lm_head,
+                record_routing=record_routing,
             )
 
         with ThreadPoolExecutor(n) as ex:

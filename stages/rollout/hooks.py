@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.sample import F32, I32, U8, Sample, Status, pack
+from pipeline.sample import F32, I16, I32, U8, Sample, Status, pack
 from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 
@@ -246,15 +246,23 @@ def fill_response(
     loss_mask: Sequence[int] | None = None,
     status: Status = Status.COMPLETED,
     error: str = "",
+    routed_experts=None,
 ) -> Sample:
     """Set the response arrays, status and error of `sample` (in place; returned for convenience).
     loss_mask defaults to all ones (every token is the model's). A sample that went wrong is filled too,
-    with status=Status.FAILED and the reason in `error` (its response may be empty)."""
+    with status=Status.FAILED and the reason in `error` (its response may be empty). routed_experts: the
+    engine's GenResult.routed_experts (MoE routing replay), kept only when it covers exactly the
+    sample's prompt + response - 1 positions (else the trainer routes that sample itself)."""
     sample.response_ids = pack(response_ids, I32)
     sample.rollout_logprobs = pack(rollout_logprobs, F32)
     sample.versions = pack(versions, I32)
     sample.loss_mask = pack(np.ones(len(response_ids)) if loss_mask is None else loss_mask, U8)
     sample.status, sample.error = Status(status), error
+    sample.routed_experts = b""
+    if routed_experts is not None and len(response_ids):
+        routed = np.asarray(routed_experts)
+        if len(routed) == sample.prompt_len + len(response_ids) - 1:
+            sample.routed_experts = pack(routed, I16)
     return sample
 
 

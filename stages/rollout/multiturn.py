@@ -144,6 +144,7 @@ class Conversation:
         self.error = ""
         self.metadata: dict[str, Any] = {}
         self.model_turns = 0
+        self.routed_experts = None  # MoE routing replay: the last model turn's GenResult.routed_experts
         self._last_stop: int | None = None  # stop token that ended the last model turn
         self._finished = False
 
@@ -172,6 +173,7 @@ class Conversation:
         self.loss_mask += [1] * len(res.response_ids)
         self.logprobs += res.logprobs
         self.versions += res.versions
+        self.routed_experts = res.routed_experts  # the last turn's covers every position before it
         self.model_turns += 1
         self.status = _FINISH.get(res.finish_reason, Status.ABORTED)
         self._last_stop = res.response_ids[-1] if res.finish_reason == "stop" and res.response_ids else None
@@ -258,4 +260,5 @@ class Conversation:
             loss_mask=self.loss_mask,
             status=status,
             error=self.error,
+            routed_experts=self.routed_experts,
         )

@@ -37,6 +37,7 @@ import torch
 from pipeline.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.rollout.routing import RoutingRows
 from stages.weights import sglang_protocol as proto
 from stages.weights.base import align_nccl_env
 
@@ -116,9 +117,12 @@ class SGLangEngine(Engine):
         port: int | None = None,
         start: bool = True,
         fp32_lm_head: bool = False,
+        record_routing: bool = False,
     ):
         self.cfg = cfg or SGLangConfig()
         self.fp32_lm_head = fp32_lm_head
+        # MoE routing replay: the server returns each request's experts (--enable-return-routed-experts)
+        self.routing = RoutingRows.of_model(model_path) if record_routing else None
         self.model_path = str(model_path)
         self.dtype = dtype
         self.name = name
@@ -164,6 +168,8 @@ class SGLangEngine(Engine):
             cmd.append("--disable-radix-cache")
         if self.fp32_lm_head:  # logits in fp32, as the trainer computes them (model.fp32_lm_head)
             cmd.append("--enable-fp32-lm-head")
+        if self.routing is not None:
+            cmd.append("--enable-return-routed-experts")
         return cmd + [str(a) for a in c.extra_args]
 
     def start(self, model_path: str | None = None, version: int | None = None) -> float:
@@ -377,6 +383,9 @@ class SGLangEngine(Engine):
             "stream": True,
             "rid": f"{self.name}-{uuid.uuid4().hex}",
         }
+        if self.routing is not None:
+            payload["return_routed_experts"] = True  # every position from the first prompt token on
+        routed = None
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -400,6 +409,7 @@ class SGLangEngine(Engine):
                         vers.append(v)
                     prev = stamp
                     finish = meta.get("finish_reason") or finish
+                    routed = meta.get("routed_experts") or routed
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise EngineError(
                 f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
@@ -413,6 +423,7 @@ class SGLangEngine(Engine):
             versions=vers,
             finish_reason=reason,
             meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)},
+            routed_experts=self.routing.decode(routed) if routed and self.routing is not None else None,
         )
 
     # -- weight updates --------------------------------------------------------------------------

@@ -24,5 +24,6 @@ async def single_turn(ctx: GenerateContext) -> list[Sample]:
             rollout_logprobs=res.logprobs,
             versions=res.versions,
             status=STATUS.get(res.finish_reason, Status.ABORTED),
+            routed_experts=res.routed_experts,
         )
     return ctx.samples

@@ -43,6 +43,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # record_routing: [positions, layers, k] parts
 
 
 @dataclass(eq=False)
@@ -78,6 +79,7 @@ class TorchEngine(Engine):
         seed: int = 0,
         version: int = 0,
         name: str = "torch-engine",
+        record_routing: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -91,6 +93,7 @@ class TorchEngine(Engine):
         ).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
+        self._routers = _record_routing(self.model) if record_routing else None
         self.eos_ids = self._eos_ids()
         # transformers >= 5.2x names the KV-cache argument and output `cache` (was past_key_values)
         self._cache_arg = (
@@ -285,6 +288,10 @@ class TorchEngine(Engine):
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
         )
+        if self._routers is not None:  # each prompt's positions (its left padding dropped)
+            chosen = self._routers.take(ids.shape)
+            for s, r in zip(seqs, rows):
+                s.routed.append(chosen[r, width - len(s.req.prompt_ids) :])
         self._stats["prefill_tokens"] += int(mask.sum())
         index = torch.tensor(rows, device=self.device)
         kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in _kv_pairs(_out_cache(out))]
@@ -304,6 +311,10 @@ class TorchEngine(Engine):
             **{self._cache_arg: b.cache},
         )
         b.cache, b.mask, b.pos = _out_cache(out), mask, b.pos + 1
+        if self._routers is not None:  # the position of each row's last sampled token
+            chosen = self._routers.take(b.last[:, None].shape)
+            for i, s in enumerate(b.seqs):
+                s.routed.append(chosen[i])
         b.last = self._sample_into(b.seqs, out.logits[:, -1, :])
         self._stats["steps"] += 1
         self._retire()
@@ -408,7 +419,35 @@ def _result(s: _Seq, reason: str) -> GenResult:
         logprobs=list(s.logprobs),
         versions=list(s.versions),
         finish_reason=reason,
+        # prompt + response - 1 positions: the last sampled token was never fed back
+        routed_experts=torch.cat(s.routed).flatten(1).to(torch.int16).numpy() if s.routed else None,
     )
+
+
+class _RouterRecorder:
+    """Forward hooks on an MoE model's routers (transformers' `*TopKRouter`, returning (logits, weights,
+    indices)) that keep the experts each forward chose, for routing replay in the trainer."""
+
+    def __init__(self, routers: list[torch.nn.Module]):
+        self._chosen: list[torch.Tensor] = []
+        self.layers = len(routers)
+        for r in routers:
+            r.register_forward_hook(lambda _m, _in, out: self._chosen.append(out[2]))
+
+    def take(self, shape: torch.Size) -> torch.Tensor:
+        """The last forward's choices as [batch, seq, layers, k] (CPU), for input ids of `shape`."""
+        chosen, self._chosen = self._chosen[-self.layers :], []  # (a failed forward's are stale)
+        return torch.stack([c.view(*shape, -1) for c in chosen], dim=2).cpu()
+
+
+def _record_routing(model) -> _RouterRecorder:
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise ValueError(
+            f"routing replay (trainer.routing_replay) records the engine's expert choices, but "
+            f"{model.config.model_type} has no MoE router; turn trainer.routing_replay off for a dense model"
+        )
+    return _RouterRecorder(routers)
 
 
 def _out_cache(out):

@@ -124,6 +124,10 @@ class TrainerConfig(_Base):
     # the routers' load-balancing auxiliary loss (megatron's aux_loss); 0 = off: RL keeps the router
     # where the engine's is
     moe_aux_loss_coef: float = 0.0
+    # routing replay ("R3"): the engines record the experts they routed each token to (Sample.routed_experts)
+    # and the policy's forwards (logp_old and the loss) use those instead of routing themselves, so the
+    # trainer computes logprobs of the experts that produced the tokens (stages/trainer/routing_replay.py)
+    routing_replay: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
     fetch_timeout_s: float = 300.0  # no batch within this long fails the trainer with a message
@@ -195,6 +199,11 @@ class TrainerConfig(_Base):
             raise ValueError(
                 f"trainer.ep * trainer.etp = {self.ep}*{self.etp or self.tp} must divide tp*cp*dp = "
                 f"{self.tp * self.cp * self.dp}: experts are split over the ranks of a pipeline stage"
+            )
+        if self.routing_replay and self.recompute and self.pp > 1:
+            raise ValueError(
+                "trainer.routing_replay with trainer.recompute and pp > 1: a recomputed forward would replay "
+                "the routing of another micro-batch (1F1B interleaves them); turn one of them off"
             )
         if self.sequence_parallel and self.tp < 2:
             raise ValueError(

@@ -155,4 +155,5 @@ def local_view(mb, cp: int, rank: int):
         targets=mb.targets[:, mine],
         resp_pos=((mb.resp_pos // s) * len(mine) + at)[keep],
         tok_index=mb.tok_index[keep],
+        routed=None if mb.routed is None else mb.routed[:, mine],
     )

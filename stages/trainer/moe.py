@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from pipeline.models import moe_layer_flags
+
 MOE_TYPES = ("qwen3_moe",)
 _LOCAL = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -36,11 +38,8 @@ def is_moe(hc) -> bool:
 
 
 def moe_layers(hc) -> list[bool]:
-    """Per layer, whether it is an MoE layer (Qwen3-MoE: every `decoder_sparse_step`-th, except
-    `mlp_only_layers`, which are dense MLPs of `intermediate_size`)."""
-    step = getattr(hc, "decoder_sparse_step", 1) or 1
-    dense = set(getattr(hc, "mlp_only_layers", None) or [])
-    return [i not in dense and (i + 1) % step == 0 for i in range(hc.num_hidden_layers)]
+    """Per layer, whether it is an MoE layer (dense ones are MLPs of `intermediate_size`)."""
+    return moe_layer_flags(hc)
 
 
 def check_supported(hc) -> None:

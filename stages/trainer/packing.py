@@ -45,6 +45,8 @@ class TokenBatch:
     rewards: torch.Tensor  # [n] float32
     trainable: torch.Tensor  # [n] bool: status completed/truncated (FAILED / ABORTED rewards are not real)
     group_ids: list[str]
+    # MoE routing replay: the routed_experts column (flat int16 values + offsets); None when no sample has any
+    routed: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -57,6 +59,9 @@ class MicroBatch:
     num_tokens: int  # real (non-padding) tokens in the micro-batch
     cu_seqlens: torch.Tensor  # [k + 1] int32 segment boundaries over the flattened b*s positions
     max_segment_len: int  # longest segment (padding tails included)
+    # MoE routing replay: [b, s, moe_layers, k] expert ids the engine chose per position; -1 where there
+    # is no recording (padding, a sample without one): the router chooses there itself. None: no replay
+    routed: torch.Tensor | None = None
 
 
 def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
@@ -101,7 +106,15 @@ def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
         rewards=torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)),
         trainable=ok,
         group_ids=[str(g) for g in batch.column("group_id").to_pylist()],
+        routed=_routed_column(batch),
     )
+
+
+def _routed_column(batch) -> tuple[np.ndarray, np.ndarray] | None:
+    if "routed_experts" not in batch.schema.names:
+        return None
+    values, offsets = list_values(batch, "routed_experts")
+    return (values, offsets) if len(values) else None
 
 
 def shard_samples(tb: TokenBatch, dp: int) -> list[list[int]]:
@@ -128,12 +141,15 @@ def pack(
     micro_batch_tokens: int,
     packed_row: bool = False,
     align: int = ROW_ALIGN,
+    routed_shape: tuple[int, int] | None = None,
 ) -> list[MicroBatch]:
     """First-fit-decreasing packing of `samples` into rows, rows grouped into micro-batches.
 
     `packed_row`: one row per micro-batch holding up to `micro_batch_tokens` (the varlen and TE layout).
     `align`: row lengths are multiples of it (a multiple of ROW_ALIGN; context and sequence parallelism
     split a row into equal parts).
+    `routed_shape`: (moe_layers, top_k) to lay the samples' routed_experts out per position for routing
+    replay (MicroBatch.routed); None leaves them out.
     """
     plen, rlen = np.diff(tb.prompt_off), np.diff(tb.response_off)
     seq_len = {i: int(plen[i] + rlen[i] - 1) for i in samples}
@@ -157,9 +173,46 @@ def pack(
         rows[k].append(i)
         room[k] -= seq_len[i]
     if packed_row:  # each row its own micro-batch, trimmed to what it holds
-        return [_build(tb, [row], -(-(row_len - left) // align) * align) for row, left in zip(rows, room)]
-    per_mb = max(1, micro_batch_tokens // row_len)
-    return [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
+        mbs = [_build(tb, [row], -(-(row_len - left) // align) * align) for row, left in zip(rows, room)]
+    else:
+        per_mb = max(1, micro_batch_tokens // row_len)
+        mbs = [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
+    if routed_shape is not None:
+        for mb, mb_rows in zip(mbs, [[r] for r in rows] if packed_row else _chunks(rows, per_mb)):
+            mb.routed = _routed_layout(tb, mb_rows, mb.tokens.shape[1], routed_shape)
+    return mbs
+
+
+def _chunks(rows: list, size: int) -> list:
+    return [rows[j : j + size] for j in range(0, len(rows), size)]
+
+
+def _routed_layout(
+    tb: TokenBatch, rows: list[list[int]], row_len: int, shape: tuple[int, int]
+) -> torch.Tensor:
+    """[b, row_len, moe_layers, k] of the samples' recorded experts at their positions (as _build lays
+    the tokens out), -1 elsewhere. ValueError naming the sample whose rows do not fit the model."""
+    width = shape[0] * shape[1]
+    out = np.full((len(rows), row_len, width), -1, np.int16)
+    if tb.routed is not None:
+        values, offsets = tb.routed
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                n = int(
+                    tb.prompt_off[i + 1] - tb.prompt_off[i] + tb.response_off[i + 1] - tb.response_off[i] - 1
+                )
+                got = values[offsets[i] : offsets[i + 1]]
+                if len(got) == n * width:
+                    out[r, at : at + n] = got.reshape(n, width)
+                elif len(got):
+                    raise ValueError(
+                        f"sample {i} of the batch: routed_experts holds {len(got)} expert ids for {n} "
+                        f"positions; this model needs {width} per position ({shape[0]} MoE layers x "
+                        f"top-{shape[1]}): the engine served another model than the trainer's"
+                    )
+                at += n
+    return torch.from_numpy(out).view(len(rows), row_len, *shape)
 
 
 def _build(tb: TokenBatch, rows: list[list[int]], row_len: int) -> MicroBatch:

@@ -15,6 +15,7 @@ import os
 
 import pyarrow as pa
 
+from pipeline.sample import upgrade_batch
 from stages.trainer.trainer import SourceExhausted
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,11 @@ def read_arrow(path: str) -> list[pa.RecordBatch]:
             reader = opener(pa.memory_map(path))
         except (pa.ArrowInvalid, OSError):
             continue
-        if isinstance(reader, pa.ipc.RecordBatchFileReader):
-            return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        if isinstance(reader, pa.ipc.RecordBatchFileReader):  # older recordings read as today's schema
+            return [upgrade_batch(reader.get_batch(i)) for i in range(reader.num_record_batches)]
         try:
             for batch in reader:
-                out.append(batch)
+                out.append(upgrade_batch(batch))
         except (pa.ArrowInvalid, OSError) as e:
             log.warning("%s: torn tail after %d batches (%s); using the intact part", path, len(out), e)
         return out

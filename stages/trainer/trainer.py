@@ -37,6 +37,7 @@ from stages.trainer.model import (
     unwrap,
 )
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
+from stages.trainer.routing_replay import RoutingReplay
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,14 @@ class Trainer:
         self.policy = build_policy(
             model_path, **arch, recompute=self.tc.recompute, distributed_optimizer=self.dist_opt
         )
+        self.replay = None  # trainer.routing_replay: the policy's routers take the engine's experts
+        if self.tc.routing_replay:
+            if self.policy.router_stats is None:
+                raise ValueError(
+                    f"trainer.routing_replay is on but {self.policy.hf_config.model_type} has no experts to "
+                    "replay; turn it off for a dense model"
+                )
+            self.replay = RoutingReplay(unwrap(self.policy.model), self.policy.hf_config)
         self.ref = None
         if self.tc.loss.kl_coef > 0 or self.tc.loss.kl_in_reward_coef > 0:  # frozen initial policy for the KL
             self.ref = build_policy(model_path, **arch, ddp=False)
@@ -207,6 +216,8 @@ class Trainer:
                 f"{batch.column('uid').to_pylist()[:3]}): nothing to train on; check the engine's "
                 "max_new_tokens and why generation ended at once"
             )
+        if self.replay is not None:
+            self.replay.check_batch(tb)
         shard = shard_samples(tb, self.dp)[ps.get_data_parallel_rank()]
         mbs = self._pack(tb, shard)
         # logp_old = the current weights' logprobs, before the update. With one optimizer step per batch
@@ -232,6 +243,8 @@ class Trainer:
         metrics = self._finish_metrics(tb, adv, stats)
         if self.policy.router_stats is not None:  # MoE: tokens per expert etc. (collective)
             metrics.update(self.policy.router_stats.metrics())
+        if self.replay is not None:
+            metrics.update(self.replay.metrics())
         if value_batch is not None:  # the critic's values of this batch before its update
             on = (tb.mask > 0) & tb.trainable[tb.seq]
             metrics["critic/value_mean"] = float(value_batch[0][on].mean()) if on.any() else 0.0
@@ -311,6 +324,7 @@ class Trainer:
         return lr
 
     def _run_schedule(self, model, mbs, loss_fn, forward_only: bool):
+        from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         layout = self.policy.layout
@@ -329,6 +343,11 @@ class Trainer:
                 pos = torch.arange(tokens.shape[1], device=self.device)
             pos = pos[None].expand_as(tokens)
             kw = dict(extra)
+            if self.replay is not None:  # the policy's routers (only theirs hold targets) replay mb's
+                sp = self.tc.sequence_parallel
+                self.replay.set_microbatch(
+                    mb.routed, ps.get_tensor_model_parallel_rank(), self.tc.tp if sp else 1
+                )
             if moe_padding:  # MoE: padding positions left out of router metrics and load-balancing loss
                 kw["padding_mask"] = mb.segments.to(self.device).gather(1, pos) < 0
             if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
@@ -337,16 +356,20 @@ class Trainer:
                 out = m(tokens, pos, causal_block_mask(mb.segments.to(self.device)), **kw)
             return out, lambda hidden: loss_fn(mb, hidden)
 
-        with cpu_shim.device_mode():
-            return get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(mbs),
-                model=[model],
-                num_microbatches=len(mbs),
-                seq_length=mbs[0].segments.shape[1],  # the whole row: megatron divides by cp and SP's tp
-                micro_batch_size=mbs[0].tokens.shape[0],
-                forward_only=forward_only,
-            )
+        try:
+            with cpu_shim.device_mode():
+                return get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(mbs),
+                    model=[model],
+                    num_microbatches=len(mbs),
+                    seq_length=mbs[0].segments.shape[1],  # the whole row: megatron divides by cp and SP's tp
+                    micro_batch_size=mbs[0].tokens.shape[0],
+                    forward_only=forward_only,
+                )
+        finally:
+            if self.replay is not None:  # no later forward (an export check, an eval) replays stale targets
+                self.replay.set_microbatch(None)
 
     def _mb_logprobs(self, model, mb: MicroBatch, hidden, entropy=False, entropy_grad=False):
         """hidden [b, s, h] of a micro-batch -> logprob (and entropy) of its response tokens [t]."""
@@ -404,6 +427,7 @@ class Trainer:
             self.tc.micro_batch_tokens,
             packed_row=self.policy.layout in ("varlen", "te"),
             align=align,
+            routed_shape=self.replay.shape if self.replay is not None else None,
         )
         # expert parallelism: every DP rank runs as many micro-batches as the others (collective)
         mbs = moe.equalize_microbatches(mbs, align)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU measurements of issues #17 and #19 on one 2-GPU machine, in the background (setsid), one phase
+# after another, so that device calls of 10 minutes can start them, watch them and collect them:
+#   bash bench/gpu_session.sh start            start every phase (returns at once)
+#   bash bench/gpu_session.sh watch SECONDS    wait up to SECONDS for the phases to end, show the progress
+#   bash bench/gpu_session.sh collect          results + logs into $OUT/session.tgz
+# Phases (results under /tmp/session/results/<bench>.jsonl, logs under /tmp/session/):
+#   1 moe     a random moe-small model (16 experts, top-4, 2B); GPU 0: the trainer bench on it
+#             (bench/trainer_gpu.py), then the colocated pipeline with routing replay on; GPU 1: the same
+#             with replay off. Sync mode: every token comes from the trainer's current weights, so
+#             logp/abs_diff_same_version is the engine-vs-trainer gap (bench/replay_summary.py)
+#   2 push-7b a random Qwen2.5-7B: pushes into live SGLang servers against a raw NCCL broadcast
+#   3 avs     async vs sync on 2 GPUs (disaggregated) + SGLang's offline throughput (engine_util)
+#   4 logp    SGLang vs megatron vs HF logprobs on SmolLM2 against the bf16 floor (bench/logp_precision.py)
+# PHASES="1 2" picks some (default 1 2 3). Needs the gpu wheels installed (docs/gpu.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+S=/tmp/session
+R=$S/results
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+phase1() {
+  model=$(python bench/random_model.py moe-small /tmp/moe-bench 2>$S/1-build.err | tail -n 1)
+  [ -d "$model" ] || { echo "moe-small build failed"; return 1; }
+  common=(model.name="$model" run.mode=sync trainer.batch_groups=8 rollout.max_inflight_groups=16
+    rollout.sglang.disable_cuda_graph=true rollout.sglang.mem_fraction_static=0.25 trainer.micro_batch_tokens=8192)
+  (
+    CUDA_VISIBLE_DEVICES=0 python bench/trainer_gpu.py --shapes moe-small --no-hf --workdir /tmp/moe-bench \
+      --results $R/trainer_gpu.jsonl >$S/1-moe-trainer.out 2>&1
+    CUDA_VISIBLE_DEVICES=0 bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml moe-replay-on \
+      "${LIMIT:-100}" "${common[@]}" trainer.routing_replay=true >$S/1-replay-on.out 2>&1
+  ) &
+  CUDA_VISIBLE_DEVICES=1 bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml moe-replay-off \
+    "${LIMIT:-100}" "${common[@]}" trainer.routing_replay=false >$S/1-replay-off.out 2>&1 &
+  wait
+  python bench/replay_summary.py $S/moe-replay-off/run $S/moe-replay-on/run >>$R/gpu_routing_replay.jsonl
+  rm -rf /tmp/moe-bench
+}
+
+phase2() {
+  model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/2-build.err | tail -n 1)
+  [ -d "$model" ] || { echo "7b build failed"; return 1; }
+  python bench/gpu_push.py --model "$model" --shape 7b --pushes 3 --results $R/gpu_push.jsonl >$S/2-push-7b.out 2>&1
+  rm -rf /tmp/models-7b
+}
+
+phase3() {
+  python bench/gpu_async_vs_sync.py --steps 12 --skip 2 --out $S >$S/3-avs.out 2>&1
+  tail -n 1 $S/3-avs.out | grep '^{"bench"' >>$R/gpu_async_vs_sync.jsonl
+}
+
+phase4() {
+  python bench/logp_precision.py --device cuda --sglang --results $R/gpu_logprobs.jsonl >$S/4-logprobs.out 2>&1
+}
+
+case "${1:-}" in
+start)
+  mkdir -p $R
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >$S/gpus.txt
+  # a new session: the phases outlive the device call that starts them
+  setsid nohup bash "$0" run </dev/null >$S/phases.log 2>&1 &
+  echo "started; progress: $S/phases.log"
+  ;;
+run)
+  for p in ${PHASES:-1 2 3}; do
+    echo "phase $p start $(date -u +%T)"
+    "phase$p"
+    echo "phase $p end $(date -u +%T) rc=$?"
+  done
+  echo "all done $(date -u +%T)"
+  ;;
+watch)
+  end=$((SECONDS + ${2:-60}))
+  while [ $SECONDS -lt $end ] && ! grep -q "all done" $S/phases.log 2>/dev/null; do sleep 10; done
+  cat $S/phases.log
+  for f in $S/*.out; do echo "== $f"; tail -n 4 "$f" | cut -c1-400; done
+  for f in $R/*.jsonl; do echo "== $f"; cut -c1-600 "$f"; done 2>/dev/null
+  ;;
+collect)
+  tar czf "$OUT/session.tgz" -C $S --exclude='*.safetensors' --exclude='checkpoints' --exclude='hf' \
+    --exclude='*.arrow' --exclude='segments' . 2>/dev/null
+  ls -la "$OUT"
+  ;;
+*)
+  echo "usage: $0 start | watch SECONDS | collect" >&2
+  exit 2
+  ;;
+esac
