@@ -53,10 +53,15 @@ def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) ->
     align_nccl_env()  # as the trainer and the SGLang servers run
     torch.cuda.set_device(gpus[rank])
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    ts = _tensors(spec, dtype, "cuda")
-    flat = torch.ones(sum(t.numel() for t in ts) * dtype.itemsize, dtype=torch.uint8, device="cuda")
     times = {"per_tensor": [], "flat": []}
-    for kind, group in (("per_tensor", ts), ("flat", [flat])):
+    numel = sum(torch.Size(s).numel() for _, s in spec)
+    for kind in ("per_tensor", "flat"):
+        # one set of buffers at a time: at 7B two would be 30 GB per GPU next to the parent's
+        group = (
+            _tensors(spec, dtype, "cuda")
+            if kind == "per_tensor"
+            else [torch.ones(numel * dtype.itemsize, dtype=torch.uint8, device="cuda")]
+        )
         for i in range(runs + 2):
             dist.barrier()
             torch.cuda.synchronize()
@@ -66,6 +71,8 @@ def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) ->
             torch.cuda.synchronize()
             if i >= 2:
                 times[kind].append(time.perf_counter() - t0)
+        del group
+        torch.cuda.empty_cache()
     if rank == 0:
         q.put(times)
     dist.barrier()
@@ -99,8 +106,10 @@ def main() -> None:
     nbytes = sum(torch.Size(s).numel() for _, s in spec) * dtype.itemsize
     out = {"bench": "weights_raw_baselines", "tensors": len(spec), "bytes": nbytes}
     out["d2d_copy_s"] = round(statistics.median(d2d(spec, dtype, gpus[0], a.runs)), 5)
+    torch.cuda.empty_cache()  # the copies' 2x model bytes stay cached otherwise (the workers need room)
     flat = [("flat", [sum(torch.Size(s).numel() for _, s in spec)])]
     out["d2d_copy_flat_s"] = round(statistics.median(d2d(flat, dtype, gpus[0], a.runs)), 5)
+    torch.cuda.empty_cache()
     if torch.cuda.device_count() >= 2 and len(gpus) == 2:
         from pipeline.net import free_port
 
@@ -113,7 +122,13 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        times = q.get(timeout=300)
+        try:
+            times = q.get(timeout=300)
+        except Exception:
+            codes = [p.exitcode for p in procs]
+            raise SystemExit(
+                f"the broadcast workers gave no result in 300 s (exit codes {codes}); see above"
+            ) from None
         for p in procs:
             p.join(timeout=60)
         out["raw_broadcast_s"] = round(statistics.median(times["per_tensor"]), 5)

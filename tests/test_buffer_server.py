@@ -118,7 +118,11 @@ def test_resend_after_server_restart(tmp_path):
     [
         ([b"\xc1\x00garbage"], "undecodable", "undecodable"),
         ([msgspec.msgpack.encode({"kind": "stats", "schema": 1})], "schema_version", "schema version 1"),
-        ([msgspec.msgpack.encode({"kind": "launch", "schema": wire.SCHEMA_VERSION})], "unknown_kind", "unknown message kind"),
+        (
+            [msgspec.msgpack.encode({"kind": "launch", "schema": wire.SCHEMA_VERSION})],
+            "unknown_kind",
+            "unknown message kind",
+        ),
         (
             [msgspec.msgpack.encode({"kind": "fetch", "schema": wire.SCHEMA_VERSION, "num_groups": "x"})],
             "invalid_fields",

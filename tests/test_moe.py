@@ -239,3 +239,19 @@ def test_expert_parallel_matches_one_rank(tmp_path, layout):
     ref_m, ref_w = run_parallel_check(path, str(tmp_path / "one"), 1, "--steps", "3", *extra)
     m, w = run_parallel_check(path, str(tmp_path / "two"), 2, "--steps", "3", *layout)
     assert_same_training(ref_m, ref_w, m, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--ep", "2"), ("--tp", "2", "--sp")], ids=["ep2", "tp2-sp"])
+def test_routing_replay_under_expert_and_sequence_parallelism_matches_one_rank(tmp_path, layout):
+    """Replayed routing is laid out per rank as one rank lays it out: under EP each DP rank replays its
+    own samples' rows (empty padding micro-batches route themselves), under sequence parallelism each
+    TP rank its slice of the positions. Samples carry random recorded experts, which the routers would
+    almost never choose themselves, so a misplaced row changes the losses."""
+    from stages.trainer.testing import assert_same_training, run_parallel_check
+
+    path = make_tiny(str(tmp_path / "moe"), "qwen3_moe")
+    ref_m, ref_w = run_parallel_check(path, str(tmp_path / "one"), 1, "--steps", "3", "--routing-replay")
+    m, w = run_parallel_check(path, str(tmp_path / "two"), 2, "--steps", "3", "--routing-replay", *layout)
+    assert all(step["routing/agreement"] < 0.5 for step in ref_m)  # the recordings were replayed
+    assert_same_training(ref_m, ref_w, m, w)

@@ -565,3 +565,18 @@ def test_sglang_rows_keep_the_moe_layers(tmp_path):
     assert got.dtype == np.int16 and np.array_equal(got, ids[:, [0, 2]].reshape(5, 4))
     with pytest.raises(ValueError, match="not whole rows of 3 layers x top-2"):
         rows.decode(base64.b64encode(ids.tobytes()[:-4]).decode())
+
+
+def test_perf_counts_the_active_parameters_of_an_moe_model(moe_path, tmp_path):
+    """perf/tflops of an MoE model uses the parameters a token runs through: everything but the experts,
+    plus top_k / num_experts of the experts (the dense count would overstate it E/k-fold there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hc = AutoConfig.from_pretrained(moe_path)
+    hf = AutoModelForCausalLM.from_pretrained(moe_path)
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in hf.named_parameters() if ".experts." not in n)
+    want = dense + experts * hc.num_experts_per_tok // hc.num_experts
+    got = _trainer(moe_path, tmp_path / "run", routing_replay=False)._active_params()
+    assert got == pytest.approx(want, rel=0.01)  # megatron pads the vocabulary a little
+    assert got < dense + experts

@@ -19,10 +19,10 @@ from stages.weights.sglang_transport import _SGLangSender, check_flat_layout
 class Recorder(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, fail: set[str]):
+    def __init__(self, fail: set[str], port: int = 0):
         self.calls: list[tuple[str, dict]] = []
         self.fail = fail
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__(("127.0.0.1", port), Handler)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -44,11 +44,11 @@ class Handler(BaseHTTPRequestHandler):
 class PostSender(_SGLangSender):
     """The shared push sequence with a bucket delivery that only POSTs what it was asked to load."""
 
-    def _send_bucket(self, group, version):
+    def _send_bucket(self, group, version, urls):
         body = {"names": [n for n, _ in group]}
         if version is not None:
             body["weight_version"] = str(version)
-        for url in self.urls:
+        for url in urls:
             self._post(url, "/load", body, self.timeout_s)
         return 0.0
 
@@ -104,6 +104,58 @@ def test_failed_pause_resumes_every_server(server_factory):
         sender.push(1, _named()).result(timeout=10)
     assert [r for r, _ in ok.calls] == ["/pause_generation", "/continue_generation"]
     assert ("/load" not in [r for r, _ in bad.calls]) and bad.calls[-1][0] == "/continue_generation"
+    sender.close()
+
+
+def _dead_url() -> str:
+    """A loopback port nothing listens on (a server that died): connections are refused."""
+    from pipeline.net import free_port
+
+    return f"http://127.0.0.1:{free_port('127.0.0.1')}"
+
+
+def test_an_unreachable_server_is_left_out_while_it_may_be_restarting(server_factory):
+    """With restart_grace_s, a push reaches the live servers and skips a dead one (its engine watch is
+    relaunching it); once it answers again it gets the next push; past the grace the push fails."""
+    import time
+
+    ok, ok_url = server_factory()
+    dead = _dead_url()
+    sender = PostSender([ok_url, dead], timeout_s=10, restart_grace_s=0.5)
+    out = sender.push(1, _named()).result(timeout=10)
+    assert out["engines"] == 1 and out["engines_skipped"] == 1
+    assert [r for r, _ in ok.calls] == ["/pause_generation", "/load", "/continue_generation"]
+    assert ok.calls[1][1]["weight_version"] == "1"  # the live server got the whole version
+    time.sleep(0.6)
+    with pytest.raises(WeightPushError, match="unreachable for .*s, longer than the 0s"):
+        sender.push(2, _named()).result(timeout=10)
+    assert ok.calls[-1][0] == "/continue_generation"  # nothing was loaded: the live one generates on
+    sender.close()
+    # without a grace (no engine watch, or NCCL) a dead server fails the push at once
+    strict = PostSender([ok_url, dead], timeout_s=10)
+    with pytest.raises(WeightPushError, match="unreachable"):
+        strict.push(3, _named()).result(timeout=10)
+    strict.close()
+
+
+def test_a_restarted_server_is_pushed_to_again(server_factory):
+    """A server skipped while down is back in the next push once it answers (its outage clock resets)."""
+    import time
+
+    ok, ok_url = server_factory()
+    from pipeline.net import free_port
+
+    port = free_port("127.0.0.1")
+    sender = PostSender([ok_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=5)
+    assert sender.push(1, _named()).result(timeout=10)["engines_skipped"] == 1
+    back = Recorder(set(), port)  # the relaunched server, on its old port
+    threading.Thread(target=back.serve_forever, daemon=True).start()
+    time.sleep(0.1)
+    out = sender.push(2, _named()).result(timeout=10)
+    assert out["engines"] == 2 and out["engines_skipped"] == 0
+    assert [r for r, _ in back.calls][0] == "/pause_generation" and back.calls[1][1]["weight_version"] == "2"
+    assert sender._down_since == {}
+    back.shutdown()
     sender.close()
 
 

@@ -284,6 +284,8 @@ class TrainerActor(_Located):
                 # the engines' NCCL ranks rendezvous at rank 0's node
                 master_address=ray.util.get_node_ip_address() if reachable else "127.0.0.1",
                 curve=curve,
+                # an engine watch relaunches a dead server within about this long (0: no watch)
+                restart_grace_s=sg.startup_timeout_s + 2 * sg.health_check_s if sg.health_check_s else 0.0,
             )
         self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
         if self.trainer.version > 0 or push_now:

@@ -199,6 +199,9 @@ def prepare_megatron() -> None:
     for name in _TE_NAMES:
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
+    # the aux-loss gradient scale is a class attribute that later schedules copy_ into: one left by an
+    # earlier model in this process (of another shape: [1] vs []) would break this model's first step
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     if not torch.cuda.is_available():
         cpu_alltoall()
 

@@ -8,6 +8,25 @@ import json
 import os
 
 
+def with_recorded_experts(batch, hc: dict, seed: int):
+    """`batch` whose samples carry routed_experts: for each forwarded position and MoE layer, top-k
+    distinct experts drawn at random (what an engine whose routing disagrees everywhere would record)."""
+    import numpy as np
+
+    from pipeline.models import moe_layer_flags
+    from pipeline.sample import batch_to_samples, samples_to_batch
+
+    rng = np.random.default_rng(seed)
+    layers, k = sum(moe_layer_flags(hc)), hc["num_experts_per_tok"]
+    experts = hc.get("num_experts") or hc["num_local_experts"]  # transformers 5 writes the latter
+    samples = batch_to_samples(batch)
+    for s in samples:
+        rows = s.prompt_len + s.response_len - 1
+        ids = np.argsort(rng.random((rows, layers, experts)), axis=-1)[..., :k]
+        s.routed_experts = ids.astype("<i2").tobytes()
+    return samples_to_batch(samples)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
@@ -27,6 +46,9 @@ def main() -> None:
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--push", action="store_true", help="attach a CPU weight sender (no engines) on rank 0")
     ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument(
+        "--routing-replay", action="store_true", help="MoE: samples carry recorded experts, replayed"
+    )
     a = ap.parse_args()
 
     import torch
@@ -52,8 +74,13 @@ def main() -> None:
     cfg.trainer.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
     tr_offset = 100 if os.path.exists(a.out + "/run/checkpoints/latest") else 0  # resumed: new data
     with open(os.path.join(a.model_path, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    src = ListSource([make_batch(2, 4, seed=i + tr_offset, vocab=vocab) for i in range(a.steps)])
+        hc = json.load(f)
+    vocab = hc["vocab_size"]
+    batches = [make_batch(2, 4, seed=i + tr_offset, vocab=vocab) for i in range(a.steps)]
+    if a.routing_replay:
+        cfg.trainer.routing_replay = True
+        batches = [with_recorded_experts(b, hc, seed=i) for i, b in enumerate(batches)]
+    src = ListSource(batches)
     if hasattr(cfg.trainer, "ep"):  # the trainer takes EP/ETP from its config once it has the keys
         cfg.trainer.ep, cfg.trainer.etp = a.ep, a.etp or a.tp
     else:  # else the groups are made here first, and the trainer joins them as they are

@@ -291,19 +291,36 @@ class Trainer:
     def _perf(self, tokens: float, seconds: float, separate_pass: bool) -> dict:
         """Model TFLOP/s per GPU (or process) in the 6 x params x tokens convention (fwd + bwd; 8 x with
         the separate logp_old pass), as slime's perf/actor_train_tflops; MFU against trainer.peak_tflops
-        when it is given (the card's measured bf16 peak: bench/trainer_gpu.py prints it)."""
+        when it is given (the card's measured bf16 peak: bench/trainer_gpu.py prints it). For MoE models
+        the parameters are the active ones: all but the experts, plus top_k / num_experts of those."""
         if self._params is None:
-            from megatron.core import parallel_state as ps
-
-            local = sum(p.numel() for p in unwrap(self.policy.model).parameters())
-            share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-            self._params = local * share  # replicated norms counted tp times: a rounding error
+            self._params = self._active_params()
         flops = (8 if separate_pass else 6) * self._params * tokens
         tflops = flops / max(seconds, 1e-9) / dist.get_world_size() / 1e12
         out = {"perf/tflops": tflops}
         if self.tc.peak_tflops:
             out["perf/mfu"] = tflops / self.tc.peak_tflops
         return out
+
+    def _active_params(self) -> int:
+        """The whole model's parameters a token uses, from this rank's shards: dense ones are split over
+        TP and PP; experts over EP and expert-TP within a PP stage (replicated norms counted tp times: a
+        rounding error)."""
+        from megatron.core import parallel_state as ps
+
+        dense = experts = 0
+        for name, p in unwrap(self.policy.model).named_parameters():
+            if ".experts." in name:
+                experts += p.numel()
+            else:
+                dense += p.numel()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        total = dense * ps.get_tensor_model_parallel_world_size() * pp
+        if experts:
+            hc = self.policy.hf_config
+            ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+            total += experts * ep * etp * pp * hc.num_experts_per_tok // hc.num_experts
+        return total
 
     def _set_lr(self) -> float:
         lr = self._lr_now()

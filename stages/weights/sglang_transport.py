@@ -10,6 +10,13 @@ and raise WeightPushError naming the server and the step on any failure or timeo
 resumes the servers; a failed load leaves them paused (see `_push`). HTTP connections are kept alive
 (one session per thread); pause and continue are retried once on a connection error.
 
+A server that cannot be reached at all (connection refused: it died, and the generator's engine watch
+is relaunching it) is left out of a CUDA IPC push for up to `restart_grace_s` from the first push that
+missed it: the relaunched server re-syncs itself to the last weights it was given, and the next push
+that reaches it brings it to the trainer's version (its tokens carry the versions that made them, so
+staleness stays exact). Past the grace the push fails naming the server. NCCL pushes never skip one:
+the weight group spans every server, and a dead member fails the whole broadcast.
+
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
 via POST /init_weights_update_group, while the trainer joins with SGLang's own
@@ -45,7 +52,13 @@ class _SGLangSender(WeightSender):
     snapshot_device = "cuda"  # the trainer snapshots straight into GPU memory for these transports
 
     def __init__(
-        self, urls: list[str], *, bucket_mb: int = 512, timeout_s: float = 120.0, pause_mode: str = "in_place"
+        self,
+        urls: list[str],
+        *,
+        bucket_mb: int = 512,
+        timeout_s: float = 120.0,
+        pause_mode: str = "in_place",
+        restart_grace_s: float = 0.0,
     ):
         if not torch.cuda.is_available():
             raise RuntimeError(f"{type(self).__name__} needs CUDA; on CPU use weights.transport=cpu")
@@ -57,6 +70,8 @@ class _SGLangSender(WeightSender):
         self.pause_mode = pause_mode
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-push")
         self._local = threading.local()  # one keep-alive HTTP session per thread
+        self.restart_grace_s = restart_grace_s
+        self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
 
     def _post(self, url: str, route: str, body: dict, timeout: float, *, retry: bool = False) -> dict:
         """POST a JSON body; `retry`: once more on a connection error (idempotent routes only: a kept-
@@ -74,9 +89,13 @@ class _SGLangSender(WeightSender):
                     raise
                 r = session.post(url + route, json=body, timeout=timeout)
         except requests.RequestException as e:
-            raise WeightPushError(f"SGLang server {url}{route} unreachable: {e}") from e
+            err = WeightPushError(f"SGLang server {url}{route} unreachable: {e}")
+            err.unreachable = isinstance(e, requests.ConnectionError)
+            raise err from e
         if r.status_code != 200:
-            raise WeightPushError(f"SGLang server {url}{route} answered {r.status_code}: {r.text[:300]}")
+            err = WeightPushError(f"SGLang server {url}{route} answered {r.status_code}: {r.text[:300]}")
+            err.status = r.status_code
+            raise err
         try:  # some routes answer plain text; only a JSON {"success": false} is a reported failure
             out = r.json() if r.content else {}
         except ValueError:
@@ -100,9 +119,18 @@ class _SGLangSender(WeightSender):
             torch.cuda.set_device(self.device)
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
+        live: list[str] = []
         try:
             for url in self.urls:
-                self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
+                try:
+                    self._post(
+                        url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True
+                    )
+                except WeightPushError as e:
+                    self._skip_or_raise(url, e)
+                    continue
+                self._down_since.pop(url, None)
+                live.append(url)
         except WeightPushError:
             self._resume_all()  # nothing was loaded: let generation go on, then fail this push
             raise
@@ -111,7 +139,7 @@ class _SGLangSender(WeightSender):
         groups = list(buckets(named, self.bucket_bytes))
         try:
             for i, group in enumerate(groups):
-                t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None)
+                t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None, live)
         except WeightPushError as e:
             raise WeightPushError(
                 f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
@@ -119,17 +147,36 @@ class _SGLangSender(WeightSender):
             ) from e
         t["load_s"] = time.monotonic() - t1
         t3 = time.monotonic()
-        for url in self.urls:
+        for url in live:
             self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
         t["continue_s"] = time.monotonic() - t3
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
-            "engines": len(self.urls),
+            "engines": len(live),
+            "engines_skipped": len(self.urls) - len(live),
             "bytes": nbytes,
             "seconds": time.monotonic() - t0,
             **t,
         }
+
+    def _skip_or_raise(self, url: str, err: WeightPushError) -> None:
+        """Leave an unreachable server out of this push while it may be restarting (restart_grace_s);
+        re-raise anything else, and an outage longer than the grace."""
+        # refused connections, and a server already missed that answers 5xx while it starts up again
+        restarting = getattr(err, "unreachable", False) or (
+            url in self._down_since and getattr(err, "status", 0) >= 500
+        )
+        if not (self.restart_grace_s > 0 and restarting):
+            raise err
+        now = time.monotonic()
+        down = now - self._down_since.setdefault(url, now)
+        if down > self.restart_grace_s:
+            raise WeightPushError(
+                f"{err}; it has been unreachable for {down:.0f}s, longer than the {self.restart_grace_s:.0f}s "
+                "a restart may take (rollout.sglang.startup_timeout_s + 2 x health_check_s): it is not coming back"
+            ) from err
+        log.warning("weights: %s unreachable for %.0fs (restarting?): left out of this push", url, down)
 
     def _resume_all(self) -> None:
         for url in self.urls:
@@ -142,9 +189,9 @@ class _SGLangSender(WeightSender):
     def flush_cache(self) -> bool:
         return self.pause_mode != "in_place"  # flushing with requests kept in place asserts in SGLang
 
-    def _send_bucket(self, group, version: int | None) -> float:
-        """Deliver one bucket (`version`: set it on the servers once loaded, or None); returns the
-        seconds spent moving the bytes themselves."""
+    def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
+        """Deliver one bucket to `urls` (`version`: set it on the servers once loaded, or None); returns
+        the seconds spent moving the bytes themselves."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -218,8 +265,9 @@ class NcclSGLangSender(_SGLangSender):
             j.result(timeout=self.timeout_s)
         log.info("weights: NCCL group %s formed with %d engine ranks", self.group_name, world - 1)
 
-    def _send_bucket(self, group, version: int | None) -> float:
+    def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        # (restart_grace_s is 0 here: every server is in the broadcast, `urls` is all of them)
 
         if self._group is None:
             self._join()
@@ -252,14 +300,17 @@ class CudaIpcSGLangSender(_SGLangSender):
         super().__init__(urls, **kw)
         self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
 
-    def _send_bucket(self, group, version: int | None) -> float:
+    def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         check_flat_layout(group)
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
         tensors = [(n, t.to(dev).contiguous()) for n, t in group]
-        for url, tp in zip(self.urls, self.tp_sizes):
-            body, flat = proto.ipc_bucket_body(tensors, tp, dev)  # flat stays alive until the server answered
+        tp_of = dict(zip(self.urls, self.tp_sizes))
+        for url in urls:
+            body, flat = proto.ipc_bucket_body(
+                tensors, tp_of[url], dev
+            )  # flat stays alive until the server answered
             self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes

@@ -1,0 +1,129 @@
+"""Learning correctness of async training (issue #17): at equal trained samples, sync vs async with
+staleness 4 and TIS vs async with staleness 4 and no correction, per seed, one invocation.
+
+    python bench/gpu_learning.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 150] [--seeds 0 1 2]
+                                 [--out DIR] [--results bench/results/gpu_learning.jsonl] [a.b=c ...]
+
+Every run trains `--steps` optimizer steps of the same batch size (so the same number of samples) on the
+same task; only run.mode, run.max_staleness and trainer.loss.correction differ. On a GPU config the
+task is SmolLM2-135M-Instruct on the exported basic_arithmetic JSONL with the `math` reward (the GPU
+machine has no reasoning-gym), as bench/gpu_pipeline.sh runs it; `--config configs/default.yaml` runs
+the same comparison on the CPU default (the torch engine), which is how the script is checked here.
+
+Reported per variant: the final reward (mean over the last `--tail` steps, then over seeds), the mean
+engine-vs-trainer logprob gap of all trained tokens (`logp/abs_diff_train_rollout`), and its mean
+staleness. Goal: async + TIS within the noise of sync's final reward (the spread over seeds), and the
+uncorrected run measurably worse or its logprob gap measurably larger. The curves go to
+OUT/learning_curves.png, every run's metrics to OUT/<variant>-seed<k>.jsonl. JSON last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from _runs import moving_average, run
+
+VARIANTS = {
+    "sync": ["run.mode=sync"],
+    "async_tis": ["run.mode=async", "run.max_staleness=4", "trainer.loss.correction=tis"],
+    "async_no_tis": ["run.mode=async", "run.max_staleness=4", "trainer.loss.correction=none"],
+}
+# what bench/gpu_pipeline.sh sets for the GPU configs (no reasoning-gym on the GPU machine)
+GPU_TASK = ["rollout.data.source=bench/data/basic_arithmetic.jsonl", "rollout.reward.fn=math"]
+
+
+def summarise(rows: list[dict], tail: int) -> dict:
+    last = rows[-tail:]
+    return {
+        "steps": len(rows),
+        "samples": int(sum(r["samples"] for r in rows)),
+        "final_reward": round(statistics.mean(r["reward/mean"] for r in last), 4),
+        "first_reward": round(statistics.mean(r["reward/mean"] for r in rows[:tail]), 4),
+        "logp_abs_diff": round(statistics.mean(r["logp/abs_diff_train_rollout"] for r in rows), 5),
+        "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 3),
+        "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
+    }
+
+
+def plot(curves: dict[str, list[list[float]]], out: Path, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, runs), color in zip(curves.items(), ("black", "tab:blue", "tab:red"), strict=False):
+        for i, r in enumerate(runs):
+            ax.plot(moving_average(r, window), color=color, alpha=0.8, label=name if i == 0 else None)
+    ax.set_xlabel("optimizer step (equal samples per step in every run)")
+    ax.set_ylabel(f"reward (moving average of {window})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/gpu-2x-disaggregated.yaml")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--tail", type=int, default=10, help="final reward = mean over this many last steps")
+    ap.add_argument("--out", default="gpu-out/learning")
+    ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = "gpu" in Path(a.config).name
+    common = [f"run.steps={a.steps}", "run.time_limit_s=0", *(GPU_TASK if gpu else []), *a.overrides]
+    per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    for seed in a.seeds:
+        for name, extra in VARIANTS.items():
+            rows, _ = run([*common, f"run.seed={seed}", *extra], a.config)
+            (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            per[name].append(summarise(rows, a.tail))
+            curves[name].append([r["reward/mean"] for r in rows])
+            print(json.dumps({"variant": name, "seed": seed, **per[name][-1]}), flush=True)
+    plot(curves, out / "learning_curves.png", max(1, a.steps // 15))
+
+    def final(name: str) -> float:
+        return round(statistics.mean(s["final_reward"] for s in per[name]), 4)
+
+    spread = round(statistics.stdev(s["final_reward"] for s in per["sync"]), 4) if len(a.seeds) > 1 else None
+    result = {
+        "bench": "gpu_learning" if gpu else "learning_cpu",
+        "config": a.config,
+        "overrides": a.overrides,
+        "steps": a.steps,
+        "seeds": a.seeds,
+        "final_reward_sync": final("sync"),
+        "final_reward_async_tis": final("async_tis"),
+        "final_reward_async_no_tis": final("async_no_tis"),
+        "sync_seed_stdev": spread,
+        "logp_abs_diff": {v: round(statistics.mean(s["logp_abs_diff"] for s in per[v]), 5) for v in VARIANTS},
+        "staleness_mean": {
+            v: round(statistics.mean(s["staleness_mean"] for s in per[v]), 3) for v in VARIANTS
+        },
+        "runs": per,
+        "plot": str(out / "learning_curves.png"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    try:
+        import torch
+
+        result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:
+        result["device"] = "unknown"
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
