@@ -159,6 +159,79 @@ def test_a_restarted_server_is_pushed_to_again(server_factory):
     sender.close()
 
 
+def test_a_relaunched_server_gets_the_last_weights_by_catch_up(server_factory):
+    """While a server is behind, the sender keeps the last push's tensors; catch_up() sends them to it
+    alone (skipped again while it is still down), then lets them go."""
+    from pipeline.net import free_port
+
+    ok, ok_url = server_factory()
+    port = free_port("127.0.0.1")
+    sender = PostSender([ok_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30)
+    assert sender.catch_up() is None  # nothing pushed yet
+    assert sender.push(4, _named()).result(timeout=10)["engines_skipped"] == 1
+    still_down = sender.catch_up().result(timeout=10)
+    assert still_down["engines"] == 0 and still_down["version"] == 4
+    calls_before = len(ok.calls)
+    back = Recorder(set(), port)
+    threading.Thread(target=back.serve_forever, daemon=True).start()
+    caught = sender.catch_up().result(timeout=10)
+    assert caught["engines"] == 1 and caught["engines_skipped"] == 0
+    assert [r for r, _ in back.calls] == ["/pause_generation", "/load", "/continue_generation"]
+    assert back.calls[1][1]["weight_version"] == "4"
+    assert len(ok.calls) == calls_before  # the server that was up is not paused again
+    assert sender.catch_up() is None and sender._last is None  # nobody behind: the tensors are let go
+    back.shutdown()
+    sender.close()
+
+
+def test_the_trainer_catches_up_while_it_waits_for_data():
+    """Trainer._fetch_catching_up: while the sender has an engine behind, the wait for a batch is cut
+    into CATCH_UP_EVERY_S slices with a catch-up push between them; otherwise one wait."""
+    from types import SimpleNamespace
+
+    from stages.trainer.trainer import CATCH_UP_EVERY_S, Trainer
+
+    class Source:
+        def __init__(self, empty: int):
+            self.waits, self.empty = [], empty
+
+        def fetch(self, num_groups, version, max_staleness, timeout_s):
+            self.waits.append(timeout_s)
+            if len(self.waits) > self.empty:
+                return "batch"
+            return None
+
+    class Sender:
+        def __init__(self, behind: int):
+            self.calls, self.behind = 0, behind
+
+        def catch_up(self):
+            self.calls += 1
+            if self.calls > self.behind:
+                return None
+            done = SimpleNamespace(done=lambda: True, result=lambda: {})
+            return done
+
+    def trainer(source, sender):
+        t = SimpleNamespace(
+            source=source,
+            sender=sender,
+            pending_push=None,
+            version=3,
+            tc=SimpleNamespace(batch_groups=2, fetch_timeout_s=100.0),
+            cfg=SimpleNamespace(run=SimpleNamespace(max_staleness=2)),
+        )
+        t._catch_up = lambda: Trainer._catch_up(t)
+        return t
+
+    t = trainer(Source(empty=2), Sender(behind=2))
+    assert Trainer._fetch_catching_up(t) == "batch"
+    assert t.source.waits == pytest.approx([CATCH_UP_EVERY_S, CATCH_UP_EVERY_S, 100.0], abs=1)
+    assert t.sender.calls == 3 and t.pending_push is not None
+    calm = trainer(Source(empty=0), Sender(behind=0))
+    assert Trainer._fetch_catching_up(calm) == "batch" and calm.source.waits == pytest.approx([100.0], abs=1)
+
+
 def test_flat_layout_rejects_misaligned_dtypes():
     check_flat_layout(
         [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.bfloat16))]

@@ -40,6 +40,9 @@ from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack, shar
 from stages.trainer.routing_replay import RoutingReplay
 
 log = logging.getLogger(__name__)
+# while an engine is behind, the trainer's wait for data is cut into slices of this many seconds, and
+# between them the last weights go to it again (Trainer._fetch_catching_up)
+CATCH_UP_EVERY_S = 10.0
 
 
 class SourceExhausted(Exception):
@@ -158,9 +161,7 @@ class Trainer:
         shared = dist.get_world_size() > 1  # other ranks need the batch: send it as Arrow IPC bytes
         if self.rank == 0:
             try:
-                batch = self.source.fetch(
-                    self.tc.batch_groups, self.version, self.cfg.run.max_staleness, self.tc.fetch_timeout_s
-                )
+                batch = self._fetch_catching_up()
                 if batch is None:
                     payload[0] = ("timeout", None)
                 else:
@@ -177,6 +178,40 @@ class Trainer:
         if kind == "timeout":
             raise TimeoutError(self._fetch_timeout_message())
         return pa.ipc.open_stream(data).read_next_batch() if shared else data
+
+    def _fetch_catching_up(self) -> pa.RecordBatch | None:
+        """source.fetch within trainer.fetch_timeout_s. While an engine is behind (the last push left
+        out a server that was restarting), the wait is cut into slices and between them the last
+        weights are pushed to it again (sender.catch_up): with one engine no fresh batch can come
+        before the relaunched server has the current weights."""
+        deadline = time.monotonic() + self.tc.fetch_timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            behind = self.sender is not None and self._catch_up()
+            batch = self.source.fetch(
+                self.tc.batch_groups,
+                self.version,
+                self.cfg.run.max_staleness,
+                min(left, CATCH_UP_EVERY_S) if behind else left,
+            )
+            # one wait when nobody is behind: the source answers None only at its timeout (or never
+            # again, like a finished replay), so this is the fetch's end
+            if batch is not None or not behind or time.monotonic() >= deadline:
+                return batch
+
+    def _catch_up(self) -> bool:
+        """Start a catch-up push if an engine is behind and no push is in flight; True while one may
+        still be behind (the caller then waits in short slices)."""
+        if self.pending_push is not None and not self.pending_push.done():
+            return True  # a push (regular or catch-up) in flight: it may reach the lagging server
+        catch_up = getattr(self.sender, "catch_up", None)  # test doubles may have no such method
+        handle = catch_up() if catch_up is not None else None
+        if handle is None:
+            return False
+        if self.pending_push is not None:
+            self.pending_push.result()  # a failure of the previous push is raised here, not lost
+        self.pending_push = handle  # push_weights waits for it before the next snapshot
+        return True
 
     def _fetch_timeout_message(self) -> str:
         where = getattr(self.source, "address", None) or type(self.source).__name__

@@ -76,6 +76,11 @@ class WeightSender(ABC):
     def push(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> PushHandle:
         """Start delivering a snapshot; returns immediately."""
 
+    def catch_up(self) -> PushHandle | None:
+        """Push the last weights again to the engines the last push left out (they were restarting),
+        or None when none is behind. Transports that never leave one out have nothing to catch up."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 

@@ -12,9 +12,12 @@ resumes the servers; a failed load leaves them paused (see `_push`). HTTP connec
 
 A server that cannot be reached at all (connection refused: it died, and the generator's engine watch
 is relaunching it) is left out of a CUDA IPC push for up to `restart_grace_s` from the first push that
-missed it: the relaunched server re-syncs itself to the last weights it was given, and the next push
-that reaches it brings it to the trainer's version (its tokens carry the versions that made them, so
-staleness stays exact). Past the grace the push fails naming the server. NCCL pushes never skip one:
+missed it. The relaunched server starts from the weights its engine object holds (often the base
+model: a pushed-to server keeps no copy), so the sender keeps the last push's tensors while a server is
+behind, and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for
+data: with one engine, no fresh data comes before that). The next regular push reaches it too. Its
+tokens carry the versions that made them, so staleness stays exact. Past the grace a push fails
+naming the server. NCCL pushes never skip one:
 the weight group spans every server, and a dead member fails the whole broadcast.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
@@ -72,6 +75,7 @@ class _SGLangSender(WeightSender):
         self._local = threading.local()  # one keep-alive HTTP session per thread
         self.restart_grace_s = restart_grace_s
         self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
+        self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
 
     def _post(self, url: str, route: str, body: dict, timeout: float, *, retry: bool = False) -> dict:
         """POST a JSON body; `retry`: once more on a connection error (idempotent routes only: a kept-
@@ -109,7 +113,15 @@ class _SGLangSender(WeightSender):
         fut = self._pool.submit(self._push, version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
-    def _push(self, version: int, named) -> dict:
+    def catch_up(self) -> PushHandle | None:
+        """The last push again, to the servers it left out; None when none is behind."""
+        behind, last = list(self._down_since), self._last
+        if not behind or last is None:
+            return None
+        fut = self._pool.submit(self._push, last[0], last[1], behind)
+        return PushHandle(last[0], fut, self.timeout_s, f"SGLang servers {behind} (catch-up)")
+
+    def _push(self, version: int, named, targets: list[str] | None = None) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
         also the pause. Only the last bucket's load carries `weight_version` (SGLang records it after
         each successful load): a push that fails part-way never labels mixed weights as `version`.
@@ -120,8 +132,9 @@ class _SGLangSender(WeightSender):
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
         t0 = time.monotonic()
         live: list[str] = []
+        urls = self.urls if targets is None else targets
         try:
-            for url in self.urls:
+            for url in urls:
                 try:
                     self._post(
                         url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True
@@ -150,11 +163,13 @@ class _SGLangSender(WeightSender):
         for url in live:
             self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
         t["continue_s"] = time.monotonic() - t3
+        # while a server is behind, keep these tensors for catch_up(); let them go once none is
+        self._last = (version, named) if self._down_since else None
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
             "engines": len(live),
-            "engines_skipped": len(self.urls) - len(live),
+            "engines_skipped": len(urls) - len(live),
             "bytes": nbytes,
             "seconds": time.monotonic() - t0,
             **t,
