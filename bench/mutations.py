@@ -162,6 +162,22 @@ MUTATIONS = [
             "tests/test_healing.py::test_killed_generator_is_replaced_and_the_run_finishes",
         ),
     ),
+    Mutation(
+        "replay_ignored",
+        "MoE routing replay is on but the routers keep their own choice",
+        "stages/trainer/routing_replay.py",
+        "        idx = torch.where(has, target.long(), own)\n",
+        "        idx = own\n",
+        ("tests/test_routing_replay.py",),
+    ),
+    Mutation(
+        "no_catch_up",
+        "a relaunched SGLang server never gets the current weights while the trainer waits for data",
+        "stages/trainer/trainer.py",
+        "        handle = catch_up() if catch_up is not None else None\n",
+        "        handle = None\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
 ]
 
 
