@@ -1,0 +1,125 @@
+"""A whole pipeline run on one GPU (SGLang + megatron, colocated, CUDA IPC pushes) whose SGLang server is
+killed mid-run: the generator's engine watch relaunches it, the trainer's catch-up push gives it the
+current weights, the groups it had in flight are regenerated, and the run finishes (issue #17, "Engine
+health in the pipeline").
+
+Needs a GPU, sglang==0.5.17 and megatron-core (docs/gpu.md); marked `gpu`, so default runs skip it.
+Takes about 6 minutes (two SGLang starts). Prints a `METRIC {...}` line. Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "reward/mean" in row:
+            rows.append(row)
+    return rows
+
+
+def _sglang_servers(pid: int) -> list:
+    """The SGLang servers the pipeline (process `pid`) started, found among its descendants (through
+    Ray's raylet and the generator actor), never by name alone."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "sglang.launch_server" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    pytest.importorskip("sglang")
+    pytest.importorskip("psutil")
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "--config",
+        "configs/gpu-1x-colocated.yaml",
+        f"run.dir={run_dir}",
+        "run.steps=10000",
+        "run.time_limit_s=240",  # of training: the kill, the relaunch (~1-2 min) and steps after it
+        "metrics.tensorboard=false",
+        "rollout.data.source=bench/data/basic_arithmetic.jsonl",
+        "rollout.reward.fn=math",
+        "rollout.sglang.disable_cuda_graph=true",
+        "rollout.sglang.health_check_s=5",
+        f"rollout.sglang.log_dir={run_dir}/sglang",
+        f"buffer.dir={tmp_path}/buffer",
+        f"model.cache_dir={tmp_path}/models",
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    with open(tmp_path / "pipeline.log", "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 420
+            while len(_steps(run_dir)) < 3:
+                assert proc.poll() is None, (
+                    "the run ended before training: " + (tmp_path / "pipeline.log").read_text()[-3000:]
+                )
+                assert time.monotonic() < deadline, "no 3 training steps within 420 s"
+                time.sleep(2)
+            servers = _sglang_servers(proc.pid)
+            assert len(servers) == 1, f"expected the colocated config's one SGLang server, found {servers}"
+            killed_at, steps_at_kill = time.time(), len(_steps(run_dir))
+            os.killpg(servers[0].pid, signal.SIGKILL)  # the server's own group (it starts a new session)
+            rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    tail = (tmp_path / "pipeline.log").read_text()[-3000:]
+    assert rc == 0, f"the run failed after its SGLang server was killed:\n{tail}"
+    rows = _steps(run_dir)
+    after = [r for r in rows if r["time"] > killed_at]
+    restarts = max(r.get("generator/engine_restarts", 0) for r in rows)
+    # steps whose batches hold tokens the relaunched server generated (its token count moved on)
+    fresh = [r for r in after if after and r["generator/tokens"] > after[0]["generator/tokens"]]
+    print(
+        "METRIC "
+        + json.dumps(
+            {
+                "steps_at_kill": steps_at_kill,
+                "steps": len(rows),
+                "steps_after_kill": len(after),
+                "steps_with_new_tokens": len(fresh),
+                "engine_restarts": restarts,
+                "back_after_s": round(fresh[0]["time"] - killed_at, 1) if fresh else None,
+            }
+        ),
+        flush=True,
+    )
+    assert restarts >= 1, "the engine watch did not relaunch the killed server"
+    assert len(fresh) >= 2, (
+        f"{len(fresh)} steps trained on the relaunched server's tokens: the run did not go on"
+    )
