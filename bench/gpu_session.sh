@@ -12,7 +12,10 @@
 #   2 push-7b a random Qwen2.5-7B: pushes into live SGLang servers against a raw NCCL broadcast
 #   3 avs     async vs sync on 2 GPUs (disaggregated) + SGLang's offline throughput (engine_util)
 #   4 logp    SGLang vs megatron vs HF logprobs on SmolLM2 against the bf16 floor (bench/logp_precision.py)
-# PHASES="1 2" picks some (default 1 2 3). Needs the gpu wheels installed (docs/gpu.md).
+#   5 learn   sync vs async+TIS vs async without correction, 3 seeds (bench/gpu_learning.py; ~30 min)
+#   6 kill    the GPU test that kills a colocated run's SGLang server mid-run (tests/test_gpu_engine_restart.py)
+# PHASES="1 2" picks some (default 2 3 6: what issue #17 still lacks). Needs the gpu wheels installed
+# (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=/tmp/session
@@ -49,6 +52,15 @@ phase3() {
   tail -n 1 $S/3-avs.out | grep '^{"bench"' >>$R/gpu_async_vs_sync.jsonl
 }
 
+phase5() {
+  python bench/gpu_learning.py --seeds 0 1 2 --out $S/learning --results $R/gpu_learning.jsonl >$S/5-learning.out 2>&1
+}
+
+phase6() {
+  CUDA_VISIBLE_DEVICES=0 timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+    -p no:cacheprovider >$S/6-kill.out 2>&1
+}
+
 phase4() {
   python bench/logp_precision.py --device cuda --sglang --results $R/gpu_logprobs.jsonl >$S/4-logprobs.out 2>&1
 }
@@ -62,7 +74,7 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)
-  for p in ${PHASES:-1 2 3}; do
+  for p in ${PHASES:-2 3 6}; do
     echo "phase $p start $(date -u +%T)"
     "phase$p"
     echo "phase $p end $(date -u +%T) rc=$?"
