@@ -13,7 +13,10 @@ from pipeline.orchestration.launcher import run_pipeline
 
 
 @pytest.mark.slow  # ~19 s with Ray's start
-def test_tiny_moe_pipeline_sync(tmp_path, ray_session):
+@pytest.mark.parametrize("replay", [False, True], ids=["own-routing", "routing-replay"])
+def test_tiny_moe_pipeline_sync(tmp_path, ray_session, replay):
+    """With trainer.routing_replay the engine's recorded experts go through the buffer to the trainer,
+    which replays every recorded position (routing/replayed counts them) and still equals the engine."""
     cfg = load_config(
         "configs/tiny-moe-cpu.yaml",
         [
@@ -24,6 +27,7 @@ def test_tiny_moe_pipeline_sync(tmp_path, ray_session):
             "metrics.progress=false",
             "trainer.batch_groups=4",
             "rollout.group_size=4",
+            f"trainer.routing_replay={str(replay).lower()}",
         ],
     )
     res = run_pipeline(cfg, stop_ray=False)
@@ -36,3 +40,8 @@ def test_tiny_moe_pipeline_sync(tmp_path, ray_session):
     }
     assert len(fresh) >= 3 and max(r["generator/engine_version_min"] for r in train) >= 2  # pushes landed
     assert all(d <= 1e-4 for d in fresh.values()), f"engine logprobs differ from the trainer's: {fresh}"
+    if replay:  # every trained sample carried its recording: positions x MoE layers, all replayed
+        assert all(r["routing/replayed"] > 0 for r in train)
+        assert all(r["routing/agreement"] > 0.9 for r in train)  # sync, fp32: the same routing
+    else:
+        assert not any("routing/replayed" in r for r in train)
