@@ -397,8 +397,9 @@ class Trainer:
             kw = dict(extra)
             if self.replay is not None:  # the policy's routers (only theirs hold targets) replay mb's
                 sp = self.tc.sequence_parallel
+                routed = None if mb.routed is None else mb.routed.to(self.device)  # once, not per layer
                 self.replay.set_microbatch(
-                    mb.routed, ps.get_tensor_model_parallel_rank(), self.tc.tp if sp else 1
+                    routed, ps.get_tensor_model_parallel_rank(), self.tc.tp if sp else 1
                 )
             if moe_padding:  # MoE: padding positions left out of router metrics and load-balancing loss
                 kw["padding_mask"] = mb.segments.to(self.device).gather(1, pos) < 0
