@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from _results import record
 from _runs import moving_average, run
 
 VARIANTS = {
@@ -113,16 +114,9 @@ def main() -> None:
         "plot": str(out / "learning_curves.png"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    try:
-        import torch
+    import torch
 
-        result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:
-        result["device"] = "unknown"
-    if a.results:
-        with open(a.results, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    print(json.dumps(result))
+    record(result, a.results, device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
 if __name__ == "__main__":

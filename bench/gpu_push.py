@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from _results import record  # bench/ is on sys.path when a bench runs
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -243,10 +245,7 @@ def main() -> None:
     result["push_vs_raw"] = result["nccl_generating_vs_raw_flat"]
     result["goal"] = 1.5
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if a.results:
-        with open(a.results, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    print(json.dumps(result))
+    record(result, a.results)  # result["device"] is set above
 
 
 if __name__ == "__main__":

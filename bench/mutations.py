@@ -174,7 +174,7 @@ MUTATIONS = [
         "no_catch_up",
         "a relaunched SGLang server never gets the current weights while the trainer waits for data",
         "stages/trainer/trainer.py",
-        "        handle = catch_up() if catch_up is not None else None\n",
+        "        handle = self.sender.catch_up()\n",
         "        handle = None\n",
         ("tests/test_weights_sglang_protocol.py",),
     ),

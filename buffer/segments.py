@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA, LEGACY_SCHEMAS, upgrade_batch
+from pipeline.sample import ARROW_SCHEMA, is_legacy_schema, upgrade_batch
 
 SEGMENT_GLOB = "seg-*.arrow"
 LOG_NAME = "consumed.log"
@@ -278,7 +278,7 @@ def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
     try:
         reader = pa.ipc.open_stream(src)
         legacy = not reader.schema.equals(ARROW_SCHEMA)
-        if legacy and not any(reader.schema.equals(s) for s in LEGACY_SCHEMAS):
+        if legacy and not is_legacy_schema(reader.schema):
             raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
         rep.intact_bytes = src.tell()
         while True:

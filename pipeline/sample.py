@@ -254,12 +254,16 @@ _ARROW_TYPES = {
 LEGACY_SCHEMAS = (pa.schema([f for f in ARROW_SCHEMA if f.name != "routed_experts"]),)
 
 
+def is_legacy_schema(schema: pa.Schema) -> bool:
+    return any(schema.equals(s) for s in LEGACY_SCHEMAS)
+
+
 def upgrade_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A batch in ARROW_SCHEMA or one of LEGACY_SCHEMAS -> ARROW_SCHEMA (missing columns empty).
     Raises ValueError for any other schema."""
     if batch.schema.equals(ARROW_SCHEMA):
         return batch
-    if not any(batch.schema.equals(s) for s in LEGACY_SCHEMAS):
+    if not is_legacy_schema(batch.schema):
         raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
     empty = pa.ListArray.from_arrays(
         pa.array(np.zeros(batch.num_rows + 1, np.int32)), pa.array([], pa.int16())

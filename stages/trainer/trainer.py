@@ -204,8 +204,7 @@ class Trainer:
         still be behind (the caller then waits in short slices)."""
         if self.pending_push is not None and not self.pending_push.done():
             return True  # a push (regular or catch-up) in flight: it may reach the lagging server
-        catch_up = getattr(self.sender, "catch_up", None)  # test doubles may have no such method
-        handle = catch_up() if catch_up is not None else None
+        handle = self.sender.catch_up()
         if handle is None:
             return False
         if self.pending_push is not None:
@@ -381,6 +380,8 @@ class Trainer:
 
         layout = self.policy.layout
         extra = {"fp32_output": False} if self.tc.precision == "bf16" else {}  # hidden stays bf16
+        # only the policy's routers replay: the reference model and the critic route themselves
+        replay = self.replay if model is self.policy.model else None
         # megatron scatters padding_mask for sequence parallelism on the first pipeline stage only
         moe_padding = self.policy.router_stats is not None and not (
             self.tc.pp > 1 and self.tc.sequence_parallel
@@ -395,12 +396,10 @@ class Trainer:
                 pos = torch.arange(tokens.shape[1], device=self.device)
             pos = pos[None].expand_as(tokens)
             kw = dict(extra)
-            if self.replay is not None:  # the policy's routers (only theirs hold targets) replay mb's
+            if replay is not None:
                 sp = self.tc.sequence_parallel
                 routed = None if mb.routed is None else mb.routed.to(self.device)  # once, not per layer
-                self.replay.set_microbatch(
-                    routed, ps.get_tensor_model_parallel_rank(), self.tc.tp if sp else 1
-                )
+                replay.set_microbatch(routed, ps.get_tensor_model_parallel_rank(), self.tc.tp if sp else 1)
             if moe_padding:  # MoE: padding positions left out of router metrics and load-balancing loss
                 kw["padding_mask"] = mb.segments.to(self.device).gather(1, pos) < 0
             if layout in ("varlen", "te"):  # one packed row; sequence boundaries as cu_seqlens, no mask
@@ -421,8 +420,8 @@ class Trainer:
                     forward_only=forward_only,
                 )
         finally:
-            if self.replay is not None:  # no later forward (an export check, an eval) replays stale targets
-                self.replay.set_microbatch(None)
+            if replay is not None:  # no later forward (an export check, an eval) replays stale targets
+                replay.set_microbatch(None)
 
     def _mb_logprobs(self, model, mb: MicroBatch, hidden, entropy=False, entropy_grad=False):
         """hidden [b, s, h] of a micro-batch -> logprob (and entropy) of its response tokens [t]."""
