@@ -41,14 +41,15 @@ def model_dir(name: str) -> str:
 
 
 def raw_baselines(path: str) -> dict:
-    p = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "nccl_broadcast.py"), path, "--gpus", "0,1", "--runs", "10"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"nccl_broadcast.py failed:\n{p.stderr[-3000:]}")
+    """bench/nccl_broadcast.py's JSON, or {"error": ...}: a baseline that fails does not cost the push
+    measurement (its progress and errors go to this process's stderr, i.e. the bench's log)."""
+    cmd = [sys.executable, str(REPO / "bench" / "nccl_broadcast.py"), path, "--gpus", "0,1", "--runs", "10"]
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return {"error": "nccl_broadcast.py gave no result in 600 s"}
+    if p.returncode != 0 or not p.stdout.strip():
+        return {"error": f"nccl_broadcast.py exited with {p.returncode} (its stderr is in this log)"}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -233,16 +234,19 @@ def main() -> None:
         for e in engines.values():
             e.close()
     raw = result["raw"]
-    for mode in ("idle", "generating"):
-        total = result["nccl"][mode]["seconds_ms"] / 1e3
-        result[f"nccl_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
-        result[f"nccl_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
-        result[f"ipc_{mode}_vs_d2d"] = round(
-            result["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
-        )
-    # issue #17's judgement: the whole push (pause to continue) into a live server over NCCL against a
-    # flat NCCL broadcast of the same bytes; goal <= 1.5 at 7B
-    result["push_vs_raw"] = result["nccl_generating_vs_raw_flat"]
+    if "error" in raw:  # the pushes were measured; there is nothing to judge them against
+        result["push_vs_raw"] = None
+    else:
+        for mode in ("idle", "generating"):
+            total = result["nccl"][mode]["seconds_ms"] / 1e3
+            result[f"nccl_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
+            result[f"nccl_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
+            result[f"ipc_{mode}_vs_d2d"] = round(
+                result["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
+            )
+        # issue #17's judgement: the whole push (pause to continue) into a live server over NCCL against
+        # a flat NCCL broadcast of the same bytes; goal <= 1.5 at 7B
+        result["push_vs_raw"] = result["nccl_generating_vs_raw_flat"]
     result["goal"] = 1.5
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     record(result, a.results)  # result["device"] is set above

@@ -14,7 +14,10 @@
 #   4 logp    SGLang vs megatron vs HF logprobs on SmolLM2 against the bf16 floor (bench/logp_precision.py)
 #   5 learn   sync vs async+TIS vs async without correction, 3 seeds (bench/gpu_learning.py; ~30 min)
 #   6 kill    the GPU test that kills a colocated run's SGLang server mid-run (tests/test_gpu_engine_restart.py)
-# PHASES="1 2" picks some (default 2 3 6: what issue #17 still lacks). Needs the gpu wheels installed
+#   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
+#             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
+#             minutes left of a 30-minute device session after phases 2 and 3
+# PHASES="1 2" picks some (default 2 3 7: what issue #17 still lacks). Needs the gpu wheels installed
 # (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +51,7 @@ phase2() {
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 12 --skip 2 --out $S >$S/3-avs.out 2>&1
+  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --out $S >$S/3-avs.out 2>&1
   tail -n 1 $S/3-avs.out | grep '^{"bench"' >>$R/gpu_async_vs_sync.jsonl
 }
 
@@ -57,8 +60,16 @@ phase5() {
 }
 
 phase6() {
-  CUDA_VISIBLE_DEVICES=0 timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
     -p no:cacheprovider >$S/6-kill.out 2>&1
+}
+
+phase7() {
+  (export CUDA_VISIBLE_DEVICES=0; phase6) &
+  CUDA_VISIBLE_DEVICES=1 python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml \
+    --steps "${LEARN_STEPS:-80}" --seeds 0 --out $S/learning --results $R/gpu_learning.jsonl \
+    rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 >$S/5-learning.out 2>&1
+  wait
 }
 
 phase4() {
@@ -74,7 +85,7 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)
-  for p in ${PHASES:-2 3 6}; do
+  for p in ${PHASES:-2 3 7}; do
     echo "phase $p start $(date -u +%T)"
     "phase$p"
     echo "phase $p end $(date -u +%T) rc=$?"

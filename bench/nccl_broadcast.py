@@ -8,14 +8,16 @@
   colocated (CUDA IPC) push does: the engine copies each tensor into its own weights);
 - `d2d_copy_flat_s`: the same bytes as one copy: the memory-bandwidth floor.
 
-    python bench/nccl_broadcast.py MODEL_DIR [--dtype bfloat16] [--gpus 0,1] [--runs 5]
+    python bench/nccl_broadcast.py MODEL_DIR [--dtype bfloat16] [--gpus 0,1] [--runs 5] [--timeout 420]
 
-Medians over --runs after two warm-ups. Prints one JSON line last.
+Medians over --runs after two warm-ups. Progress goes to stderr with timestamps (a 7B run that gave no
+result in 300 s twice left nothing to say where it stood). Prints one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -43,6 +45,10 @@ def shapes(model_dir: str) -> list[tuple[str, list[int]]]:
     return out
 
 
+def _say(what: str) -> None:
+    print(f"[nccl_broadcast {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 def _tensors(spec, dtype, device):
     return [torch.ones(s, dtype=dtype, device=device) for _, s in spec]
 
@@ -52,7 +58,14 @@ def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) ->
 
     align_nccl_env()  # as the trainer and the SGLang servers run
     torch.cuda.set_device(gpus[rank])
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=180),  # a dead peer fails the collective instead of hanging it
+    )
+    _say(f"rank {rank}: group formed on GPU {gpus[rank]}")
     times = {"per_tensor": [], "flat": []}
     numel = sum(torch.Size(s).numel() for _, s in spec)
     for kind in ("per_tensor", "flat"):
@@ -71,6 +84,8 @@ def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) ->
             torch.cuda.synchronize()
             if i >= 2:
                 times[kind].append(time.perf_counter() - t0)
+        if rank == 0:
+            _say(f"{kind}: {len(group)} tensors, median {statistics.median(times[kind]):.4f}s")
         del group
         torch.cuda.empty_cache()
     if rank == 0:
@@ -94,17 +109,39 @@ def d2d(spec, dtype, gpu: int, runs: int) -> list[float]:
     return times
 
 
+def _wait_for_result(q, procs, timeout_s: float) -> dict:
+    """The workers' timings, or a clear exit as soon as one of them died or the time is up (a worker
+    that dies leaves its peer blocked in a collective; waiting on the queue alone would hang)."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=5)
+        except queue.Empty:
+            pass
+        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        late = time.monotonic() > deadline
+        if dead or late:
+            for p in procs:
+                p.kill()
+            why = f"worker(s) {dead} died" if dead else f"no result in {timeout_s:.0f}s"
+            raise SystemExit(f"nccl_broadcast: {why}; their progress and errors are above (stderr)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpus", default="0,1", help="the two GPUs of the broadcast (the first one also copies)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=420, help="seconds the broadcast workers may take")
     a = ap.parse_args()
     spec, dtype = shapes(a.model_dir), getattr(torch, a.dtype)
     gpus = [int(g) for g in a.gpus.split(",")]
     nbytes = sum(torch.Size(s).numel() for _, s in spec) * dtype.itemsize
     out = {"bench": "weights_raw_baselines", "tensors": len(spec), "bytes": nbytes}
+    _say(f"{len(spec)} tensors, {nbytes / 1e9:.2f} GB; device copies on GPU {gpus[0]}")
     out["d2d_copy_s"] = round(statistics.median(d2d(spec, dtype, gpus[0], a.runs)), 5)
     torch.cuda.empty_cache()  # the copies' 2x model bytes stay cached otherwise (the workers need room)
     flat = [("flat", [sum(torch.Size(s).numel() for _, s in spec)])]
@@ -122,13 +159,7 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        try:
-            times = q.get(timeout=300)
-        except Exception:
-            codes = [p.exitcode for p in procs]
-            raise SystemExit(
-                f"the broadcast workers gave no result in 300 s (exit codes {codes}); see above"
-            ) from None
+        times = _wait_for_result(q, procs, a.timeout)
         for p in procs:
             p.join(timeout=60)
         out["raw_broadcast_s"] = round(statistics.median(times["per_tensor"]), 5)
