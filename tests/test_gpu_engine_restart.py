@@ -1,10 +1,11 @@
-"""A whole pipeline run on one GPU (SGLang + megatron, colocated, CUDA IPC pushes) whose SGLang server is
-killed mid-run: the generator's engine watch relaunches it, the trainer's catch-up push gives it the
-current weights, the groups it had in flight are regenerated, and the run finishes (issue #17, "Engine
-health in the pipeline").
+"""A whole pipeline run whose SGLang server is killed mid-run: the generator's engine watch relaunches
+it, the trainer's catch-up push gives it the current weights, the groups it had in flight are
+regenerated, and the run finishes (issue #17, "Engine health in the pipeline"). Two configs: one GPU
+(colocated, CUDA IPC pushes) and two GPUs (disaggregated, NCCL pushes: the weight group is formed
+again with the relaunched server).
 
-Needs a GPU, sglang==0.5.17 and megatron-core (docs/gpu.md); marked `gpu`, so default runs skip it.
-Takes about 6 minutes (two SGLang starts). Prints a `METRIC {...}` line. Not yet run on a GPU.
+Needs sglang==0.5.17 and megatron-core (docs/gpu.md) and the config's GPUs; marked `gpu`, so default
+runs skip it. Takes about 6 minutes each (two SGLang starts). Prints a `METRIC {...}` line.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def _sglang_servers(pid: int) -> list:
     return out
 
 
-def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp_path):
+@pytest.mark.parametrize(
+    "config,gpus", [("configs/gpu-1x-colocated.yaml", 1), ("configs/gpu-2x-disaggregated.yaml", 2)]
+)
+def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp_path, config, gpus):
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{config} needs {gpus} CUDA GPU(s)")
     pytest.importorskip("sglang")
     pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
@@ -64,7 +68,7 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
         "-m",
         "pipeline",
         "--config",
-        "configs/gpu-1x-colocated.yaml",
+        config,
         f"run.dir={run_dir}",
         "run.steps=10000",
         "run.time_limit_s=240",  # of training: the kill, the relaunch (~1-2 min) and steps after it
@@ -91,7 +95,7 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
                 assert time.monotonic() < deadline, "no 3 training steps within 420 s"
                 time.sleep(2)
             servers = _sglang_servers(proc.pid)
-            assert len(servers) == 1, f"expected the colocated config's one SGLang server, found {servers}"
+            assert len(servers) == 1, f"expected {config}'s one SGLang server, found {servers}"
             killed_at, steps_at_kill = time.time(), len(_steps(run_dir))
             os.killpg(servers[0].pid, signal.SIGKILL)  # the server's own group (it starts a new session)
             rc = proc.wait(timeout=600)
@@ -113,6 +117,7 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
                 "steps": len(rows),
                 "steps_after_kill": len(after),
                 "steps_with_new_tokens": len(fresh),
+                "config": config,
                 "engine_restarts": restarts,
                 "back_after_s": round(fresh[0]["time"] - killed_at, 1) if fresh else None,
             }

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stages.weights.base import WeightPushError
-from stages.weights.sglang_transport import _SGLangSender, check_flat_layout
+from stages.weights.sglang_transport import NcclSGLangSender, _SGLangSender, check_flat_layout
 
 
 class Recorder(ThreadingHTTPServer):
@@ -230,6 +230,87 @@ def test_the_trainer_catches_up_while_it_waits_for_data():
     assert t.sender.calls == 3 and t.pending_push is not None
     calm = trainer(Source(empty=0), Sender(behind=0))
     assert Trainer._fetch_catching_up(calm) == "batch" and calm.source.waits == pytest.approx([100.0], abs=1)
+
+
+class GroupSender(NcclSGLangSender):
+    """The NCCL sender with rank 0's side of a group and the broadcast replaced (no NCCL on CPU): what
+    is checked is which servers each group holds, when it is formed, and who gets the loads."""
+
+    def _new_group(self, init_method, world, name):
+        return (name, world)
+
+    def _send_bucket(self, group, version, urls):
+        assert urls == self._members  # a broadcast spans exactly the group
+        body = {"names": [n for n, _ in group], "group": self._group_name}
+        if version is not None:
+            body["weight_version"] = str(version)
+        for url in urls:
+            self._post(url, "/load", body, self.timeout_s)
+        return 0.0
+
+
+def _serve(port: int) -> Recorder:
+    srv = Recorder(set(), port)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_once_back(server_factory):
+    """Disaggregated runs: a dead server leaves the weight group. The next push forms a group of the
+    servers it reaches (so the broadcast cannot wait on the dead one) and the relaunched server joins a
+    new group with everyone at the catch-up, which gives it the last weights."""
+    from pipeline.net import free_port
+
+    a, a_url = server_factory()
+    port = free_port("127.0.0.1")
+    b = _serve(port)
+    sender = GroupSender(
+        [a_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30, engine_tp_sizes=[1, 2]
+    )
+
+    def joins(srv):
+        return [body for route, body in srv.calls if route == "/init_weights_update_group"]
+
+    assert [(j["rank_offset"], j["world_size"]) for j in joins(a) + joins(b)] == [(1, 4), (2, 4)]
+    assert sender.push(1, _named()).result(timeout=10)["engines"] == 2
+    assert len(joins(a)) == 1  # same servers: the same group
+    b.shutdown()
+    b.server_close()  # the server died: connections are refused
+
+    before = len(a.calls)
+    out = sender.push(2, _named()).result(timeout=10)
+    assert (out["engines"], out["engines_skipped"]) == (1, 1)
+    assert [r for r, _ in a.calls[before:]] == [
+        "/pause_generation",
+        "/continue_generation",  # generating while the new group forms
+        "/init_weights_update_group",
+        "/pause_generation",
+        "/load",
+        "/continue_generation",
+    ]
+    alone = joins(a)[-1]
+    assert (alone["group_name"], alone["rank_offset"], alone["world_size"]) == ("slipstream-weights-1", 1, 2)
+    assert [b["group"] for r, b in a.calls if r == "/load"][-1] == "slipstream-weights-1"
+    sender.push(3, _named()).result(timeout=10)
+    assert len(joins(a)) == 2  # still down: no new group
+
+    back = _serve(port)  # relaunched on its port, with the base model's weights
+    caught = sender.catch_up().result(timeout=10)
+    assert (caught["version"], caught["engines"], caught["engines_skipped"]) == (3, 2, 0)
+    rejoined = joins(back)[0]
+    assert (rejoined["group_name"], rejoined["rank_offset"], rejoined["world_size"]) == (
+        "slipstream-weights-2",
+        2,
+        4,
+    )
+    assert joins(a)[-1]["group_name"] == "slipstream-weights-2"
+    loads = [b for r, b in back.calls if r == "/load"]
+    assert loads[-1]["weight_version"] == "3" and loads[-1]["group"] == "slipstream-weights-2"
+    assert sender.catch_up() is None
+    sender.push(4, _named()).result(timeout=10)
+    assert len(joins(a)) == 3 and len(joins(back)) == 1  # everyone back: the group stays
+    back.shutdown()
+    sender.close()
 
 
 def test_flat_layout_rejects_misaligned_dtypes():

@@ -121,7 +121,7 @@ def make_sender(
     nccl / cuda_ipc: pushes straight into the SGLang servers at `engine_urls` (TP size per server in
     `engine_tp_sizes`, default 1; `pause_mode` as rollout.sglang.pause_mode; NCCL's rendezvous at
     `master_address`, this process's host as the servers reach it; `restart_grace_s`: how long a
-    cuda_ipc push may leave out a server that cannot be reached while it restarts). `curve`: the run's CurveKeys
+    push may leave out a server that cannot be reached while it restarts). `curve`: the run's CurveKeys
     (pipeline/curve.py) for the cpu transport's socket, None for none.
     auto: cpu without engine_urls, else nccl when this process sees 2+ GPUs and cuda_ipc otherwise;
     inside a Ray actor that was given one GPU this always says cuda_ipc, so GPU configs name the
@@ -159,8 +159,9 @@ def make_sender(
             timeout_s=cfg.timeout_s,
             engine_tp_sizes=engine_tp_sizes,
             pause_mode=pause_mode,
+            restart_grace_s=restart_grace_s,
         )
         if kind == "nccl":
             return sg.NcclSGLangSender(engine_urls, master_address=master_address, **common)
-        return sg.CudaIpcSGLangSender(engine_urls, restart_grace_s=restart_grace_s, **common)
+        return sg.CudaIpcSGLangSender(engine_urls, **common)
     raise ValueError(f"weights.transport={kind!r} has no sender yet (cpu, nccl, cuda_ipc)")

@@ -11,14 +11,12 @@ resumes the servers; a failed load leaves them paused (see `_push`). HTTP connec
 (one session per thread); pause and continue are retried once on a connection error.
 
 A server that cannot be reached at all (connection refused: it died, and the generator's engine watch
-is relaunching it) is left out of a CUDA IPC push for up to `restart_grace_s` from the first push that
-missed it. The relaunched server starts from the weights its engine object holds (often the base
-model: a pushed-to server keeps no copy), so the sender keeps the last push's tensors while a server is
-behind, and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for
-data: with one engine, no fresh data comes before that). The next regular push reaches it too. Its
-tokens carry the versions that made them, so staleness stays exact. Past the grace a push fails
-naming the server. NCCL pushes never skip one:
-the weight group spans every server, and a dead member fails the whole broadcast.
+is relaunching it) is left out of a push for up to `restart_grace_s` from the first push that missed
+it. The relaunched server starts from the weights its engine object holds (often the base model: a
+pushed-to server keeps no copy), so the sender keeps the last push's tensors while a server is behind,
+and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for data: with
+one engine, no fresh data comes before that). The next regular push reaches it too. Its tokens carry
+the versions that made them, so staleness stays exact. Past the grace a push fails naming the server.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -26,7 +24,9 @@ via POST /init_weights_update_group, while the trainer joins with SGLang's own
 `init_custom_process_group` (the two must rendezvous at the same time, hence the threads). Each bucket
 is POST /update_weights_from_distributed {names, dtypes, shapes, load_format: flattened_bucket} while
 rank 0 broadcasts the bucket as one flat byte tensor (SGLang's FlattenedTensorBucket layout): one NCCL
-call per bucket instead of one per tensor.
+call per bucket instead of one per tensor. The group spans exactly the servers a push reaches: when
+one is left out (restarting) or comes back, the sender forms a new group (a new name) with the servers
+of this push before it loads anything (see `_regroup`); the old group is dropped, not destroyed.
 NCCL cannot put two ranks on one GPU: this needs the engines on other GPUs (see notes/sglang-on-gpu.md).
 
 CudaIpcSGLangSender (colocated on one GPU): each bucket is serialized with SGLang's
@@ -118,8 +118,16 @@ class _SGLangSender(WeightSender):
         behind, last = list(self._down_since), self._last
         if not behind or last is None:
             return None
-        fut = self._pool.submit(self._push, last[0], last[1], behind)
+        fut = self._pool.submit(self._push, last[0], last[1], self._catch_up_targets(behind))
         return PushHandle(last[0], fut, self.timeout_s, f"SGLang servers {behind} (catch-up)")
+
+    def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
+        """Which servers a catch-up push goes to (None: all): just the ones behind."""
+        return behind
+
+    def _regroup(self, live: list[str]) -> None:
+        """Called with the servers of this push, all paused, before anything is loaded: a transport
+        whose delivery spans a fixed set of servers makes that set `live` here."""
 
     def _push(self, version: int, named, targets: list[str] | None = None) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
@@ -144,12 +152,13 @@ class _SGLangSender(WeightSender):
                     continue
                 self._down_since.pop(url, None)
                 live.append(url)
+            self._regroup(live)
         except WeightPushError:
             self._resume_all()  # nothing was loaded: let generation go on, then fail this push
             raise
         t["pause_s"] = time.monotonic() - t0
         t1 = time.monotonic()
-        groups = list(buckets(named, self.bucket_bytes))
+        groups = list(buckets(named, self.bucket_bytes)) if live else []  # nobody to load into
         try:
             for i, group in enumerate(groups):
                 t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None, live)
@@ -238,64 +247,89 @@ class NcclSGLangSender(_SGLangSender):
         **kw,
     ):
         super().__init__(urls, **kw)
-        self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
+        self.tp_of = dict(zip(self.urls, engine_tp_sizes or [1] * len(self.urls), strict=True))
         self.master_address = master_address
         self.group_name = group_name
         self._group = None
+        self._members: list[str] = []  # the servers in self._group, in rank order
+        self.groups_formed = 0
         # long-lived threads for the per-server calls that run beside the broadcast: their keep-alive
         # sessions persist from push to push
         self._http = cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-http")
         # Form the group now, while the servers generate normally: a server paused for a push may not
         # serve the join request, and the first push would then wait for a group that never forms.
-        self._join()
+        self._join(self.urls)
 
-    def _join(self) -> None:
-        """Form the trainer<->engines NCCL group once (every server and rank 0 rendezvous together)."""
-        from sglang.srt.utils import init_custom_process_group
-
+    def _join(self, urls: list[str]) -> None:
+        """Form a trainer<->engines NCCL group with `urls` (every one of them and rank 0 rendezvous
+        together). Each group gets a new name: a server that was in an earlier one still holds it."""
         from pipeline.net import free_port
 
         align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
+        name = self.group_name if not self.groups_formed else f"{self.group_name}-{self.groups_formed}"
         port = free_port()
-        world = 1 + sum(self.tp_sizes)
-        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
+        sizes = [self.tp_of[u] for u in urls]
+        world = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
         joins = [
             self._http.submit(
                 self._post,
                 url,
                 proto.JOIN_GROUP,
-                proto.join_group_body(self.master_address, port, off, world, self.group_name, "nccl"),
+                proto.join_group_body(self.master_address, port, off, world, name, "nccl"),
                 self.timeout_s,
             )
-            for url, off in zip(self.urls, offsets)
+            for url, off in zip(urls, offsets)
         ]
-        self._group = init_custom_process_group(
-            backend="nccl",
-            init_method=f"tcp://{self.master_address}:{port}",
-            world_size=world,
-            rank=0,
-            group_name=self.group_name,
-        )
+        self._group = self._new_group(f"tcp://{self.master_address}:{port}", world, name)
         for j in joins:
             j.result(timeout=self.timeout_s)
-        log.info("weights: NCCL group %s formed with %d engine ranks", self.group_name, world - 1)
+        self._members, self._group_name = list(urls), name
+        self.groups_formed += 1
+        log.info("weights: NCCL group %s formed with %d engine ranks (%s)", name, world - 1, ", ".join(urls))
+
+    def _new_group(self, init_method: str, world: int, name: str):
+        """Rank 0 of a new group (SGLang's own helper, as the servers use)."""
+        from sglang.srt.utils import init_custom_process_group
+
+        return init_custom_process_group(
+            backend="nccl", init_method=init_method, world_size=world, rank=0, group_name=name
+        )
+
+    def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
+        # every server: the group is re-formed once with all of them, not once for the server that
+        # came back and again at the next regular push (the others get the version they hold)
+        return None
+
+    def _regroup(self, live: list[str]) -> None:
+        """Make the group exactly `live` (a server was left out, or one came back). The servers are
+        paused; a join is only asked of generating servers (see __init__), so they go on generating
+        while the new group forms and are paused again. The old group is dropped, not destroyed:
+        destroying a communicator whose peer died can block, here and in the servers."""
+        if not live or live == self._members:
+            return
+        for url in live:
+            self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+        log.warning("weights: the servers changed (%s -> %s): forming a new NCCL group", self._members, live)
+        self._group, self._members = None, []  # a failed join leaves no group to broadcast to
+        self._join(live)
+        for url in live:
+            self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
 
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        # (restart_grace_s is 0 here: every server is in the broadcast, `urls` is all of them)
 
-        if self._group is None:
-            self._join()
+        if urls != self._members:  # _regroup made them equal; anything else would hang the broadcast
+            raise WeightPushError(f"weights: NCCL group {self._members} is not this push's servers {urls}")
         check_flat_layout(group)
         body = proto.distributed_body(
-            *proto.describe(group), self.group_name, flat=True, flush_cache=self.flush_cache, version=version
+            *proto.describe(group), self._group_name, flat=True, flush_cache=self.flush_cache, version=version
         )
         # the servers rebuild the same layout from names/dtypes/shapes: tensors as bytes, in order
         flat = FlattenedTensorBucket(named_tensors=[(n, t.cuda()) for n, t in group]).get_flattened_tensor()
         torch.cuda.synchronize()
         calls = [  # the servers wait in their receive while we broadcast
-            self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
-            for url in self.urls
+            self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s) for url in urls
         ]
         t0 = time.monotonic()  # the NCCL broadcast of this bucket: the floor of any push
         torch.distributed.broadcast(flat, src=0, group=self._group)
