@@ -2,7 +2,8 @@
 on reasoning-gym gsm_symbolic (exported to bench/data/gsm_symbolic.jsonl: the GPU machine has no
 reasoning-gym), up to 1024 new tokens, groups of 8, the same number of optimizer steps in each mode.
 
-    python bench/gpu_async_vs_sync.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 30] [a.b=c ...]
+    python bench/gpu_async_vs_sync.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 30]
+                                      [--staleness 4 8] [a.b=c ...]
 
 Needs the `gpu` extra (docs/gpu.md). Each mode runs `bash bench/gpu_pipeline.sh` (run directory under
 --out, default $OUT or gpu-out/, as avs-<mode>). Timing is over the steady part: from the end of step `--skip` to the last step, so the
@@ -13,7 +14,10 @@ disaggregated); `engine_busy_share` (async: 1 - the engines' idle share), `train
 the trainer's share of wall time spent waiting for data), `engine_util` = the async run's generated
 tokens/s over SGLang's own offline throughput (`offline_throughput`: sglang.Engine, no HTTP, no
 trainer, on the rollout GPU with the same model, prompts, sampling, max_new_tokens and concurrency,
-measured after both runs; goal >= 0.8), and each mode's figures. `--offline-only` measures just that.
+measured after both runs; goal >= 0.8), and each mode's figures. `--staleness K ...` adds async runs at
+those run.max_staleness bounds (`async_by_staleness`, each judged the same way): admission control
+keeps at most (staleness + 1) x batch_groups groups ahead of the trainer, and with a long length tail
+that cap sets how full the engine is. `--offline-only` measures just the offline throughput.
 """
 
 from __future__ import annotations
@@ -46,11 +50,15 @@ def steady(rows: list[dict], skip: int) -> dict:
 
     gen = part[-1]["generator/tokens"] - part[0]["generator/tokens"]
     return {
+        # the engines' idle share over this window; `generator/idle_share` itself counts from the
+        # engines' start, start-up included (rows of runs before the sums were logged have only that)
+        "engine_idle_share": window_idle_share(part)
+        if "generator/engine_busy_s" in part[-1]
+        else mean("generator/idle_share"),
         "steps": len(rows),
         "s_per_step": round(span / (len(part) - 1), 3),
         "samples_per_s": round(sum(r["samples"] for r in part[1:]) / span, 2),
         "rollout_tokens_per_s": round(gen / span, 1),
-        "engine_idle_share": mean("generator/idle_share"),
         "trainer_wait_share": round(sum(r["time/data_wait_s"] for r in part[1:]) / span, 3),
         # generation stalled by pushes (async: pause-to-continue summed / wall; sync pushes between batches)
         "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in part[1:]) / span, 4),
@@ -59,6 +67,13 @@ def steady(rows: list[dict], skip: int) -> dict:
         "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:3]), 3),
         "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-3:]), 3),
     }
+
+
+def window_idle_share(rows: list[dict]) -> float:
+    """Idle share of the engines between the first and the last row (from their cumulative seconds)."""
+    busy = rows[-1]["generator/engine_busy_s"] - rows[0]["generator/engine_busy_s"]
+    idle = rows[-1]["generator/engine_idle_s"] - rows[0]["generator/engine_idle_s"]
+    return round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0
 
 
 def _device() -> str:
@@ -114,6 +129,13 @@ def main() -> None:
     ap.add_argument("--out", default="", help="output directory (default $OUT, else gpu-out/)")
     ap.add_argument("--offline-prompts", type=int, default=128, help="prompts (x group_size requests)")
     ap.add_argument("--offline-only", action="store_true")
+    ap.add_argument(
+        "--staleness",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run async at these run.max_staleness values",
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or ROOT / "gpu-out")
@@ -127,41 +149,47 @@ def main() -> None:
         "rollout.sglang.disable_cuda_graph=true",
         *a.overrides,
     ]
-    modes = {}
     if a.offline_only:
         print(json.dumps({"offline_throughput": offline_throughput(a.config, common, a.offline_prompts)}))
         return
-    for mode in ("sync", "async"):
-        name = f"avs{a.tag}-{mode}"
+
+    def run_mode(name: str, extra: list[str]) -> dict:
         # gpu_pipeline.sh sets the data source to basic_arithmetic; the later override here wins
-        cmd = [
-            "bash",
-            "bench/gpu_pipeline.sh",
-            "--out",
-            str(out),
-            a.config,
-            name,
-            "0",
-            f"run.mode={mode}",
-            *common,
-        ]
+        cmd = ["bash", "bench/gpu_pipeline.sh", "--out", str(out), a.config, name, "0", *extra, *common]
         r = subprocess.run(cmd, cwd=ROOT, timeout=1800)
-        rows = read_history(out / name / "run" / "metrics.jsonl")
-        modes[mode] = {"rc": r.returncode, **steady(rows, a.skip)}
-        print(json.dumps({mode: modes[mode]}), flush=True)
-    s, y = modes["sync"], modes["async"]
+        row = {"rc": r.returncode, **steady(read_history(out / name / "run" / "metrics.jsonl"), a.skip)}
+        print(json.dumps({name: row}), flush=True)
+        return row
+
+    s = run_mode(f"avs{a.tag}-sync", ["run.mode=sync"])
+    y = run_mode(f"avs{a.tag}-async", ["run.mode=async"])
+    # the same async run at other staleness bounds: admission (run.max_staleness) caps how many groups
+    # are in flight, and with a long length tail that cap, not the engine, sets the throughput
+    more = {
+        k: run_mode(f"avs{a.tag}-async-s{k}", ["run.mode=async", f"run.max_staleness={k}"])
+        for k in a.staleness
+    }
     offline = offline_throughput(a.config, common, a.offline_prompts)
+
+    def judged(row: dict) -> dict:
+        return {
+            "speedup": round(s["s_per_step"] / row["s_per_step"], 3),
+            "engine_busy_share": None
+            if row["engine_idle_share"] is None
+            else round(1 - row["engine_idle_share"], 3),
+            "trainer_idle_share": row["trainer_wait_share"],
+            "engine_util": round(row["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+        }
+
     result = {
         "bench": "gpu_async_vs_sync",
         "config": a.config,
         "overrides": a.overrides,
-        "speedup": round(s["s_per_step"] / y["s_per_step"], 3),
-        "engine_busy_share": None if y["engine_idle_share"] is None else round(1 - y["engine_idle_share"], 3),
-        "trainer_idle_share": y["trainer_wait_share"],
-        "engine_util": round(y["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+        **judged(y),  # the config as it is
         "offline_throughput": offline,
         "sync": s,
         "async": y,
+        "async_by_staleness": {str(k): {**judged(row), **row} for k, row in more.items()},
         "device": _device(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

@@ -9,11 +9,14 @@
 #             (bench/trainer_gpu.py), then the colocated pipeline with routing replay on; GPU 1: the same
 #             with replay off. Sync mode: every token comes from the trainer's current weights, so
 #             logp/abs_diff_same_version is the engine-vs-trainer gap (bench/replay_summary.py)
-#   2 push-7b a random Qwen2.5-7B: pushes into live SGLang servers against a raw NCCL broadcast
-#   3 avs     async vs sync on 2 GPUs (disaggregated) + SGLang's offline throughput (engine_util)
+#   2 push-7b a random Qwen2.5-7B: pushes into live SGLang servers against a raw NCCL broadcast, at
+#             several bucket sizes
+#   3 avs     async vs sync on 2 GPUs (disaggregated) + SGLang's offline throughput (engine_util), and
+#             async again at run.max_staleness 4 (the admission cap sets the engine's fill)
 #   4 logp    SGLang vs megatron vs HF logprobs on SmolLM2 against the bf16 floor (bench/logp_precision.py)
 #   5 learn   sync vs async+TIS vs async without correction, 3 seeds (bench/gpu_learning.py; ~30 min)
 #   6 kill    the GPU test that kills a colocated run's SGLang server mid-run (tests/test_gpu_engine_restart.py)
+#   8 kill-2x the same test on the 2-GPU disaggregated config (NCCL pushes: the weight group re-forms)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -51,7 +54,7 @@ phase2() {
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --out $S >$S/3-avs.out 2>&1
+  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness 4 --out $S >$S/3-avs.out 2>&1
   tail -n 1 $S/3-avs.out | grep '^{"bench"' >>$R/gpu_async_vs_sync.jsonl
 }
 
@@ -61,7 +64,12 @@ phase5() {
 
 phase6() {
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
-    -p no:cacheprovider >$S/6-kill.out 2>&1
+    -k colocated -p no:cacheprovider >$S/6-kill.out 2>&1
+}
+
+phase8() {
+  CUDA_VISIBLE_DEVICES=0,1 timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+    -k disaggregated -p no:cacheprovider >$S/8-kill-2x.out 2>&1
 }
 
 phase7() {

@@ -379,3 +379,21 @@ def test_engine_failed_disk_load_resumes_on_the_old_version(server_factory):
         "/continue_generation",
     ]
     assert eng.version == 0
+
+
+def test_weight_buckets_default_by_transport_and_an_explicit_size_wins():
+    """SGLang buckets are large by default (each costs an HTTP round trip into the server on top of its
+    bytes: 30 buckets of 512 MB made a 7B NCCL push 4x its raw broadcast); the ZeroMQ transport keeps
+    small ones; `weights.bucket_mb` set by the user applies to every transport."""
+    from pipeline.config import ConfigError, load_config
+    from stages.weights.base import make_sender
+
+    w = load_config(None, []).weights
+    assert [w.bucket_mb_for(t) for t in ("cpu", "cuda_ipc", "nccl")] == [64, 1024, 4096]
+    set_by_user = load_config(None, ["weights.bucket_mb=256"]).weights
+    assert {set_by_user.bucket_mb_for(t) for t in ("cpu", "cuda_ipc", "nccl")} == {256}
+    sender = make_sender(w, min_engines=0)  # the CPU transport a default run builds
+    assert sender.bucket_bytes == 64 << 20
+    sender.close()
+    with pytest.raises(ConfigError, match="bucket_mb >= 0"):
+        load_config(None, ["weights.bucket_mb=-1"])

@@ -574,7 +574,10 @@ class Pipeline:
         busy = sum(s.get("engine_busy_s", 0.0) for s in stats)
         idle = sum(s.get("engine_idle_s", 0.0) for s in stats)
         if busy + idle > 0:
-            out["generator/idle_share"] = idle / (busy + idle)
+            out["generator/idle_share"] = idle / (busy + idle)  # since the engines started
+            # the sums themselves, so that a window's share (steady state, without the start-up) can be
+            # taken from two rows
+            out["generator/engine_busy_s"], out["generator/engine_idle_s"] = busy, idle
         out["generator/engine_version_min"] = min(
             (s["engine_version"] for s in stats if "engine_version" in s), default=0
         )

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
         w = cfg.weights
         trainer.attach_sender(
-            ZmqWeightSender(args.weights_bind, bucket_mb=w.bucket_mb, timeout_s=w.timeout_s)
+            ZmqWeightSender(args.weights_bind, bucket_mb=w.bucket_mb_for("cpu"), timeout_s=w.timeout_s)
         )
     last = run(trainer, cfg.run.steps)
     trainer.save_hf(os.path.join(run_dir, "hf", "final"))  # collective; rank 0 writes

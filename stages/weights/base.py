@@ -140,7 +140,7 @@ def make_sender(
         try:
             return ZmqWeightSender(
                 bind or cfg.bind,
-                bucket_mb=cfg.bucket_mb,
+                bucket_mb=cfg.bucket_mb_for("cpu"),
                 timeout_s=cfg.timeout_s,
                 min_engines=min_engines,
                 curve=curve,
@@ -155,7 +155,7 @@ def make_sender(
         from stages.weights import sglang_transport as sg
 
         common = dict(
-            bucket_mb=cfg.bucket_mb,
+            bucket_mb=cfg.bucket_mb_for(kind),
             timeout_s=cfg.timeout_s,
             engine_tp_sizes=engine_tp_sizes,
             pause_mode=pause_mode,

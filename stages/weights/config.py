@@ -11,7 +11,10 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     push_every: int = 1  # push after every K optimizer steps
     # auto: cpu for the torch engine, nccl for disaggregated SGLang, cuda_ipc for colocated SGLang
     transport: Literal["auto", "cpu", "nccl", "cuda_ipc"] = "auto"
-    bucket_mb: int = 64  # tensors are sent in buckets of about this size
+    # tensors are sent in buckets of about this size; 0 = by transport (BUCKET_MB). An SGLang bucket costs
+    # ~4 ms beyond its bytes (an HTTP round trip into the server's scheduler and its load): at 7B in 512
+    # MB buckets that was 2/3 of an NCCL push (bench/RESULTS.md), so the SGLang transports use large ones
+    bucket_mb: int = 0
     timeout_s: float = 120.0  # a push not applied by every engine within this long raises in the trainer
     bind: str = "tcp://127.0.0.1:0"  # cpu transport: the trainer binds here (port 0 = free); engines connect
     # where the trainer keeps the copy of the weights a push sends while training goes on. gpu: on
@@ -21,5 +24,17 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     snapshot: Literal["auto", "gpu", "cpu"] = "auto"
 
     def __post_init__(self):
-        if self.push_every < 0 or self.bucket_mb < 1 or self.timeout_s <= 0:
-            raise ValueError("weights needs push_every >= 0 (0 = never), bucket_mb >= 1 and timeout_s > 0")
+        if self.push_every < 0 or self.bucket_mb < 0 or self.timeout_s <= 0:
+            raise ValueError(
+                "weights needs push_every >= 0 (0 = never), bucket_mb >= 0 (0 = by transport) and timeout_s > 0"
+            )
+
+    def bucket_mb_for(self, transport: str) -> int:
+        """The bucket size a transport uses: bucket_mb, or the transport's own default when it is 0."""
+        return self.bucket_mb or BUCKET_MB[transport]
+
+
+# 0 = by transport. cpu: buckets stream over ZeroMQ while the next is packed; cuda_ipc: the flat copy
+# sits on the GPU that trainer and engine share; nccl: the server receives a bucket into a buffer of
+# its size outside its static memory (mem_fraction_static), on every TP rank
+BUCKET_MB = {"cpu": 64, "cuda_ipc": 1024, "nccl": 4096}
