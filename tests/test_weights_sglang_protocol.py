@@ -313,6 +313,26 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
     sender.close()
 
 
+def test_a_server_that_refuses_to_join_fails_the_group_at_once_naming_it(server_factory):
+    """Rank 0's rendezvous waits for every rank: a server that answers the join with an error must end
+    the wait then, not after the rendezvous timeout (SGLang's default: 30 minutes)."""
+    import time
+
+    rendezvous_over = threading.Event()
+
+    class Waiting(GroupSender):
+        def _new_group(self, init_method, world, name):
+            rendezvous_over.wait(30)  # rank 0 waits for a rank that never comes
+
+    ok, ok_url = server_factory()
+    bad, bad_url = server_factory(fail={"/init_weights_update_group"})
+    t0 = time.monotonic()
+    with pytest.raises(WeightPushError, match=f"{bad_url} did not join NCCL group slipstream-weights"):
+        Waiting([ok_url, bad_url], timeout_s=20)
+    assert time.monotonic() - t0 < 5
+    rendezvous_over.set()
+
+
 def test_flat_layout_rejects_misaligned_dtypes():
     check_flat_layout(
         [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2, dtype=torch.bfloat16))]

@@ -256,6 +256,7 @@ class NcclSGLangSender(_SGLangSender):
         # long-lived threads for the per-server calls that run beside the broadcast: their keep-alive
         # sessions persist from push to push
         self._http = cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-http")
+        self._rank0 = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-rendezvous")
         # Form the group now, while the servers generate normally: a server paused for a push may not
         # serve the join request, and the first push would then wait for a group that never forms.
         self._join(self.urls)
@@ -281,19 +282,38 @@ class NcclSGLangSender(_SGLangSender):
             )
             for url, off in zip(urls, offsets)
         ]
-        self._group = self._new_group(f"tcp://{self.master_address}:{port}", world, name)
-        for j in joins:
-            j.result(timeout=self.timeout_s)
+        forming = self._rank0.submit(self._new_group, f"tcp://{self.master_address}:{port}", world, name)
+        # a server that refuses to join would leave rank 0 waiting in the rendezvous: fail at its answer
+        cf.wait([forming, *joins], timeout=self.timeout_s, return_when=cf.FIRST_EXCEPTION)
+        for url, j in zip(urls, joins):
+            if j.done() and j.exception() is not None:
+                raise WeightPushError(f"weights: {url} did not join NCCL group {name}: {j.exception()}")
+        if forming.done() and forming.exception() is not None:
+            raise WeightPushError(f"weights: NCCL group {name} did not form: {forming.exception()}")
+        if not all(f.done() for f in (forming, *joins)):
+            raise WeightPushError(
+                f"weights: NCCL group {name} with {urls} did not form within {self.timeout_s:.0f}s "
+                f"(weights.timeout_s); is {self.master_address}:{port} reachable from the servers?"
+            )
+        self._group = forming.result()
         self._members, self._group_name = list(urls), name
         self.groups_formed += 1
         log.info("weights: NCCL group %s formed with %d engine ranks (%s)", name, world - 1, ", ".join(urls))
 
     def _new_group(self, init_method: str, world: int, name: str):
-        """Rank 0 of a new group (SGLang's own helper, as the servers use)."""
+        """Rank 0 of a new group (SGLang's own helper, as the servers use); its rendezvous gives up
+        after weights.timeout_s (SGLang's default is 30 minutes)."""
+        from datetime import timedelta
+
         from sglang.srt.utils import init_custom_process_group
 
         return init_custom_process_group(
-            backend="nccl", init_method=init_method, world_size=world, rank=0, group_name=name
+            backend="nccl",
+            init_method=init_method,
+            world_size=world,
+            rank=0,
+            group_name=name,
+            timeout=timedelta(seconds=self.timeout_s),
         )
 
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
@@ -344,6 +364,7 @@ class NcclSGLangSender(_SGLangSender):
     def close(self) -> None:
         super().close()
         self._http.shutdown(wait=True)
+        self._rank0.shutdown(wait=False)  # a rendezvous that failed ends at its own timeout
 
 
 class CudaIpcSGLangSender(_SGLangSender):
