@@ -178,6 +178,14 @@ MUTATIONS = [
         "        handle = None\n",
         ("tests/test_weights_sglang_protocol.py",),
     ),
+    Mutation(
+        "nccl_group_kept",
+        "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
+        "stages/weights/sglang_transport.py",
+        "        if not live or live == self._members:\n            return\n",
+        "        return\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
 ]
 
 
