@@ -2,7 +2,10 @@
 staleness 4 and TIS vs async with staleness 4 and no correction, per seed, one invocation.
 
     python bench/gpu_learning.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 150] [--seeds 0 1 2]
-                                 [--out DIR] [--results bench/results/gpu_learning.jsonl] [a.b=c ...]
+                                 [--out DIR] [--results bench/results/gpu_learning.jsonl] [--gpus N] [a.b=c ...]
+
+`--gpus N` with a one-GPU config (configs/gpu-1x-colocated.yaml) runs N of the (variant, seed) runs at
+once, each in its own process on its own GPU, instead of one after another.
 
 Every run trains `--steps` optimizer steps of the same batch size (so the same number of samples) on the
 same task; only run.mode, run.max_staleness and trainer.loss.correction differ. On a GPU config the
@@ -67,6 +70,52 @@ def plot(curves: dict[str, list[list[float]]], out: Path, window: int) -> None:
     fig.savefig(out, dpi=120)
 
 
+def one_run(config: str, overrides: list[str], out: Path, name: str, seed: int) -> list[dict]:
+    """One variant at one seed; its metrics rows, also written to OUT/<variant>-seed<k>.jsonl."""
+    rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name]], config)
+    (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def run_on_gpus(config: str, common: list[str], out: Path, jobs: list[tuple[str, int]], gpus: int) -> None:
+    """Each (variant, seed) in a process of its own pinned to one GPU, `gpus` at a time (a one-GPU
+    config per run: colocated). A run that fails is named; the others go on."""
+    import os
+    import subprocess
+    import sys
+
+    queue, running, failed = list(jobs), {}, []
+    while queue or running:
+        while queue and len(running) < gpus:
+            gpu = min(set(range(gpus)) - {g for g, _ in running.values()})
+            name, seed = queue.pop(0)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                config,
+                "--out",
+                str(out),
+                "--_one",
+                name,
+                str(seed),
+                *common,
+            ]
+            log = open(out / f"{name}-seed{seed}.log", "w")  # noqa: SIM115 - closed when the run ends
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[proc] = (gpu, (name, seed, log))
+        time.sleep(2)
+        for proc in [p for p in running if p.poll() is not None]:
+            _, (name, seed, log) = running.pop(proc)
+            log.close()
+            if proc.returncode != 0:
+                failed.append(f"{name} seed {seed} (rc {proc.returncode}, log {log.name})")
+            print(json.dumps({"done": name, "seed": seed, "rc": proc.returncode}), flush=True)
+    if failed:
+        raise SystemExit(f"learning runs failed: {'; '.join(failed)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/gpu-2x-disaggregated.yaml")
@@ -75,21 +124,35 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=10, help="final reward = mean over this many last steps")
     ap.add_argument("--out", default="gpu-out/learning")
     ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="run one-GPU (colocated) runs side by side, one per GPU (0: in turn)",
+    )
+    ap.add_argument("--_one", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = "gpu" in Path(a.config).name
+    if a._one:  # a child of run_on_gpus: its overrides are already complete
+        one_run(a.config, a.overrides, out, a._one[0], int(a._one[1]))
+        return
     common = [f"run.steps={a.steps}", "run.time_limit_s=0", *(GPU_TASK if gpu else []), *a.overrides]
+    jobs = [(name, seed) for seed in a.seeds for name in VARIANTS]
+    if a.gpus:
+        run_on_gpus(a.config, common, out, jobs, a.gpus)
     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
-    for seed in a.seeds:
-        for name, extra in VARIANTS.items():
-            rows, _ = run([*common, f"run.seed={seed}", *extra], a.config)
-            (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            per[name].append(summarise(rows, a.tail))
-            curves[name].append([r["reward/mean"] for r in rows])
-            print(json.dumps({"variant": name, "seed": seed, **per[name][-1]}), flush=True)
+    for name, seed in jobs:
+        if a.gpus:
+            rows = [json.loads(line) for line in (out / f"{name}-seed{seed}.jsonl").read_text().splitlines()]
+        else:
+            rows = one_run(a.config, common, out, name, seed)
+        per[name].append(summarise(rows, a.tail))
+        curves[name].append([r["reward/mean"] for r in rows])
+        print(json.dumps({"variant": name, "seed": seed, **per[name][-1]}), flush=True)
     plot(curves, out / "learning_curves.png", max(1, a.steps // 15))
 
     def final(name: str) -> float:

@@ -14,7 +14,9 @@
 #   3 avs     async vs sync on 2 GPUs (disaggregated) + SGLang's offline throughput (engine_util), and
 #             async again at run.max_staleness 4 (the admission cap sets the engine's fill)
 #   4 logp    SGLang vs megatron vs HF logprobs on SmolLM2 against the bf16 floor (bench/logp_precision.py)
-#   5 learn   sync vs async+TIS vs async without correction, 3 seeds (bench/gpu_learning.py; ~30 min)
+#   5 learn   sync vs async+TIS vs async without correction (bench/gpu_learning.py), one-GPU colocated
+#             runs two at a time, ${LEARN_STEPS:-100} steps at lr 1e-5, seeds ${LEARN_SEEDS:-0 1 2}: ~7 min
+#             per seed (a sync run is ~6.5 min of it)
 #   6 kill    the GPU test that kills a colocated run's SGLang server mid-run (tests/test_gpu_engine_restart.py)
 #   8 kill-2x the same test on the 2-GPU disaggregated config (NCCL pushes: the weight group re-forms)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
@@ -59,7 +61,10 @@ phase3() {
 }
 
 phase5() {
-  python bench/gpu_learning.py --seeds 0 1 2 --out $S/learning --results $R/gpu_learning.jsonl >$S/5-learning.out 2>&1
+  # the three variants x seeds as one-GPU (colocated) runs, two at a time on the two GPUs
+  python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml --gpus 2 --seeds ${LEARN_SEEDS:-0 1 2} \
+    --steps "${LEARN_STEPS:-100}" --out $S/learning --results $R/gpu_learning.jsonl \
+    rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 >$S/5-learning.out 2>&1
 }
 
 phase6() {
