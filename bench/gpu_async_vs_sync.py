@@ -3,7 +3,7 @@ on reasoning-gym gsm_symbolic (exported to bench/data/gsm_symbolic.jsonl: the GP
 reasoning-gym), up to 1024 new tokens, groups of 8, the same number of optimizer steps in each mode.
 
     python bench/gpu_async_vs_sync.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 30]
-                                      [--staleness 4 8] [a.b=c ...]
+                                      [--staleness 4,8] [a.b=c ...]
 
 Needs the `gpu` extra (docs/gpu.md). Each mode runs `bash bench/gpu_pipeline.sh` (run directory under
 --out, default $OUT or gpu-out/, as avs-<mode>). Timing is over the steady part: from the end of step `--skip` to the last step, so the
@@ -14,7 +14,7 @@ disaggregated); `engine_busy_share` (async: 1 - the engines' idle share), `train
 the trainer's share of wall time spent waiting for data), `engine_util` = the async run's generated
 tokens/s over SGLang's own offline throughput (`offline_throughput`: sglang.Engine, no HTTP, no
 trainer, on the rollout GPU with the same model, prompts, sampling, max_new_tokens and concurrency,
-measured after both runs; goal >= 0.8), and each mode's figures. `--staleness K ...` adds async runs at
+measured after both runs; goal >= 0.8), and each mode's figures. `--staleness K,K` adds async runs at
 those run.max_staleness bounds (`async_by_staleness`, each judged the same way): admission control
 keeps at most (staleness + 1) x batch_groups groups ahead of the trainer, and with a long length tail
 that cap sets how full the engine is. `--offline-only` measures just the offline throughput.
@@ -53,7 +53,7 @@ def steady(rows: list[dict], skip: int) -> dict:
         # the engines' idle share over this window; `generator/idle_share` itself counts from the
         # engines' start, start-up included (rows of runs before the sums were logged have only that)
         "engine_idle_share": window_idle_share(part)
-        if "generator/engine_busy_s" in part[-1]
+        if window_idle_share(part) is not None
         else mean("generator/idle_share"),
         "steps": len(rows),
         "s_per_step": round(span / (len(part) - 1), 3),
@@ -69,11 +69,17 @@ def steady(rows: list[dict], skip: int) -> dict:
     }
 
 
-def window_idle_share(rows: list[dict]) -> float:
-    """Idle share of the engines between the first and the last row (from their cumulative seconds)."""
-    busy = rows[-1]["generator/engine_busy_s"] - rows[0]["generator/engine_busy_s"]
-    idle = rows[-1]["generator/engine_idle_s"] - rows[0]["generator/engine_idle_s"]
-    return round(idle / (busy + idle), 4) if busy + idle > 0 else 0.0
+def window_idle_share(rows: list[dict]) -> float | None:
+    """Idle share of the engines between the first and the last row, from their cumulative seconds;
+    None without them (runs before they were logged) or when they went back (a healed generator
+    counts afresh)."""
+    keys = ("generator/engine_busy_s", "generator/engine_idle_s")
+    if not all(k in r for k in keys for r in (rows[0], rows[-1])):
+        return None
+    busy, idle = (rows[-1][k] - rows[0][k] for k in keys)
+    if busy < 0 or idle < 0 or busy + idle <= 0:
+        return None
+    return round(idle / (busy + idle), 4)
 
 
 def _device() -> str:
@@ -131,10 +137,9 @@ def main() -> None:
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument(
         "--staleness",
-        type=int,
-        nargs="*",
+        type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
-        help="also run async at these run.max_staleness values",
+        help="also run async at these run.max_staleness values, comma-separated (4,8)",
     )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -165,10 +170,12 @@ def main() -> None:
     y = run_mode(f"avs{a.tag}-async", ["run.mode=async"])
     # the same async run at other staleness bounds: admission (run.max_staleness) caps how many groups
     # are in flight, and with a long length tail that cap, not the engine, sets the throughput
-    more = {
-        k: run_mode(f"avs{a.tag}-async-s{k}", ["run.mode=async", f"run.max_staleness={k}"])
-        for k in a.staleness
-    }
+    more = {}
+    for k in a.staleness:  # one that fails is recorded as such; the result still comes out
+        try:
+            more[k] = run_mode(f"avs{a.tag}-async-s{k}", ["run.mode=async", f"run.max_staleness={k}"])
+        except (SystemExit, subprocess.TimeoutExpired) as e:
+            more[k] = {"error": str(e)}
     offline = offline_throughput(a.config, common, a.offline_prompts)
 
     def judged(row: dict) -> dict:
@@ -189,7 +196,9 @@ def main() -> None:
         "offline_throughput": offline,
         "sync": s,
         "async": y,
-        "async_by_staleness": {str(k): {**judged(row), **row} for k, row in more.items()},
+        "async_by_staleness": {
+            str(k): row if "error" in row else {**judged(row), **row} for k, row in more.items()
+        },
         "device": _device(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

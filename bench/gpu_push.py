@@ -231,7 +231,7 @@ def main() -> None:
     result["server_start_s"] = round(time.perf_counter() - t0, 1)
     result["by_bucket_mb"] = {}
     try:
-        for i, mb in enumerate(a.bucket_mb):  # a group name per sender: a server keeps the ones it joined
+        for i, mb in enumerate(dict.fromkeys(a.bucket_mb)):  # a group name per sender: servers keep theirs
             nccl = NcclSGLangSender([engines[1].url], timeout_s=120, bucket_mb=mb, group_name=f"bench-{mb}")
             ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
             row = {"nccl": measure(nccl, engines[1], named, a.pushes, 1 + 100 * i)}
@@ -241,11 +241,13 @@ def main() -> None:
             row["buckets"] = math.ceil(result["bytes"] / (mb << 20))
             result["by_bucket_mb"][str(mb)] = row
             print(f"bucket_mb {mb}:", row, flush=True)
+    except Exception as e:  # noqa: BLE001 - record what was measured before it (minutes of GPU time)
+        result["error"] = f"{type(e).__name__}: {e}"
     finally:
         for e in engines.values():
             e.close()
     raw = result["raw"]
-    if "error" in raw:  # the pushes were measured; there is nothing to judge them against
+    if "error" in raw or not result["by_bucket_mb"]:  # nothing to judge against, or nothing to judge
         result["push_vs_raw"] = None
     else:
         for row in result["by_bucket_mb"].values():

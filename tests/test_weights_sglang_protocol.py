@@ -22,6 +22,7 @@ class Recorder(ThreadingHTTPServer):
     def __init__(self, fail: set[str], port: int = 0):
         self.calls: list[tuple[str, dict]] = []
         self.fail = fail
+        self.weight_version = "0"  # what /model_info reports: a new server runs the base model
         super().__init__(("127.0.0.1", port), Handler)
 
 
@@ -30,7 +31,16 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         self.server.calls.append((self.path, body))
         ok = self.path not in self.server.fail
-        out = json.dumps({"success": ok, "message": "" if ok else "boom"}).encode()
+        if ok and "weight_version" in body:
+            self.server.weight_version = body["weight_version"]
+        self._answer({"success": ok, "message": "" if ok else "boom"})
+
+    def do_GET(self):  # noqa: N802
+        self.server.calls.append((self.path, {}))
+        self._answer({"weight_version": self.server.weight_version})
+
+    def _answer(self, obj: dict) -> None:
+        out = json.dumps(obj).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -233,26 +243,35 @@ def test_the_trainer_catches_up_while_it_waits_for_data():
 
 
 class GroupSender(NcclSGLangSender):
-    """The NCCL sender with rank 0's side of a group and the broadcast replaced (no NCCL on CPU): what
-    is checked is which servers each group holds, when it is formed, and who gets the loads."""
+    """The NCCL sender with rank 0's side of a group and the broadcast itself replaced (no NCCL on CPU):
+    its push sequence, group membership and bucket layout are the real ones."""
 
     def _new_group(self, init_method, world, name):
         return (name, world)
 
-    def _send_bucket(self, group, version, urls):
-        assert urls == self._members  # a broadcast spans exactly the group
-        body = {"names": [n for n, _ in group], "group": self._group_name}
-        if version is not None:
-            body["weight_version"] = str(version)
-        for url in urls:
-            self._post(url, "/load", body, self.timeout_s)
+    def _bucket_device(self):
+        return torch.device("cpu")
+
+    def _broadcast(self, flat):
+        self.broadcasts = getattr(self, "broadcasts", []) + [(self._group, flat.clone())]
         return 0.0
+
+
+LOAD = "/update_weights_from_distributed"
 
 
 def _serve(port: int) -> Recorder:
     srv = Recorder(set(), port)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
+
+
+def _joins(srv):
+    return [body for route, body in srv.calls if route == "/init_weights_update_group"]
+
+
+def _loads(srv):
+    return [body for route, body in srv.calls if route == LOAD]
 
 
 def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_once_back(server_factory):
@@ -267,13 +286,9 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
     sender = GroupSender(
         [a_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30, engine_tp_sizes=[1, 2]
     )
-
-    def joins(srv):
-        return [body for route, body in srv.calls if route == "/init_weights_update_group"]
-
-    assert [(j["rank_offset"], j["world_size"]) for j in joins(a) + joins(b)] == [(1, 4), (2, 4)]
+    assert [(j["rank_offset"], j["world_size"]) for j in _joins(a) + _joins(b)] == [(1, 4), (2, 4)]
     assert sender.push(1, _named()).result(timeout=10)["engines"] == 2
-    assert len(joins(a)) == 1  # same servers: the same group
+    assert len(_joins(a)) == 1  # same servers: the same group
     b.shutdown()
     b.server_close()  # the server died: connections are refused
 
@@ -285,32 +300,108 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
         "/continue_generation",  # generating while the new group forms
         "/init_weights_update_group",
         "/pause_generation",
-        "/load",
+        LOAD,
         "/continue_generation",
     ]
-    alone = joins(a)[-1]
+    alone = _joins(a)[-1]
     assert (alone["group_name"], alone["rank_offset"], alone["world_size"]) == ("slipstream-weights-1", 1, 2)
-    assert [b["group"] for r, b in a.calls if r == "/load"][-1] == "slipstream-weights-1"
+    assert _loads(a)[-1]["group_name"] == "slipstream-weights-1"
+    assert sender.broadcasts[-1][0] == ("slipstream-weights-1", 2)  # broadcast over the new group
     sender.push(3, _named()).result(timeout=10)
-    assert len(joins(a)) == 2  # still down: no new group
+    assert len(_joins(a)) == 2  # still down: no new group
+    calls_before = len(a.calls)
+    assert sender.catch_up().result(timeout=10)["engines"] == 0
+    assert LOAD not in [r for r, _ in a.calls[calls_before:]]  # nobody back: nothing loaded again
 
     back = _serve(port)  # relaunched on its port, with the base model's weights
     caught = sender.catch_up().result(timeout=10)
     assert (caught["version"], caught["engines"], caught["engines_skipped"]) == (3, 2, 0)
-    rejoined = joins(back)[0]
+    rejoined = _joins(back)[0]
     assert (rejoined["group_name"], rejoined["rank_offset"], rejoined["world_size"]) == (
         "slipstream-weights-2",
         2,
         4,
     )
-    assert joins(a)[-1]["group_name"] == "slipstream-weights-2"
-    loads = [b for r, b in back.calls if r == "/load"]
-    assert loads[-1]["weight_version"] == "3" and loads[-1]["group"] == "slipstream-weights-2"
+    assert _joins(a)[-1]["group_name"] == "slipstream-weights-2"
+    assert (
+        _loads(back)[-1]["weight_version"] == "3" and _loads(back)[-1]["group_name"] == "slipstream-weights-2"
+    )
     assert sender.catch_up() is None
     sender.push(4, _named()).result(timeout=10)
-    assert len(joins(a)) == 3 and len(joins(back)) == 1  # everyone back: the group stays
+    assert len(_joins(a)) == 3 and len(_joins(back)) == 1  # everyone back: the group stays
     back.shutdown()
     sender.close()
+
+
+def test_a_lone_nccl_server_that_died_gets_a_new_group_when_it_is_back(server_factory):
+    """The 2-GPU config has one server: while it is down a push reaches nobody (and drops the group),
+    and the catch-up forms a new group with the relaunched server instead of broadcasting over the
+    dead one's."""
+    from pipeline.net import free_port
+
+    port = free_port("127.0.0.1")
+    first = _serve(port)
+    sender = GroupSender([f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30)
+    sender.push(1, _named()).result(timeout=10)
+    first.shutdown()
+    first.server_close()
+    down = sender.push(2, _named()).result(timeout=10)
+    assert (down["engines"], down["engines_skipped"]) == (0, 1) and len(sender.broadcasts) == 1
+    back = _serve(port)
+    caught = sender.catch_up().result(timeout=10)
+    assert (caught["version"], caught["engines"]) == (2, 1)
+    assert [j["group_name"] for j in _joins(back)] == ["slipstream-weights-1"]
+    assert _loads(back)[-1] == {
+        **_loads(back)[-1],
+        "group_name": "slipstream-weights-1",
+        "weight_version": "2",
+    }
+    assert sender.broadcasts[-1][0] == ("slipstream-weights-1", 2)
+    back.shutdown()
+    sender.close()
+
+
+def test_a_server_relaunched_between_two_pushes_is_noticed_and_joins_a_new_group(server_factory):
+    """A server can die and come back between two pushes, so no push ever missed it: it answers with
+    the base model's version instead of the last one pushed, which tells the sender it holds none of
+    the groups, and the push forms a new one before loading."""
+    from pipeline.net import free_port
+
+    port = free_port("127.0.0.1")
+    first = _serve(port)
+    sender = GroupSender([f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30)
+    sender.push(1, _named()).result(timeout=10)
+    sender.push(2, _named()).result(timeout=10)
+    assert len(_joins(first)) == 1  # it reports the version pushed last: the same group
+    first.shutdown()
+    first.server_close()
+    back = _serve(port)  # relaunched before the next push
+    out = sender.push(3, _named()).result(timeout=10)
+    assert out["engines"] == 1
+    assert [r for r, _ in back.calls][:4] == [
+        "/pause_generation",
+        "/model_info",
+        "/continue_generation",
+        "/init_weights_update_group",
+    ]
+    assert _loads(back)[-1]["group_name"] == "slipstream-weights-1" and back.weight_version == "3"
+    back.shutdown()
+    sender.close()
+
+
+def test_the_nccl_bucket_is_the_tensors_bytes_back_to_back():
+    """SGLang rebuilds each tensor from the flat bucket by its name, dtype and shape, in order: the
+    layout is each tensor's bytes back to back (bf16 and fp32 mixed, a non-contiguous one included)."""
+    from stages.weights.sglang_transport import flat_bucket
+
+    a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    b = torch.arange(4, dtype=torch.float32) / 3
+    c = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2).t()  # not contiguous
+    flat = flat_bucket([("a", a), ("b", b), ("c", c)], "cpu")
+    assert flat.dtype == torch.uint8 and flat.numel() == 12 + 16 + 12
+    assert torch.equal(flat[:12].view(torch.bfloat16).reshape(2, 3), a)
+    assert torch.equal(flat[12:28].view(torch.float32), b)
+    assert torch.equal(flat[28:].view(torch.bfloat16).reshape(2, 3), c)
 
 
 def test_a_server_that_refuses_to_join_fails_the_group_at_once_naming_it(server_factory):

@@ -339,7 +339,7 @@ class SGLangEngine(Engine):
             return None
 
     def _server_version(self) -> int | None:
-        info = self._get_json("/model_info", self.cfg.health_timeout_s)
+        info = self._get_json(proto.MODEL_INFO, self.cfg.health_timeout_s)
         stamp = (info or {}).get("weight_version")
         return _as_version(stamp, -1) if stamp is not None else None
 

@@ -35,6 +35,7 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 # 0 = by transport. cpu: buckets stream over ZeroMQ while the next is packed; cuda_ipc: the flat copy
-# sits on the GPU that trainer and engine share; nccl: the server receives a bucket into a buffer of
-# its size outside its static memory (mem_fraction_static), on every TP rank
+# sits on the GPU that trainer and engine share; nccl: every TP rank of a server receives a whole bucket
+# and unpacks it, needing about twice its size outside its static memory (mem_fraction_static), and
+# the trainer builds it on rank 0's GPU
 BUCKET_MB = {"cpu": 64, "cuda_ipc": 1024, "nccl": 4096}

@@ -118,7 +118,7 @@ class _SGLangSender(WeightSender):
         behind, last = list(self._down_since), self._last
         if not behind or last is None:
             return None
-        fut = self._pool.submit(self._push, last[0], last[1], self._catch_up_targets(behind))
+        fut = self._pool.submit(self._push, last[0], last[1], self._catch_up_targets(behind), behind)
         return PushHandle(last[0], fut, self.timeout_s, f"SGLang servers {behind} (catch-up)")
 
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
@@ -129,12 +129,15 @@ class _SGLangSender(WeightSender):
         """Called with the servers of this push, all paused, before anything is loaded: a transport
         whose delivery spans a fixed set of servers makes that set `live` here."""
 
-    def _push(self, version: int, named, targets: list[str] | None = None) -> dict:
+    def _push(
+        self, version: int, named, targets: list[str] | None = None, behind: list[str] | None = None
+    ) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
         also the pause. Only the last bucket's load carries `weight_version` (SGLang records it after
         each successful load): a push that fails part-way never labels mixed weights as `version`.
         After such a failure the servers stay paused (generating from partly loaded weights would
-        produce samples of no version) and the error says to restart them."""
+        produce samples of no version) and the error says to restart them. `behind`: a catch-up for
+        these servers, which loads nothing while none of them answers."""
         if self.device is not None:
             torch.cuda.set_device(self.device)
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
@@ -152,6 +155,17 @@ class _SGLangSender(WeightSender):
                     continue
                 self._down_since.pop(url, None)
                 live.append(url)
+            if behind is not None and not set(live) & set(behind):  # still down: nothing to catch up
+                for url in live:
+                    self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+                return {
+                    "version": version,
+                    "engines": 0,
+                    "engines_skipped": len(behind),
+                    "bytes": 0,
+                    "seconds": time.monotonic() - t0,
+                    **t,
+                }
             self._regroup(live)
         except WeightPushError:
             self._resume_all()  # nothing was loaded: let generation go on, then fail this push
@@ -236,6 +250,19 @@ def check_flat_layout(group) -> None:
         offset += x.numel() * x.element_size()
 
 
+def flat_bucket(group, device) -> torch.Tensor:
+    """The bucket as one uint8 tensor on `device` in SGLang's flattened_bucket layout (each tensor's
+    bytes back to back, in order), filled tensor by tensor: one buffer of the bucket's size, where
+    building it from per-tensor device copies would take two (host snapshots at 7B)."""
+    sizes = [x.numel() * x.element_size() for _, x in group]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for (_, x), n in zip(group, sizes):
+        flat[offset : offset + n].copy_(x.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+        offset += n
+    return flat
+
+
 class NcclSGLangSender(_SGLangSender):
     def __init__(
         self,
@@ -252,7 +279,8 @@ class NcclSGLangSender(_SGLangSender):
         self.group_name = group_name
         self._group = None
         self._members: list[str] = []  # the servers in self._group, in rank order
-        self.groups_formed = 0
+        self._joins = 0  # attempts: a failed one may have left its name in the servers that connected
+        self._version_at: dict[str, str] = {}  # the version the last push set on each server
         # long-lived threads for the per-server calls that run beside the broadcast: their keep-alive
         # sessions persist from push to push
         self._http = cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-http")
@@ -267,7 +295,8 @@ class NcclSGLangSender(_SGLangSender):
         from pipeline.net import free_port
 
         align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
-        name = self.group_name if not self.groups_formed else f"{self.group_name}-{self.groups_formed}"
+        name = self.group_name if not self._joins else f"{self.group_name}-{self._joins}"
+        self._joins += 1
         port = free_port()
         sizes = [self.tp_of[u] for u in urls]
         world = 1 + sum(sizes)
@@ -297,7 +326,6 @@ class NcclSGLangSender(_SGLangSender):
             )
         self._group = forming.result()
         self._members, self._group_name = list(urls), name
-        self.groups_formed += 1
         log.info("weights: NCCL group %s formed with %d engine ranks (%s)", name, world - 1, ", ".join(urls))
 
     def _new_group(self, init_method: str, world: int, name: str):
@@ -322,11 +350,16 @@ class NcclSGLangSender(_SGLangSender):
         return None
 
     def _regroup(self, live: list[str]) -> None:
-        """Make the group exactly `live` (a server was left out, or one came back). The servers are
-        paused; a join is only asked of generating servers (see __init__), so they go on generating
-        while the new group forms and are paused again. The old group is dropped, not destroyed:
-        destroying a communicator whose peer died can block, here and in the servers."""
-        if not live or live == self._members:
+        """Make the group exactly `live`: a server was left out, one came back, or one was relaunched
+        since the last push (it answers with another version than that push set: a new process holds
+        none of our groups, and a load naming one would fail inside it). The servers are paused; a
+        join is only asked of generating servers (see __init__), so they go on generating while the
+        new group forms and are paused again. The old group is dropped, not destroyed: destroying a
+        communicator whose peer died can block, here and in the servers."""
+        if not live:  # every server is down: no group holds, the one that comes back forms a new one
+            self._group, self._members = None, []
+            return
+        if live == self._members and not self._relaunched(live):
             return
         for url in live:
             self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
@@ -336,30 +369,52 @@ class NcclSGLangSender(_SGLangSender):
         for url in live:
             self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
 
-    def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    def _relaunched(self, urls: list[str]) -> list[str]:
+        """The servers that report another weight version than the last push set on them."""
+        known = [u for u in urls if u in self._version_at]
+        answers = [self._http.submit(self._model_version, u) for u in known]
+        return [u for u, a in zip(known, answers) if a.result(timeout=self.timeout_s) != self._version_at[u]]
 
+    def _model_version(self, url: str) -> str | None:
+        import requests
+
+        try:
+            info = requests.get(url + proto.MODEL_INFO, timeout=self.timeout_s).json()
+        except (requests.RequestException, ValueError) as e:
+            raise WeightPushError(f"SGLang server {url}{proto.MODEL_INFO} unreachable: {e}") from e
+        v = info.get("weight_version") if isinstance(info, dict) else None
+        return None if v is None else str(v)
+
+    def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         if urls != self._members:  # _regroup made them equal; anything else would hang the broadcast
             raise WeightPushError(f"weights: NCCL group {self._members} is not this push's servers {urls}")
         check_flat_layout(group)
         body = proto.distributed_body(
             *proto.describe(group), self._group_name, flat=True, flush_cache=self.flush_cache, version=version
         )
-        # the servers wait in their receive until we broadcast: ask first, so that their dispatch (an
-        # HTTP round trip into the scheduler, ~2 ms) overlaps the flattening
+        # built before any server is asked to receive: a failure here leaves them paused, not waiting
+        # in a receive that never comes
+        flat = flat_bucket(group, self._bucket_device())
         calls = [
             self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s) for url in urls
         ]
-        # the servers rebuild the same layout from names/dtypes/shapes: tensors as bytes, in order
-        flat = FlattenedTensorBucket(named_tensors=[(n, t.cuda()) for n, t in group]).get_flattened_tensor()
-        torch.cuda.synchronize()
-        t0 = time.monotonic()  # the NCCL broadcast of this bucket: the floor of any push
-        torch.distributed.broadcast(flat, src=0, group=self._group)
-        torch.cuda.synchronize()
-        moved = time.monotonic() - t0
+        moved = self._broadcast(flat)  # the servers wait in their receive meanwhile
         for c in calls:
             c.result(timeout=self.timeout_s)
+        if version is not None:
+            self._version_at.update({url: str(version) for url in urls})
         return moved
+
+    def _bucket_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _broadcast(self, flat: torch.Tensor) -> float:
+        """Rank 0's broadcast of one flat bucket; returns its seconds (the floor of any push)."""
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        torch.distributed.broadcast(flat, src=0, group=self._group)
+        torch.cuda.synchronize()
+        return time.monotonic() - t0
 
     def close(self) -> None:
         super().close()
