@@ -22,7 +22,8 @@
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
-# PHASES="1 2" picks some (default 2 3 7: what issue #17 still lacks). Needs the gpu wheels installed
+# PHASES="1 2" picks some (default 2 8 7: what issue #17 still lacks that fits one device session;
+# phase 3 with its staleness sweep needs a session of its own). Needs the gpu wheels installed
 # (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +99,7 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)
-  for p in ${PHASES:-2 3 7}; do
+  for p in ${PHASES:-2 8 7}; do
     echo "phase $p start $(date -u +%T)"
     "phase$p"
     echo "phase $p end $(date -u +%T) rc=$?"
