@@ -410,10 +410,11 @@ class NcclSGLangSender(_SGLangSender):
 
     def _broadcast(self, flat: torch.Tensor) -> float:
         """Rank 0's broadcast of one flat bucket; returns its seconds (the floor of any push)."""
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if flat.is_cuda else (lambda: None)  # (a CPU group in the tests)
+        sync()
         t0 = time.monotonic()
         torch.distributed.broadcast(flat, src=0, group=self._group)
-        torch.cuda.synchronize()
+        sync()
         return time.monotonic() - t0
 
     def close(self) -> None:

@@ -1,0 +1,193 @@
+"""The NCCL sender's weight group across real processes, on CPU: the sender (rank 0) and a server
+process form real torch.distributed groups (gloo instead of NCCL, the same rendezvous SGLang uses) and
+every push is a real broadcast of the flat bucket, which the server unpacks by names, dtypes and shapes
+as SGLang does. The server is SIGKILLed and relaunched on its port: the next pushes leave it out, the
+catch-up forms a new group with the new process and gives it the last weights.
+
+What stands in for SGLang is the server (an HTTP server speaking the routes the sender uses, in
+another process); what is tested is the sender's side: rendezvous, group names, bucket layout,
+membership across a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gloo_group(init_method: str, world: int, rank: int, name: str, timeout_s: float):
+    """A standalone process group (no default group), made the way SGLang's init_custom_process_group
+    makes its weight-update group, on gloo."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(rendezvous(init_method, rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world, rank, [], Backend("gloo"), PrefixStore(name, store), group_name=name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
+def fingerprint(t: torch.Tensor) -> float:
+    """A number that changes when values move (a plain sum would miss a transposed layout)."""
+    flat = t.float().reshape(-1)
+    return (flat * torch.arange(1, flat.numel() + 1)).sum().item()
+
+
+# -- the server process ------------------------------------------------------------------------------
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    groups: dict = {}
+    weights: dict = {}
+    version = "0"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        srv = self.server
+        if self.path == "/init_weights_update_group":
+            init = f"tcp://{body['master_address']}:{body['master_port']}"
+            srv.groups[body["group_name"]] = gloo_group(
+                init, body["world_size"], body["rank_offset"], body["group_name"], 30
+            )
+        elif self.path == "/update_weights_from_distributed":
+            dtypes = [getattr(torch, d) for d in body["dtypes"]]
+            sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            torch.distributed.broadcast(flat, src=0, group=srv.groups[body["group_name"]])
+            offset = 0
+            for name, dtype, shape, n in zip(body["names"], dtypes, body["shapes"], sizes):
+                srv.weights[name] = fingerprint(flat[offset : offset + n].view(dtype).reshape(shape))
+                offset += n
+            if "weight_version" in body:
+                srv.version = body["weight_version"]
+        self._answer({"success": True, "message": ""})
+
+    def do_GET(self):  # noqa: N802
+        srv = self.server
+        self._answer({"weight_version": srv.version, "weights": srv.weights, "groups": sorted(srv.groups)})
+
+    def _answer(self, obj: dict) -> None:
+        out = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve(port: int) -> None:
+    _Server(("127.0.0.1", port), _Handler).serve_forever()
+
+
+# -- the test ---------------------------------------------------------------------------------------
+
+
+def _launch(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _info(f"http://127.0.0.1:{port}")
+            return proc
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
+            time.sleep(0.2)
+
+
+def _info(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/model_info", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _named(scale: float) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(int(scale))
+    return [
+        ("embed.weight", (torch.randn(64, 16, generator=g) * scale).to(torch.bfloat16)),
+        ("norm.weight", torch.randn(16, generator=g) * scale),  # fp32 after bf16: aligned
+        ("head.weight", (torch.randn(16, 64, generator=g) * scale).to(torch.bfloat16).t()),  # strided
+    ]
+
+
+def _sums(named) -> dict[str, float]:
+    return {n: fingerprint(t) for n, t in named}
+
+
+def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(monkeypatch):
+    from pipeline.net import free_port
+    from stages.weights.sglang_transport import NcclSGLangSender
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
+
+    class GlooSender(NcclSGLangSender):
+        def _new_group(self, init_method, world, name):
+            return gloo_group(init_method, world, 0, name, self.timeout_s)
+
+        def _bucket_device(self):
+            return torch.device("cpu")
+
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    server = _launch(port)
+    try:
+        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1)
+        sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
+        first = _named(1.0)
+        out = sender.push(1, first).result(timeout=60)
+        assert out["engines"] == 1
+        got = _info(url)
+        assert got["weight_version"] == "1" and got["groups"] == ["slipstream-weights"]
+        assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
+
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+        second = _named(2.0)
+        down = sender.push(2, second).result(timeout=60)
+        assert (down["engines"], down["engines_skipped"]) == (0, 1)
+
+        server = _launch(port)  # relaunched on its port: base weights, no groups
+        assert _info(url)["weight_version"] == "0"
+        caught = sender.catch_up().result(timeout=60)
+        assert (caught["version"], caught["engines"]) == (2, 1)
+        got = _info(url)
+        assert got["weight_version"] == "2" and got["groups"] == ["slipstream-weights-1"]
+        assert got["weights"] == pytest.approx(_sums(second), rel=1e-6)
+        third = _named(3.0)
+        sender.push(3, third).result(timeout=60)  # the new group carries the next pushes
+        assert _info(url)["weights"] == pytest.approx(_sums(third), rel=1e-6)
+        sender.close()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
