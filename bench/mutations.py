@@ -182,9 +182,9 @@ MUTATIONS = [
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",
-        "        if not live or live == self._members:\n            return\n",
+        "        if live == self._members and not self._relaunched(live):\n            return\n",
         "        return\n",
-        ("tests/test_weights_sglang_protocol.py",),
+        ("tests/test_weights_sglang_protocol.py", "tests/test_weights_group_processes.py"),
     ),
 ]
 
