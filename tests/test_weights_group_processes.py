@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -103,14 +104,23 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _serve(port: int) -> None:
+    parent = os.getppid()
+
+    def exit_with_parent():  # a test run that is killed leaves no server behind
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     _Server(("127.0.0.1", port), _Handler).serve_forever()
 
 
 # -- the test ---------------------------------------------------------------------------------------
 
 
-def _launch(port: int) -> subprocess.Popen:
+def _launch(port: int, procs: list) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=REPO, start_new_session=True)
+    procs.append(proc)  # the test kills whatever is left of these at its end
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -156,15 +166,17 @@ def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(m
 
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
-    server = _launch(port)
+    procs: list[subprocess.Popen] = []
+    sender = None
     try:
-        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1)
+        server = _launch(port, procs)
+        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
         sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
         first = _named(1.0)
         out = sender.push(1, first).result(timeout=60)
         assert out["engines"] == 1
         got = _info(url)
-        assert got["weight_version"] == "1" and got["groups"] == ["slipstream-weights"]
+        assert got["weight_version"] == "1" and got["groups"] == sender.group_names[:1]
         assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
 
         os.killpg(server.pid, signal.SIGKILL)
@@ -173,20 +185,23 @@ def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(m
         down = sender.push(2, second).result(timeout=60)
         assert (down["engines"], down["engines_skipped"]) == (0, 1)
 
-        server = _launch(port)  # relaunched on its port: base weights, no groups
+        _launch(port, procs)  # relaunched on its port: base weights, no groups
         assert _info(url)["weight_version"] == "0"
         caught = sender.catch_up().result(timeout=60)
         assert (caught["version"], caught["engines"]) == (2, 1)
         got = _info(url)
-        assert got["weight_version"] == "2" and got["groups"] == ["slipstream-weights-1"]
+        assert got["weight_version"] == "2" and got["groups"] == sender.group_names[1:2]
         assert got["weights"] == pytest.approx(_sums(second), rel=1e-6)
         third = _named(3.0)
         sender.push(3, third).result(timeout=60)  # the new group carries the next pushes
         assert _info(url)["weights"] == pytest.approx(_sums(third), rel=1e-6)
-        sender.close()
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+        if sender is not None:
+            sender.close()
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -286,14 +286,17 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
     sender = GroupSender(
         [a_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=30, engine_tp_sizes=[1, 2]
     )
-    assert [(j["rank_offset"], j["world_size"]) for j in _joins(a) + _joins(b)] == [(1, 4), (2, 4)]
+    assert _joins(a) + _joins(b) == []  # the first push forms the group, with the servers it reaches
     assert sender.push(1, _named()).result(timeout=10)["engines"] == 2
+    assert [(j["rank_offset"], j["world_size"]) for j in _joins(a) + _joins(b)] == [(1, 4), (2, 4)]
+    sender.push(2, _named()).result(timeout=10)
     assert len(_joins(a)) == 1  # same servers: the same group
+    names = sender.group_names
     b.shutdown()
     b.server_close()  # the server died: connections are refused
 
     before = len(a.calls)
-    out = sender.push(2, _named()).result(timeout=10)
+    out = sender.push(3, _named()).result(timeout=10)
     assert (out["engines"], out["engines_skipped"]) == (1, 1)
     assert [r for r, _ in a.calls[before:]] == [
         "/pause_generation",
@@ -304,10 +307,10 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
         "/continue_generation",
     ]
     alone = _joins(a)[-1]
-    assert (alone["group_name"], alone["rank_offset"], alone["world_size"]) == ("slipstream-weights-1", 1, 2)
-    assert _loads(a)[-1]["group_name"] == "slipstream-weights-1"
-    assert sender.broadcasts[-1][0] == ("slipstream-weights-1", 2)  # broadcast over the new group
-    sender.push(3, _named()).result(timeout=10)
+    assert (alone["group_name"], alone["rank_offset"], alone["world_size"]) == (names[1], 1, 2)
+    assert _loads(a)[-1]["group_name"] == names[1] and names[1] != names[0]
+    assert sender.broadcasts[-1][0] == (names[1], 2)  # broadcast over the new group
+    sender.push(4, _named()).result(timeout=10)
     assert len(_joins(a)) == 2  # still down: no new group
     calls_before = len(a.calls)
     assert sender.catch_up().result(timeout=10)["engines"] == 0
@@ -315,19 +318,13 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
 
     back = _serve(port)  # relaunched on its port, with the base model's weights
     caught = sender.catch_up().result(timeout=10)
-    assert (caught["version"], caught["engines"], caught["engines_skipped"]) == (3, 2, 0)
+    assert (caught["version"], caught["engines"], caught["engines_skipped"]) == (4, 2, 0)
     rejoined = _joins(back)[0]
-    assert (rejoined["group_name"], rejoined["rank_offset"], rejoined["world_size"]) == (
-        "slipstream-weights-2",
-        2,
-        4,
-    )
-    assert _joins(a)[-1]["group_name"] == "slipstream-weights-2"
-    assert (
-        _loads(back)[-1]["weight_version"] == "3" and _loads(back)[-1]["group_name"] == "slipstream-weights-2"
-    )
+    assert (rejoined["group_name"], rejoined["rank_offset"], rejoined["world_size"]) == (names[2], 2, 4)
+    assert _joins(a)[-1]["group_name"] == names[2] and len(set(names)) == 3
+    assert _loads(back)[-1]["weight_version"] == "4" and _loads(back)[-1]["group_name"] == names[2]
     assert sender.catch_up() is None
-    sender.push(4, _named()).result(timeout=10)
+    sender.push(5, _named()).result(timeout=10)
     assert len(_joins(a)) == 3 and len(_joins(back)) == 1  # everyone back: the group stays
     back.shutdown()
     sender.close()
@@ -350,13 +347,10 @@ def test_a_lone_nccl_server_that_died_gets_a_new_group_when_it_is_back(server_fa
     back = _serve(port)
     caught = sender.catch_up().result(timeout=10)
     assert (caught["version"], caught["engines"]) == (2, 1)
-    assert [j["group_name"] for j in _joins(back)] == ["slipstream-weights-1"]
-    assert _loads(back)[-1] == {
-        **_loads(back)[-1],
-        "group_name": "slipstream-weights-1",
-        "weight_version": "2",
-    }
-    assert sender.broadcasts[-1][0] == ("slipstream-weights-1", 2)
+    new = sender.group_names[1]
+    assert [j["group_name"] for j in _joins(back)] == [new]
+    assert _loads(back)[-1] == {**_loads(back)[-1], "group_name": new, "weight_version": "2"}
+    assert sender.broadcasts[-1][0] == (new, 2)
     back.shutdown()
     sender.close()
 
@@ -384,7 +378,7 @@ def test_a_server_relaunched_between_two_pushes_is_noticed_and_joins_a_new_group
         "/continue_generation",
         "/init_weights_update_group",
     ]
-    assert _loads(back)[-1]["group_name"] == "slipstream-weights-1" and back.weight_version == "3"
+    assert _loads(back)[-1]["group_name"] == sender.group_names[1] and back.weight_version == "3"
     back.shutdown()
     sender.close()
 
@@ -418,9 +412,11 @@ def test_a_server_that_refuses_to_join_fails_the_group_at_once_naming_it(server_
     ok, ok_url = server_factory()
     bad, bad_url = server_factory(fail={"/init_weights_update_group"})
     t0 = time.monotonic()
-    with pytest.raises(WeightPushError, match=f"{bad_url} did not join NCCL group slipstream-weights"):
-        Waiting([ok_url, bad_url], timeout_s=20)
+    sender = Waiting([ok_url, bad_url], timeout_s=20)
+    with pytest.raises(WeightPushError, match=f"{bad_url} did not join NCCL group slipstream-weights-"):
+        sender.push(1, _named()).result(timeout=20)
     assert time.monotonic() - t0 < 5
+    assert [r for r, _ in ok.calls][-1] == "/continue_generation"  # nothing loaded: it generates on
     rendezvous_over.set()
 
 

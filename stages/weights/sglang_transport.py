@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import secrets
 import threading
 import time
 
@@ -183,8 +184,14 @@ class _SGLangSender(WeightSender):
             ) from e
         t["load_s"] = time.monotonic() - t1
         t3 = time.monotonic()
-        for url in live:
-            self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+        failed = []
+        for url in live:  # every server that was loaded generates again, even if one cannot
+            try:
+                self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+            except WeightPushError as e:
+                failed.append(e)
+        if failed:
+            raise failed[0]
         t["continue_s"] = time.monotonic() - t3
         # while a server is behind, keep these tensors for catch_up(); let them go once none is
         self._last = (version, named) if self._down_since else None
@@ -250,6 +257,15 @@ def check_flat_layout(group) -> None:
         offset += x.numel() * x.element_size()
 
 
+def _within(fut: cf.Future, timeout_s: float, url: str):
+    """A per-server call's result; a timeout is a WeightPushError naming the server, as failures are
+    (the push's error handling resumes or leaves paused by that type)."""
+    try:
+        return fut.result(timeout=timeout_s)
+    except cf.TimeoutError:
+        raise WeightPushError(f"SGLang server {url} did not answer within {timeout_s:.0f}s") from None
+
+
 def flat_bucket(group, device) -> torch.Tensor:
     """The bucket as one uint8 tensor on `device` in SGLang's flattened_bucket layout (each tensor's
     bytes back to back, in order), filled tensor by tensor: one buffer of the bucket's size, where
@@ -277,17 +293,19 @@ class NcclSGLangSender(_SGLangSender):
         self.tp_of = dict(zip(self.urls, engine_tp_sizes or [1] * len(self.urls), strict=True))
         self.master_address = master_address
         self.group_name = group_name
+        # every group this sender tries gets a new name: a server keeps each name it joined (a failed
+        # attempt's too, and an earlier trainer's, whose sender started from the same group_name)
+        self._name_base = f"{group_name}-{secrets.token_hex(3)}"
+        self.group_names: list[str] = []
         self._group = None
         self._members: list[str] = []  # the servers in self._group, in rank order
-        self._joins = 0  # attempts: a failed one may have left its name in the servers that connected
         self._version_at: dict[str, str] = {}  # the version the last push set on each server
         # long-lived threads for the per-server calls that run beside the broadcast: their keep-alive
         # sessions persist from push to push
         self._http = cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-http")
         self._rank0 = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-rendezvous")
-        # Form the group now, while the servers generate normally: a server paused for a push may not
-        # serve the join request, and the first push would then wait for a group that never forms.
-        self._join(self.urls)
+        # no group yet: the first push forms it (_regroup), with the servers it reaches, while they
+        # generate (a server paused for a push may not serve the join request)
 
     def _join(self, urls: list[str]) -> None:
         """Form a trainer<->engines NCCL group with `urls` (every one of them and rank 0 rendezvous
@@ -295,8 +313,8 @@ class NcclSGLangSender(_SGLangSender):
         from pipeline.net import free_port
 
         align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
-        name = self.group_name if not self._joins else f"{self.group_name}-{self._joins}"
-        self._joins += 1
+        name = f"{self._name_base}-{len(self.group_names)}"
+        self.group_names.append(name)
         port = free_port()
         sizes = [self.tp_of[u] for u in urls]
         world = 1 + sum(sizes)
@@ -350,12 +368,12 @@ class NcclSGLangSender(_SGLangSender):
         return None
 
     def _regroup(self, live: list[str]) -> None:
-        """Make the group exactly `live`: a server was left out, one came back, or one was relaunched
-        since the last push (it answers with another version than that push set: a new process holds
-        none of our groups, and a load naming one would fail inside it). The servers are paused; a
-        join is only asked of generating servers (see __init__), so they go on generating while the
-        new group forms and are paused again. The old group is dropped, not destroyed: destroying a
-        communicator whose peer died can block, here and in the servers."""
+        """Make the group exactly `live`: the first push, a server was left out, one came back, or one
+        was relaunched since the last push (it reports another weight version than that push set, the
+        base model's: a new process holds none of our groups, and a load naming one would fail inside
+        it). The servers are paused; a join is only asked of generating servers, so they go on
+        generating while the new group forms and are paused again. The old group is dropped, not
+        destroyed: destroying a communicator whose peer died can block, here and in the servers."""
         if not live:  # every server is down: no group holds, the one that comes back forms a new one
             self._group, self._members = None, []
             return
@@ -373,7 +391,7 @@ class NcclSGLangSender(_SGLangSender):
         """The servers that report another weight version than the last push set on them."""
         known = [u for u in urls if u in self._version_at]
         answers = [self._http.submit(self._model_version, u) for u in known]
-        return [u for u, a in zip(known, answers) if a.result(timeout=self.timeout_s) != self._version_at[u]]
+        return [u for u, a in zip(known, answers) if _within(a, self.timeout_s, u) != self._version_at[u]]
 
     def _model_version(self, url: str) -> str | None:
         import requests
@@ -399,8 +417,8 @@ class NcclSGLangSender(_SGLangSender):
             self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s) for url in urls
         ]
         moved = self._broadcast(flat)  # the servers wait in their receive meanwhile
-        for c in calls:
-            c.result(timeout=self.timeout_s)
+        for url, c in zip(urls, calls):
+            _within(c, self.timeout_s, url)
         if version is not None:
             self._version_at.update({url: str(version) for url in urls})
         return moved
