@@ -100,7 +100,7 @@ def ipc_bucket_body(
     flat = FlattenedTensorBucket(named_tensors=bucket)  # one IPC handle per bucket, not per tensor
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     ser = MultiprocessingSerializer.serialize(data, output_str=True)
-    torch.cuda.synchronize(device)  # the bucket is written before the server maps it
+    torch.cuda.current_stream(device).synchronize()  # the bucket is written before the server maps it
     # flush_cache=False: flushing asserts while paused requests hold KV (in_place or retracted); in-flight
     # sequences keep their old-weight KV (in_place) by design; see SGLangConfig.radix_cache
     body = {

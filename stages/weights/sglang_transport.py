@@ -77,6 +77,10 @@ class _SGLangSender(WeightSender):
         self.restart_grace_s = restart_grace_s
         self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
         self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
+        # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
+        # waits would queue behind the training kernels the trainer queued meanwhile, with every
+        # server paused
+        self._stream = torch.cuda.Stream(self.device) if self.device is not None else None
 
     def _post(self, url: str, route: str, body: dict, timeout: float, *, retry: bool = False) -> dict:
         """POST a JSON body; `retry`: once more on a connection error (idempotent routes only: a kept-
@@ -111,7 +115,11 @@ class _SGLangSender(WeightSender):
 
     def push(self, version: int, named_tensors) -> PushHandle:
         named = list(named_tensors)
-        fut = self._pool.submit(self._push, version, named)
+        ready = None
+        if self._stream is not None:  # the snapshot's copies, queued on the caller's stream until now
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        fut = self._pool.submit(self._push_on_stream, ready, version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def catch_up(self) -> PushHandle | None:
@@ -119,7 +127,9 @@ class _SGLangSender(WeightSender):
         behind, last = list(self._down_since), self._last
         if not behind or last is None:
             return None
-        fut = self._pool.submit(self._push, last[0], last[1], self._catch_up_targets(behind), behind)
+        fut = self._pool.submit(
+            self._push_on_stream, None, last[0], last[1], self._catch_up_targets(behind), behind
+        )
         return PushHandle(last[0], fut, self.timeout_s, f"SGLang servers {behind} (catch-up)")
 
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
@@ -129,6 +139,16 @@ class _SGLangSender(WeightSender):
     def _regroup(self, live: list[str]) -> None:
         """Called with the servers of this push, all paused, before anything is loaded: a transport
         whose delivery spans a fixed set of servers makes that set `live` here."""
+
+    def _push_on_stream(self, ready, *args) -> dict:
+        """_push on the push thread's stream, after the snapshot (`ready`, a CUDA event) is written."""
+        if self._stream is None:
+            return self._push(*args)
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            return self._push(*args)
 
     def _push(
         self, version: int, named, targets: list[str] | None = None, behind: list[str] | None = None
@@ -428,7 +448,9 @@ class NcclSGLangSender(_SGLangSender):
 
     def _broadcast(self, flat: torch.Tensor) -> float:
         """Rank 0's broadcast of one flat bucket; returns its seconds (the floor of any push)."""
-        sync = torch.cuda.synchronize if flat.is_cuda else (lambda: None)  # (a CPU group in the tests)
+        # this stream only (the push thread's): the bucket is written; NCCL's stream waits on it, and
+        # after the call this stream waits on NCCL's. (A CPU group in the tests has no stream.)
+        sync = torch.cuda.current_stream().synchronize if flat.is_cuda else (lambda: None)
         sync()
         t0 = time.monotonic()
         torch.distributed.broadcast(flat, src=0, group=self._group)
