@@ -126,3 +126,38 @@ def test_trainer_gpu_moe_shape_counts_and_folder(tmp_path, monkeypatch):
         assert float(f.get_tensor("model.layers.1.mlp.gate.weight").float().std()) > 0.01
     assert "model.layers.1.mlp.experts.15.up_proj.weight" in keys  # the format SGLang reads
     assert "model.layers.0.mlp.down_proj.weight" in keys  # mlp_only_layers: a dense MLP
+
+
+def test_async_vs_sync_takes_the_engines_idle_share_over_the_steady_window_only():
+    """`generator/idle_share` counts from the engines' start, start-up included (the figure that made a
+    busy engine look 62 % idle); the bench takes the window's share from the cumulative seconds, and
+    falls back to that figure only for rows without them or when they went back (a healed generator)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_async_vs_sync as avs
+
+    rows = []
+    for i in range(6):  # 100 s of start-up, all idle, then steps of 10 s at 90 % busy
+        busy, idle = 9.0 * i, 100.0 + 1.0 * i
+        rows.append(
+            {
+                "reward/mean": 0.5,
+                "time": 1000.0 + 10 * i,
+                "samples": 128,
+                "generator/tokens": 5000 * i,
+                "time/data_wait_s": 1.0,
+                "generator/idle_share": idle / (busy + idle),
+                "generator/engine_busy_s": busy,
+                "generator/engine_idle_s": idle,
+            }
+        )
+    out = avs.steady(rows, skip=1)
+    assert out["engine_idle_share"] == pytest.approx(0.1)
+    assert out["s_per_step"] == pytest.approx(10.0) and out["rollout_tokens_per_s"] == pytest.approx(500.0)
+    assert rows[-1]["generator/idle_share"] == pytest.approx(0.7)  # what the cumulative figure says
+    legacy = [{k: v for k, v in r.items() if not k.startswith("generator/engine_")} for r in rows]
+    assert avs.steady(legacy, skip=1)["engine_idle_share"] == pytest.approx(
+        sum(r["generator/idle_share"] for r in rows[2:]) / 4, abs=1e-4
+    )
+    healed = [dict(r) for r in rows]
+    healed[-1]["generator/engine_busy_s"] = 1.0  # a new incarnation counts afresh
+    assert avs.window_idle_share(healed[1:]) is None
