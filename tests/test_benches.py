@@ -128,11 +128,11 @@ def test_trainer_gpu_moe_shape_counts_and_folder(tmp_path, monkeypatch):
     assert "model.layers.0.mlp.down_proj.weight" in keys  # mlp_only_layers: a dense MLP
 
 
-def test_async_vs_sync_takes_the_engines_idle_share_over_the_steady_window_only():
+def test_async_vs_sync_takes_the_engines_idle_share_over_the_steady_window_only(monkeypatch):
     """`generator/idle_share` counts from the engines' start, start-up included (the figure that made a
     busy engine look 62 % idle); the bench takes the window's share from the cumulative seconds, and
     falls back to that figure only for rows without them or when they went back (a healed generator)."""
-    sys.path.insert(0, str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     import gpu_async_vs_sync as avs
 
     rows = []
