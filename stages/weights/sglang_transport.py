@@ -63,10 +63,12 @@ class _SGLangSender(WeightSender):
         timeout_s: float = 120.0,
         pause_mode: str = "in_place",
         restart_grace_s: float = 0.0,
+        engine_tp_sizes: list[int] | None = None,
     ):
         if not torch.cuda.is_available():
             raise RuntimeError(f"{type(self).__name__} needs CUDA; on CPU use weights.transport=cpu")
         self.urls = [u.rstrip("/") for u in urls]
+        self.tp_of = dict(zip(self.urls, engine_tp_sizes or [1] * len(self.urls), strict=True))
         # the push thread's CUDA calls go to the trainer's GPU (a new thread starts on device 0)
         self.device = torch.cuda.current_device() if torch.cuda.device_count() else None
         self.bucket_bytes = bucket_mb << 20
@@ -82,14 +84,26 @@ class _SGLangSender(WeightSender):
         # server paused
         self._stream = torch.cuda.Stream(self.device) if self.device is not None else None
 
+    def _session(self):
+        session = getattr(self._local, "session", None)
+        if session is None:
+            import requests
+
+            session = self._local.session = requests.Session()
+        return session
+
+    def _pause(self, url: str) -> None:
+        self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
+
+    def _resume(self, url: str) -> None:
+        self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+
     def _post(self, url: str, route: str, body: dict, timeout: float, *, retry: bool = False) -> dict:
         """POST a JSON body; `retry`: once more on a connection error (idempotent routes only: a kept-
         alive connection may have been closed by the server's keep-alive timeout just then)."""
         import requests
 
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
+        session = self._session()
         try:
             try:
                 r = session.post(url + route, json=body, timeout=timeout)
@@ -144,7 +158,6 @@ class _SGLangSender(WeightSender):
         """_push on the push thread's stream, after the snapshot (`ready`, a CUDA event) is written."""
         if self._stream is None:
             return self._push(*args)
-        torch.cuda.set_device(self.device)
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
@@ -168,9 +181,7 @@ class _SGLangSender(WeightSender):
         try:
             for url in urls:
                 try:
-                    self._post(
-                        url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True
-                    )
+                    self._pause(url)
                 except WeightPushError as e:
                     self._skip_or_raise(url, e)
                     continue
@@ -178,7 +189,7 @@ class _SGLangSender(WeightSender):
                 live.append(url)
             if behind is not None and not set(live) & set(behind):  # still down: nothing to catch up
                 for url in live:
-                    self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+                    self._resume(url)
                 return {
                     "version": version,
                     "engines": 0,
@@ -207,7 +218,7 @@ class _SGLangSender(WeightSender):
         failed = []
         for url in live:  # every server that was loaded generates again, even if one cannot
             try:
-                self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+                self._resume(url)
             except WeightPushError as e:
                 failed.append(e)
         if failed:
@@ -246,7 +257,7 @@ class _SGLangSender(WeightSender):
     def _resume_all(self) -> None:
         for url in self.urls:
             try:
-                self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+                self._resume(url)
             except WeightPushError as e:
                 log.warning("weights: could not resume %s after a failed pause: %s", url, e)
 
@@ -304,13 +315,11 @@ class NcclSGLangSender(_SGLangSender):
         self,
         urls,
         *,
-        engine_tp_sizes: list[int] | None = None,
         master_address: str = "127.0.0.1",
         group_name: str = "slipstream-weights",
         **kw,
     ):
         super().__init__(urls, **kw)
-        self.tp_of = dict(zip(self.urls, engine_tp_sizes or [1] * len(self.urls), strict=True))
         self.master_address = master_address
         self.group_name = group_name
         # every group this sender tries gets a new name: a server keeps each name it joined (a failed
@@ -400,12 +409,12 @@ class NcclSGLangSender(_SGLangSender):
         if live == self._members and not self._relaunched(live):
             return
         for url in live:
-            self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
+            self._resume(url)
         log.warning("weights: the servers changed (%s -> %s): forming a new NCCL group", self._members, live)
         self._group, self._members = None, []  # a failed join leaves no group to broadcast to
         self._join(live)
         for url in live:
-            self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
+            self._pause(url)
 
     def _relaunched(self, urls: list[str]) -> list[str]:
         """The servers that report another weight version than the last push set on them."""
@@ -417,7 +426,7 @@ class NcclSGLangSender(_SGLangSender):
         import requests
 
         try:
-            info = requests.get(url + proto.MODEL_INFO, timeout=self.timeout_s).json()
+            info = self._session().get(url + proto.MODEL_INFO, timeout=self.timeout_s).json()
         except (requests.RequestException, ValueError) as e:
             raise WeightPushError(f"SGLang server {url}{proto.MODEL_INFO} unreachable: {e}") from e
         v = info.get("weight_version") if isinstance(info, dict) else None
@@ -464,21 +473,16 @@ class NcclSGLangSender(_SGLangSender):
 
 
 class CudaIpcSGLangSender(_SGLangSender):
-    def __init__(self, urls, *, engine_tp_sizes: list[int] | None = None, **kw):
-        super().__init__(urls, **kw)
-        self.tp_sizes = engine_tp_sizes or [1] * len(self.urls)
-
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         check_flat_layout(group)
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
         tensors = [(n, t.to(dev).contiguous()) for n, t in group]
-        tp_of = dict(zip(self.urls, self.tp_sizes))
         for url in urls:
             body, flat = proto.ipc_bucket_body(
-                tensors, tp_of[url], dev
-            )  # flat stays alive until the server answered
+                tensors, self.tp_of[url], dev
+            )  # alive until the server answered
             self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
