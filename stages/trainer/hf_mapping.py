@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from pipeline.models import moe_layer_flags
 from stages.trainer import moe
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "glm4", "qwen3_moe")
@@ -185,7 +186,7 @@ def hf_to_mcore_layer(
     def row(w):
         return w.chunk(tp, 1)[r].contiguous()
 
-    moe_layer = moe.is_moe(hc) and moe.moe_layers(hc)[hf_i]
+    moe_layer = moe.is_moe(hc) and moe_layer_flags(hc)[hf_i]
     norms = _norm_keys(te, moe_layer)
     out = {
         "self_attention.linear_qkv.weight": _group_qkv(

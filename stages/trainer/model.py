@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.models import moe_layer_flags
 from pipeline.net import free_port
 from stages.trainer import cpu_shim, hf_mapping, moe
 from stages.weights.base import align_nccl_env
@@ -319,7 +320,7 @@ def build_policy(
         core = {"sdpa": SDPAttention, "varlen": VarlenAttention}.get(layout)
         if core is None and cp > 1:
             raise ValueError("trainer.cp > 1 needs trainer.attention varlen, sdpa or auto (not unfused)")
-    layers = moe.moe_layers(hc) if moe.is_moe(hc) else None
+    layers = moe_layer_flags(hc) if moe.is_moe(hc) else None
     spec = specs.decoder_block_spec(hc, cfg, te=te, core_attention=core, moe_layers=layers)
     if layers:
         moe.prepare_megatron()

@@ -37,11 +37,6 @@ def is_moe(hc) -> bool:
     return hc.model_type in MOE_TYPES
 
 
-def moe_layers(hc) -> list[bool]:
-    """Per layer, whether it is an MoE layer (dense ones are MLPs of `intermediate_size`)."""
-    return moe_layer_flags(hc)
-
-
 def check_supported(hc) -> None:
     if not is_moe(hc):
         return
@@ -58,7 +53,7 @@ def config_kwargs(hc, *, te: bool, aux_loss_coef: float = 0.0, capacity_factor: 
 
     if aux_loss_coef < 0:
         raise ValueError("trainer.moe_aux_loss_coef must be >= 0 (0: no load-balancing loss)")
-    layers = moe_layers(hc)
+    layers = moe_layer_flags(hc)  # dense ones are MLPs of `intermediate_size`
     experts, ep = hc.num_experts, ps.get_expert_model_parallel_world_size()
     if experts % ep:
         raise ValueError(f"trainer.ep={ep} does not divide the model's {experts} experts")

@@ -173,22 +173,34 @@ def pack(
         rows[k].append(i)
         room[k] -= seq_len[i]
     if packed_row:  # each row its own micro-batch, trimmed to what it holds
-        mbs = [_build(tb, [row], -(-(row_len - left) // align) * align) for row, left in zip(rows, room)]
+        groups = [[row] for row in rows]
+        lengths = [-(-(row_len - left) // align) * align for left in room]
     else:
         per_mb = max(1, micro_batch_tokens // row_len)
-        mbs = [_build(tb, rows[j : j + per_mb], row_len) for j in range(0, len(rows), per_mb)]
+        groups = [rows[j : j + per_mb] for j in range(0, len(rows), per_mb)]
+        lengths = [row_len] * len(groups)
+    mbs = [_build(tb, group, n) for group, n in zip(groups, lengths)]
     if routed_shape is not None:
-        for mb, mb_rows in zip(mbs, [[r] for r in rows] if packed_row else _chunks(rows, per_mb)):
-            mb.routed = _routed_layout(tb, mb_rows, mb.tokens.shape[1], routed_shape)
+        for mb, group, n in zip(mbs, groups, lengths):
+            mb.routed = _routed_layout(tb, group, n, routed_shape, seq_len)
     return mbs
 
 
-def _chunks(rows: list, size: int) -> list:
-    return [rows[j : j + size] for j in range(0, len(rows), size)]
+def routed_width_problem(sample: int, entries: int, positions: int, shape: tuple[int, int]) -> str | None:
+    """What is wrong with a sample's `entries` routed_experts ids for its `positions` forwarded
+    positions in a model of `shape` (moe_layers, top_k); None when they fit (or there are none)."""
+    width = shape[0] * shape[1]
+    if entries == 0 or entries == positions * width:
+        return None
+    return (
+        f"sample {sample} of the batch: routed_experts holds {entries} expert ids for {positions} positions; "
+        f"this model needs {width} per position ({shape[0]} MoE layers x top-{shape[1]}): the engine served "
+        "another model than the trainer's"
+    )
 
 
 def _routed_layout(
-    tb: TokenBatch, rows: list[list[int]], row_len: int, shape: tuple[int, int]
+    tb: TokenBatch, rows: list[list[int]], row_len: int, shape: tuple[int, int], seq_len: dict[int, int]
 ) -> torch.Tensor:
     """[b, row_len, moe_layers, k] of the samples' recorded experts at their positions (as _build lays
     the tokens out), -1 elsewhere. ValueError naming the sample whose rows do not fit the model."""
@@ -199,18 +211,12 @@ def _routed_layout(
         for r, row in enumerate(rows):
             at = 0
             for i in row:
-                n = int(
-                    tb.prompt_off[i + 1] - tb.prompt_off[i] + tb.response_off[i + 1] - tb.response_off[i] - 1
-                )
-                got = values[offsets[i] : offsets[i + 1]]
-                if len(got) == n * width:
+                n, got = seq_len[i], values[offsets[i] : offsets[i + 1]]
+                problem = routed_width_problem(i, len(got), n, shape)
+                if problem:
+                    raise ValueError(problem)
+                if len(got):
                     out[r, at : at + n] = got.reshape(n, width)
-                elif len(got):
-                    raise ValueError(
-                        f"sample {i} of the batch: routed_experts holds {len(got)} expert ids for {n} "
-                        f"positions; this model needs {width} per position ({shape[0]} MoE layers x "
-                        f"top-{shape[1]}): the engine served another model than the trainer's"
-                    )
                 at += n
     return torch.from_numpy(out).view(len(rows), row_len, *shape)
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.trainer import moe
+from pipeline.models import moe_layer_flags
+from stages.trainer.packing import routed_width_problem
 
 
 class ReplayTarget:
@@ -52,7 +53,7 @@ class RoutingReplay:
     def __init__(self, model, hc):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        flags = moe.moe_layers(hc)
+        flags = moe_layer_flags(hc)
         moe_index = {g: sum(flags[:g]) for g in range(len(flags)) if flags[g]}
         self.routers: list[tuple[int, ReplayTarget]] = []
         for m in model.modules():
@@ -78,15 +79,10 @@ class RoutingReplay:
         values, offsets = tb.routed
         positions = np.diff(tb.prompt_off) + np.diff(tb.response_off) - 1
         entries = np.diff(offsets)
-        width = self.shape[0] * self.shape[1]
-        bad = np.flatnonzero((entries > 0) & (entries != positions * width))
+        bad = np.flatnonzero((entries > 0) & (entries != positions * self.shape[0] * self.shape[1]))
         if len(bad):
             i = int(bad[0])
-            raise ValueError(
-                f"sample {i} of the batch: routed_experts holds {int(entries[i])} expert ids for "
-                f"{int(positions[i])} positions; this model needs {width} per position ({self.shape[0]} MoE "
-                f"layers x top-{self.shape[1]}): the engine served another model than the trainer's"
-            )
+            raise ValueError(routed_width_problem(i, int(entries[i]), int(positions[i]), self.shape))
         if len(values) and (int(values.max()) >= self.num_experts or int(values.min()) < 0):
             # an id past the router's scores would index out of range (a device-side assert on CUDA)
             raise ValueError(
