@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _results import record  # noqa: E402 - bench/ is on sys.path when a bench runs
+
 from pipeline.orchestration.metrics import read_history  # noqa: E402
 
 
@@ -141,6 +143,7 @@ def main() -> None:
         default=[],
         help="also run async at these run.max_staleness values, comma-separated (4,8)",
     )
+    ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or ROOT / "gpu-out")
@@ -202,7 +205,7 @@ def main() -> None:
         "device": _device(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    print(json.dumps(result))
+    record(result, a.results)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ phase2() {
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness 4 --out $S >$S/3-avs.out 2>&1
-  tail -n 1 $S/3-avs.out | grep '^{"bench"' >>$R/gpu_async_vs_sync.jsonl
+  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness 4 --out $S \
+    --results $R/gpu_async_vs_sync.jsonl >$S/3-avs.out 2>&1
 }
 
 phase5() {
