@@ -66,6 +66,10 @@ def steady(rows: list[dict], skip: int) -> dict:
         "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in part[1:]) / span, 4),
         "train_s_mean": mean("time/train_s"),
         "staleness_mean": mean("staleness/mean"),
+        # how full the engines were kept (sequences in flight at each step's end), and the work lost to
+        # the staleness bound (samples the buffer evicted as too stale, over the window)
+        "requests_in_flight_mean": mean("generator/requests_in_flight"),
+        "evicted_stale": part[-1].get("buffer/evicted_stale", 0) - part[0].get("buffer/evicted_stale", 0),
         "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:3]), 3),
         "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-3:]), 3),
     }
@@ -94,7 +98,8 @@ def offline_throughput(config: str, overrides: list[str], n_prompts: int) -> dic
     """SGLang's own generation throughput (sglang.Engine in this process, no HTTP) on the rollout's
     GPU: the run's model, chat-templated prompts, sampling and group size, at the generator's
     concurrency (max_inflight_groups x group_size requests in flight), over n_prompts x group_size
-    requests. A child process, so its GPU memory is gone when it returns."""
+    requests. A child process, so its GPU memory is gone when it returns. The generator's concurrency
+    is rollout.max_inflight_requests where set, else max_inflight_groups x group_size."""
     code = f"""
 import json, sys, time
 sys.path.insert(0, {str(ROOT)!r})
@@ -103,6 +108,7 @@ from pipeline.models import resolve_model
 from stages.rollout.build import load_source
 cfg = load_config({config!r}, {overrides!r} + ["model.cache_dir=/tmp/models-offline"])
 r = cfg.rollout
+running = r.max_inflight_requests or r.max_inflight_groups * r.group_size
 source, _ = load_source(cfg)
 prompts = [next(source).ids for _ in range({n_prompts})]
 import sglang
@@ -110,7 +116,7 @@ gpu = 1 if cfg.cluster.num_gpus > 1 and not cfg.cluster.colocate else 0  # where
 llm = sglang.Engine(model_path=str(resolve_model(cfg.model)), dtype=cfg.model.dtype, skip_tokenizer_init=True,
     mem_fraction_static=r.sglang.mem_fraction_static, disable_cuda_graph=r.sglang.disable_cuda_graph,
     disable_radix_cache=True, enable_fp32_lm_head=cfg.model.fp32_lm_head, base_gpu_id=gpu,
-    max_running_requests=r.max_inflight_groups * r.group_size)
+    max_running_requests=running)
 params = dict(temperature=r.sampling.temperature, top_p=r.sampling.top_p, max_new_tokens=r.sampling.max_new_tokens)
 llm.generate(input_ids=prompts[:8], sampling_params=params)  # warm-up
 ids = [p for p in prompts for _ in range(r.group_size)]
@@ -120,7 +126,7 @@ dt = time.perf_counter() - t0
 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
 llm.shutdown()
 print(json.dumps(dict(tokens_per_s=round(tokens / dt, 1), tokens=tokens, seconds=round(dt, 2), requests=len(ids),
-    max_running_requests=r.max_inflight_groups * r.group_size, sglang=sglang.__version__)))
+    max_running_requests=running, sglang=sglang.__version__)))
 """
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
@@ -135,7 +141,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="", help="output directory (default $OUT, else gpu-out/)")
-    ap.add_argument("--offline-prompts", type=int, default=128, help="prompts (x group_size requests)")
+    # several times the concurrency, so that the drain at the end (the length tail) is a small part of it
+    ap.add_argument("--offline-prompts", type=int, default=384, help="prompts (x group_size requests)")
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument(
         "--staleness",

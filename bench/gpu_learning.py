@@ -84,10 +84,17 @@ def run_on_gpus(config: str, common: list[str], out: Path, jobs: list[tuple[str,
     import subprocess
     import sys
 
+    # the GPUs this process may use (a session that gives other GPUs to other work sets them)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = visible[:gpus] if visible else [str(i) for i in range(gpus)]
+    if len(devices) < gpus:
+        raise SystemExit(
+            f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} has fewer"
+        )
     queue, running, failed = list(jobs), {}, []
     while queue or running:
         while queue and len(running) < gpus:
-            gpu = min(set(range(gpus)) - {g for g, _ in running.values()})
+            gpu = next(d for d in devices if d not in {g for g, _ in running.values()})
             name, seed = queue.pop(0)
             cmd = [
                 sys.executable,

@@ -19,6 +19,8 @@
 #             per seed (a sync run is ~6.5 min of it)
 #   6 kill    the GPU test that kills a colocated run's SGLang server mid-run (tests/test_gpu_engine_restart.py)
 #   8 kill-2x the same test on the 2-GPU disaggregated config (NCCL pushes: the weight group re-forms)
+#   9 x4      on a 4-GPU machine: phases 3 and 6 on GPUs 0,1 beside phases 2 (1 and 4 GB buckets), 5
+#             (seed 0) and 8 on GPUs 2,3: what issue #17 still lacks, in one device session (~20 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -52,12 +54,13 @@ phase1() {
 phase2() {
   model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/2-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
-  python bench/gpu_push.py --model "$model" --shape 7b --pushes 3 --results $R/gpu_push.jsonl >$S/2-push-7b.out 2>&1
+  python bench/gpu_push.py --model "$model" --shape 7b --pushes 3 --bucket-mb ${PUSH_BUCKETS_MB:-512 1024 4096} \
+    --results $R/gpu_push.jsonl >$S/2-push-7b.out 2>&1
   rm -rf /tmp/models-7b
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness 4 --out $S \
+  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness ${AVS_STALENESS:-8} --out $S \
     --results $R/gpu_async_vs_sync.jsonl >$S/3-avs.out 2>&1
 }
 
@@ -74,7 +77,7 @@ phase6() {
 }
 
 phase8() {
-  CUDA_VISIBLE_DEVICES=0,1 timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
     -k disaggregated -p no:cacheprovider >$S/8-kill-2x.out 2>&1
 }
 
@@ -83,6 +86,29 @@ phase7() {
   CUDA_VISIBLE_DEVICES=1 python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml \
     --steps "${LEARN_STEPS:-80}" --seeds 0 --out $S/learning --results $R/gpu_learning.jsonl \
     rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 >$S/5-learning.out 2>&1
+  wait
+}
+
+phase9() {
+  # a 4-GPU machine, two lanes side by side (device time counts the machine, not its GPUs):
+  # GPUs 0,1 the async-vs-sync runs (phase 3), then the one-GPU kill test (phase 6) on GPU 0;
+  # GPUs 2,3 the 7B push at the large buckets (phase 2), one learning seed (phase 5), the 2-GPU kill test
+  (
+    export CUDA_VISIBLE_DEVICES=0,1
+    phase3
+    echo "lane 0,1: phase 3 end $(date -u +%T)"
+    CUDA_VISIBLE_DEVICES=0 phase6
+    echo "lane 0,1: phase 6 end $(date -u +%T)"
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=2,3
+    PUSH_BUCKETS_MB="1024 4096" phase2
+    echo "lane 2,3: phase 2 end $(date -u +%T)"
+    LEARN_SEEDS=0 phase5
+    echo "lane 2,3: phase 5 end $(date -u +%T)"
+    phase8
+    echo "lane 2,3: phase 8 end $(date -u +%T)"
+  ) &
   wait
 }
 

@@ -565,6 +565,7 @@ class Pipeline:
             "groups_filtered",
             "groups_failed",
             "groups_running",
+            "requests_in_flight",  # sequences the engines decode now (rollout.max_inflight_requests)
             "samples_failed",
             "admission_wait_s",
             "engine_errors",

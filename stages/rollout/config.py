@@ -109,6 +109,11 @@ class RolloutConfig(_Base):
     engines_per_generator: int = 1
     group_size: int = 8  # samples per prompt (GRPO group)
     max_inflight_groups: int = 8  # groups being generated at once per generator
+    # requests (sequences) in flight per generator, over its engines; 0 = no cap but the groups'. With a
+    # long length tail most of a group's life is its last few sequences, so a group cap leaves the
+    # engine half empty; a request cap (like slime's sglang_server_concurrency) starts new groups as
+    # sequences finish, up to max_inflight_groups and the staleness bound
+    max_inflight_requests: int = 0
     max_batch_size: int = 64  # sequences decoded together by the torch engine
     chunk_tokens: int = 8  # torch engine: decode steps between checks for a weight update
     # which groups reach the buffer: "none", "nonzero_std" (dynamic sampling: drop groups whose rewards
@@ -140,6 +145,11 @@ class RolloutConfig(_Base):
                     + (f" or one of {', '.join(BUILTIN_FILTERS)}" if key == "filter" else "")
                 )
             setattr(self, key, absolute_spec(spec))  # the stages may run in another directory
+        if self.max_inflight_requests and self.max_inflight_requests < self.group_size:
+            raise ValueError(
+                f"rollout.max_inflight_requests={self.max_inflight_requests} is below rollout.group_size="
+                f"{self.group_size}: no group could start; set it to 0 (no request cap) or >= group_size"
+            )
         if self.generate_fn and self.rollout_fn:
             raise ValueError(
                 "rollout.rollout_fn replaces the generation loop, generate_fn included: set one of them "

@@ -74,3 +74,9 @@ class Engine(ABC):
     def stats(self) -> dict:
         """Engine counters (tokens, busy/idle seconds, weight updates); empty if it keeps none."""
         return {}
+
+    def requests_in_flight(self) -> int | None:
+        """Requests submitted and not yet answered: each counted from the call of generate(), before it
+        first awaits, until its own answer (not its batch's); None if the engine does not count them.
+        The generator's request cap (rollout.max_inflight_requests) reads it."""
+        return None

@@ -141,6 +141,9 @@ class EnginePool(Engine):
         for e in self.engines:
             e.close()
 
+    def requests_in_flight(self) -> int:
+        return sum(e.requests_in_flight() for e in self.engines)
+
     def stats(self) -> dict:
         """Each engine's stats by name, and the sums over engines the generator reports (busy_s, idle_s,
         tokens; updates of the engine that applied the fewest)."""

@@ -11,6 +11,11 @@ optimizer step, oldest first, so the k-th kept group (k from 0) is trained at tr
 where groups dropped by the filter or by failures do not count (the trainer never sees them). The
 trainer version comes from buffer acks and announcements; the engine version from weight pushes.
 Tokens carry the engine version, so the engine's (older) version is the one that bounds staleness.
+
+In-flight caps, below that bound: at most `rollout.max_inflight_groups` groups, and with
+`rollout.max_inflight_requests` set, a new group starts only while its requests fit beside those the
+engine still decodes. Each request counts until its own answer, so a group whose last sequence is
+still decoding holds one place, not group_size: with a long length tail that keeps the engine full.
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ class Generator:
         self._held_since = self._held_warned = 0.0
         self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
+        self._unsent = (
+            0  # requests of started groups not yet sent to the engine (the request cap counts them)
+        )
         self._last_engine_version = engine.version
         self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
         self._stopping = False
@@ -235,6 +243,7 @@ class Generator:
             else:
                 while await self.admitted(stop_event, max_groups):
                     gid, prompt = self.start_group()
+                    self._unsent += self.cfg.rollout.group_size  # released as they reach the engine
                     task = asyncio.create_task(self._group(gid, prompt, self.engine.version))
                     tasks.add(task)
                     task.add_done_callback(lambda t: self._group_done(t, tasks))
@@ -254,13 +263,13 @@ class Generator:
     async def admitted(self, stop_event: asyncio.Event | None, max_groups: int | None) -> bool:
         """Wait until a new group may start (in-flight cap and staleness admission); False once the
         generator is to stop. Raises the error of a group that failed the run."""
-        limit = self.cfg.rollout.max_inflight_groups
         while not self._should_stop(stop_event, max_groups):
             if self._error is not None:
                 raise self._error
-            if self._running < limit and self.admissible():
+            has_room = self._has_room()
+            if has_room and self.admissible():
                 return True
-            held_back = self._running < limit  # by staleness admission, not by the in-flight cap
+            held_back = has_room  # by staleness admission, not by the in-flight caps
             self.counters["admission_waits"] += held_back
             t0 = time.perf_counter()
             if held_back:
@@ -269,6 +278,19 @@ class Generator:
             await self._wait(stop_event)
             self.admission_wait_s += (time.perf_counter() - t0) * held_back
         return False
+
+    def _has_room(self) -> bool:
+        """Room for one more group under the in-flight caps: max_inflight_groups, and with
+        max_inflight_requests set, a whole group's requests beside those the engine still decodes."""
+        r = self.cfg.rollout
+        if self._running >= r.max_inflight_groups:
+            return False
+        if not r.max_inflight_requests:
+            return True
+        in_flight = self.engine.requests_in_flight()
+        if in_flight is None:
+            return True
+        return in_flight + self._unsent + r.group_size <= r.max_inflight_requests
 
     def start_group(self, prompt=None) -> tuple[str, object]:
         """Count a new group as started (call right after admitted()); returns its id and prompt."""
@@ -328,16 +350,27 @@ class Generator:
     async def _generate(self, gid: str, prompt) -> list[Sample] | None:
         """The group's Samples from the generate_fn (None when the engine kept failing). An engine error
         is retried with fresh blanks; anything else the function raises, or a bad return, is raised."""
-        samples = await self.generate.with_retries(
-            gid=gid,
-            prompt=prompt,
-            n=self.cfg.rollout.group_size,
-            generator_id=self.id,
-            params=self.params,
-            engine=self.engine,
-            retries=self.cfg.rollout.engine_retries,
-            on_engine_error=self._count_engine_error,
-        )
+        unsent = self.cfg.rollout.group_size  # this group's part of self._unsent
+
+        def sent(n: int) -> None:
+            nonlocal unsent
+            k = min(n, unsent)
+            unsent -= k
+            self._unsent -= k
+
+        try:
+            samples = await self.generate.with_retries(
+                gid=gid,
+                prompt=prompt,
+                n=self.cfg.rollout.group_size,
+                generator_id=self.id,
+                params=self.params,
+                engine=_Sending(self.engine, sent),
+                retries=self.cfg.rollout.engine_retries,
+                on_engine_error=self._count_engine_error,
+            )
+        finally:
+            self._unsent -= unsent  # a group that failed, or sent fewer requests than its size
         if samples is not None and self._delay_mean:  # bench only: a long-tailed per-group latency
             await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
         return samples
@@ -360,6 +393,9 @@ class Generator:
             elapsed_s=round(time.perf_counter() - self._started_at, 3),
             data=dict(self.source.counters, **self.source.state_dict()),
         )
+        in_flight = self.engine.requests_in_flight()
+        if in_flight is not None:  # how full the engine is kept (the request cap's doing)
+            out["requests_in_flight"] = in_flight
         eng = self.engine.stats()
         out.update(
             {f"engine_{k}": v for k, v in eng.items() if k in ("busy_s", "idle_s", "tokens", "updates")}
@@ -375,6 +411,27 @@ class Generator:
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["data"])
         self.group_counter = int(state["group_counter"])
+
+
+class _Sending:
+    """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests
+    it sends. Engines count a request from the moment generate() is called, so the group's reserved
+    places (Generator._unsent) and the engine's count change in the same step, and admission never
+    sees the engine emptier than it is between a group's start and its first send."""
+
+    def __init__(self, engine: Engine, sent):
+        self._engine, self._sent = engine, sent
+
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    async def generate(self, requests):
+        self._sent(len(requests))
+        return await self._engine.generate(requests)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
 
 
 async def score_samples(scorer: RewardScorer, tokenizer, samples: list[Sample]) -> None:

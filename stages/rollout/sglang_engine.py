@@ -350,22 +350,30 @@ class SGLangEngine(Engine):
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
         if self.outstanding == 0:
             self._busy_since = time.perf_counter()
-        self.outstanding += len(requests)
+        self.outstanding += len(requests)  # each one leaves when its own answer is in (_answered)
         t0 = time.perf_counter()
-        try:
-            async with aiohttp.ClientSession(
-                timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-            ) as session:
-                out = await asyncio.gather(*(self._generate_one(session, r, start_v) for r in requests))
-        finally:
-            self.outstanding -= len(requests)
-            if self.outstanding == 0 and self._busy_since is not None:
-                self._busy_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            out = await asyncio.gather(
+                *(self._answered(self._generate_one(session, r, start_v)) for r in requests)
+            )
         self._stats["requests"] += len(out)
         self._stats["tokens"] += sum(len(r.response_ids) for r in out)
         self._stats["gen_s"] += time.perf_counter() - t0
         return list(out)
+
+    async def _answered(self, one):
+        """Await one request; it stops counting as outstanding when its answer is in, not when its
+        batch's last one is: a group's long tail must not hold the places of its finished siblings."""
+        try:
+            return await one
+        finally:
+            self.outstanding -= 1
+            if self.outstanding == 0 and self._busy_since is not None:
+                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
+
+    def requests_in_flight(self) -> int:
+        return self.outstanding
 
     async def _generate_one(self, session, req: GenRequest, start_v: int) -> GenResult:
         # Per-token versions. SGLang stamps each streamed chunk with the server's weight_version when the

@@ -109,6 +109,7 @@ class TorchEngine(Engine):
         self._paused = False
         self._closed = False
         self._batch: _Batch | None = None
+        self._open = 0  # requests generate() submitted and not yet answered
         self._stats = dict(tokens=0, prefill_tokens=0, steps=0, busy_s=0.0, idle_s=0.0, updates=0)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -136,7 +137,17 @@ class TorchEngine(Engine):
             return done
 
         self.submit(requests, [resolver(f) for f in futures])
+        self._open += len(requests)
+        for f in futures:  # settled on this loop's thread, so the count needs no lock
+            f.add_done_callback(self._answered)
         return list(await asyncio.gather(*futures))
+
+    def _answered(self, _fut: asyncio.Future) -> None:
+        self._open -= 1
+
+    def requests_in_flight(self) -> int:
+        """Requests generate() submitted and not yet answered (each counted until its own answer)."""
+        return self._open
 
     def submit(self, requests: list[GenRequest], callbacks: list[Callback]) -> None:
         """Queue requests; each callback is called (from the engine thread) with its result or error."""
