@@ -12,12 +12,19 @@ engines' start-up and the first (NCCL warm-up) push are left out of both.
 JSON (last line): `speedup` = sync seconds per step / async seconds per step (goal >= 1.8 on 2 GPUs,
 disaggregated); `engine_busy_share` (async: 1 - the engines' idle share), `trainer_idle_share` (async:
 the trainer's share of wall time spent waiting for data), `engine_util` = the async run's generated
-tokens/s over SGLang's own offline throughput (`offline_throughput`: sglang.Engine, no HTTP, no
-trainer, on the rollout GPU with the same model, prompts, sampling, max_new_tokens and concurrency,
-measured after both runs; goal >= 0.8), and each mode's figures. `--staleness K,K` adds async runs at
+tokens/s over the offline ceiling below (same GPU, model, prompts, sampling, max_new_tokens and
+concurrency; goal >= 0.8), and each mode's figures. `--staleness K,K` adds async runs at
 those run.max_staleness bounds (`async_by_staleness`, each judged the same way): admission control
 keeps at most (staleness + 1) x batch_groups groups ahead of the trainer, and with a long length tail
-that cap sets how full the engine is. `--offline-only` measures just the offline throughput.
+that cap sets how full the engine is. `--offline-only` measures just the two ceilings below;
+`--skip-sync` leaves the sync run (and `speedup`) out.
+
+Two ceilings for engine_util, both on the rollout GPU after the runs: `offline_throughput` (SGLang's
+Engine API in-process, no HTTP) and `generator_throughput` (the run's own generator, server and client
+with its in-flight caps, no trainer, no staleness bound, no pushes). `engine_util` is the async run's
+tokens/s over the faster of the two (`engine_util_vs_engine_api`, `engine_util_vs_generator_only`:
+each alone): on 4x H100 without CUDA graphs the Engine API gave 7.5k tokens/s where the pipeline
+made 14.1k, so it alone is no ceiling.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def _device() -> str:
     return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
 
 
-def offline_throughput(config: str, overrides: list[str], n_prompts: int) -> dict:
+def offline_throughput(config: str, overrides: list[str], n_prompts: int, log: Path) -> dict:
     """SGLang's own generation throughput (sglang.Engine in this process, no HTTP) on the rollout's
     GPU: the run's model, chat-templated prompts, sampling and group size, at the generator's
     concurrency (max_inflight_groups x group_size requests in flight), over n_prompts x group_size
@@ -128,9 +135,60 @@ llm.shutdown()
 print(json.dumps(dict(tokens_per_s=round(tokens / dt, 1), tokens=tokens, seconds=round(dt, 2), requests=len(ids),
     max_running_requests=running, sglang=sglang.__version__)))
 """
+    return _child(code, "offline throughput (sglang.Engine)", log)
+
+
+def generator_throughput(config: str, overrides: list[str], n_groups: int, log: Path) -> dict:
+    """The pipeline's generator alone: the SGLang server launched as the run launches it (same
+    server arguments, stream interval included), driven by the same client and the same in-flight caps
+    (rollout.max_inflight_groups / max_inflight_requests), groups scored as in the run, but no trainer,
+    no staleness bound and no weight pushes; the groups go nowhere. Over n_groups groups after a
+    warm-up, tokens of finished groups / seconds. What the pipeline loses against it is what the
+    trainer's pace, admission and pushes cost; what it gains over sglang.Engine is the server's."""
+    # the run's reward (bench/gpu_pipeline.sh: the GPU machine has no reasoning-gym) and model cache
+    overrides = ["rollout.reward.fn=math", "model.cache_dir=/tmp/models-offline", *overrides]
+    code = f"""
+import asyncio, json, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from pipeline import wire
+from pipeline.config import load_config
+from stages.rollout.build import build_engine
+from stages.rollout.generator import Generator
+cfg = load_config({config!r}, {overrides!r})
+gpu = 1 if cfg.cluster.num_gpus > 1 and not cfg.cluster.colocate else 0  # where the run's engine was
+cfg = load_config({config!r}, {overrides!r} + [f"rollout.sglang.base_gpu_id={{gpu}}"])
+
+class Discard:
+    def put(self, samples, timeout_s=60.0):
+        return wire.IngestAck(seq=0, accepted=len(samples), duplicates=0, rejected=0, trainer_version=0)
+    def close(self):
+        pass
+
+engine = build_engine(cfg)
+try:
+    asyncio.run(Generator(cfg, Discard(), engine, "warm", batch_groups=0).run(max_groups=8))
+    gen = Generator(cfg, Discard(), engine, "offline", batch_groups=0)
+    t0 = time.perf_counter()
+    stats = asyncio.run(gen.run(max_groups={n_groups}))
+    dt = time.perf_counter() - t0
+finally:
+    engine.close()
+r = cfg.rollout
+print(json.dumps(dict(tokens_per_s=round(stats["tokens"] / dt, 1), tokens=stats["tokens"], seconds=round(dt, 2),
+    groups=stats["groups_finished"], max_inflight_groups=r.max_inflight_groups,
+    max_inflight_requests=r.max_inflight_requests)))
+"""
+    return _child(code, "generator-only throughput", log)
+
+
+def _child(code: str, what: str, log: Path) -> dict:
+    """Run a measurement in a child process (its GPU memory is gone when it returns); its output
+    goes to `log`, its last stdout line is the result."""
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
     if p.returncode != 0:
-        raise SystemExit(f"offline throughput failed:\n{p.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed (log: {log}):\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -144,6 +202,7 @@ def main() -> None:
     # several times the concurrency, so that the drain at the end (the length tail) is a small part of it
     ap.add_argument("--offline-prompts", type=int, default=384, help="prompts (x group_size requests)")
     ap.add_argument("--offline-only", action="store_true")
+    ap.add_argument("--skip-sync", action="store_true", help="no sync run: engine_util only, speedup null")
     ap.add_argument(
         "--staleness",
         type=lambda v: [int(x) for x in v.split(",") if x],
@@ -165,7 +224,9 @@ def main() -> None:
         *a.overrides,
     ]
     if a.offline_only:
-        print(json.dumps({"offline_throughput": offline_throughput(a.config, common, a.offline_prompts)}))
+        engine_api = offline_throughput(a.config, common, a.offline_prompts, out / "offline-engine.log")
+        gen_only = generator_throughput(a.config, common, a.offline_prompts, out / "offline-generator.log")
+        print(json.dumps({"offline_throughput": engine_api, "generator_throughput": gen_only}))
         return
 
     def run_mode(name: str, extra: list[str]) -> dict:
@@ -176,7 +237,8 @@ def main() -> None:
         print(json.dumps({name: row}), flush=True)
         return row
 
-    s = run_mode(f"avs{a.tag}-sync", ["run.mode=sync"])
+    # --skip-sync: no speedup in this line (a device session too short for the sync run's ~9 minutes)
+    s = None if a.skip_sync else run_mode(f"avs{a.tag}-sync", ["run.mode=sync"])
     y = run_mode(f"avs{a.tag}-async", ["run.mode=async"])
     # the same async run at other staleness bounds: admission (run.max_staleness) caps how many groups
     # are in flight, and with a long length tail that cap, not the engine, sets the throughput
@@ -186,16 +248,22 @@ def main() -> None:
             more[k] = run_mode(f"avs{a.tag}-async-s{k}", ["run.mode=async", f"run.max_staleness={k}"])
         except (SystemExit, subprocess.TimeoutExpired) as e:
             more[k] = {"error": str(e)}
-    offline = offline_throughput(a.config, common, a.offline_prompts)
+    offline = offline_throughput(a.config, common, a.offline_prompts, out / "offline-engine.log")
+    gen_only = generator_throughput(a.config, common, a.offline_prompts, out / "offline-generator.log")
+    # judged against the faster of the two: SGLang's Engine API, and the same server and client as the
+    # run without a trainer (on H100 without CUDA graphs the Engine API came out at half the latter)
+    ceiling = max(offline["tokens_per_s"], gen_only["tokens_per_s"])
 
     def judged(row: dict) -> dict:
         return {
-            "speedup": round(s["s_per_step"] / row["s_per_step"], 3),
+            "speedup": None if s is None else round(s["s_per_step"] / row["s_per_step"], 3),
             "engine_busy_share": None
             if row["engine_idle_share"] is None
             else round(1 - row["engine_idle_share"], 3),
             "trainer_idle_share": row["trainer_wait_share"],
-            "engine_util": round(row["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+            "engine_util": round(row["rollout_tokens_per_s"] / ceiling, 3),
+            "engine_util_vs_engine_api": round(row["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+            "engine_util_vs_generator_only": round(row["rollout_tokens_per_s"] / gen_only["tokens_per_s"], 3),
         }
 
     result = {
@@ -204,6 +272,7 @@ def main() -> None:
         "overrides": a.overrides,
         **judged(y),  # the config as it is
         "offline_throughput": offline,
+        "generator_throughput": gen_only,
         "sync": s,
         "async": y,
         "async_by_staleness": {

@@ -21,6 +21,8 @@
 #   8 kill-2x the same test on the 2-GPU disaggregated config (NCCL pushes: the weight group re-forms)
 #   9 x4      on a 4-GPU machine: phases 3 and 6 on GPUs 0,1 beside phases 2 (1 and 4 GB buckets), 5
 #             (seed 0) and 8 on GPUs 2,3: what issue #17 still lacks, in one device session (~20 min)
+#   10 x4     on a 4-GPU machine, lanes pinned to cores 0-31 / 32-63: phase 3 with AVS_FLAGS (default
+#             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -60,7 +62,7 @@ phase2() {
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness ${AVS_STALENESS:-8} --out $S \
+  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness ${AVS_STALENESS:-8} --out $S ${AVS_FLAGS:-} \
     --results $R/gpu_async_vs_sync.jsonl >$S/3-avs.out 2>&1
 }
 
@@ -72,12 +74,13 @@ phase5() {
 }
 
 phase6() {
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+  local gpu=${CUDA_VISIBLE_DEVICES:-0}
+  SLIPSTREAM_TEST_ARTIFACTS=$S/kill-1x CUDA_VISIBLE_DEVICES=${gpu%%,*} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
     -k colocated -p no:cacheprovider >$S/6-kill.out 2>&1
 }
 
 phase8() {
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
+  SLIPSTREAM_TEST_ARTIFACTS=$S/kill-2x CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1} timeout 900 python -m pytest -m gpu tests/test_gpu_engine_restart.py -s -q \
     -k disaggregated -p no:cacheprovider >$S/8-kill-2x.out 2>&1
 }
 
@@ -86,6 +89,28 @@ phase7() {
   CUDA_VISIBLE_DEVICES=1 python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml \
     --steps "${LEARN_STEPS:-80}" --seeds 0 --out $S/learning --results $R/gpu_learning.jsonl \
     rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 >$S/5-learning.out 2>&1
+  wait
+}
+
+lane() {
+  # lane CPUS GPUS PHASE...: the phases one after another on these cores and GPUs. Two lanes on one
+  # host share its CPUs: SGLang without CUDA graphs is bound by its scheduler's CPU time, so each lane
+  # gets cores of its own (and fewer threads per process) to keep its timings its own
+  local cpus=$1 gpus=$2 pin=()
+  shift 2
+  command -v taskset >/dev/null && pin=(taskset -c "$cpus")
+  for p in "$@"; do
+    CUDA_VISIBLE_DEVICES=$gpus OMP_NUM_THREADS=8 "${pin[@]}" bash "$0" one "$p"
+    echo "lane $gpus: phase $p end $(date -u +%T)"
+  done
+}
+
+phase10() {
+  # a 4-GPU machine, what session 4 (phase 9) left open: engine utilisation measured without the sync
+  # run and against both ceilings, then the one-GPU kill test; beside it the two-GPU kill test and
+  # two more learning seeds
+  AVS_FLAGS=${AVS_FLAGS---skip-sync} lane 0-31 0,1 3 6 &
+  LEARN_SEEDS="1 2" lane 32-63 2,3 8 5 &
   wait
 }
 
@@ -123,6 +148,10 @@ start)
   # a new session: the phases outlive the device call that starts them
   setsid nohup bash "$0" run </dev/null >$S/phases.log 2>&1 &
   echo "started; progress: $S/phases.log"
+  ;;
+one)
+  # one phase, in the environment the caller set (lane)
+  "phase$2"
   ;;
 run)
   for p in ${PHASES:-2 8 7}; do

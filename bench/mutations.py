@@ -186,6 +186,22 @@ MUTATIONS = [
         "        return\n",
         ("tests/test_weights_sglang_protocol.py", "tests/test_weights_group_processes.py"),
     ),
+    Mutation(
+        "request_cap_first_burst",
+        "the request cap counts only what the engine holds: groups started in one burst overshoot it",
+        "stages/rollout/generator.py",
+        "        return in_flight + self._unsent + r.group_size <= r.max_inflight_requests\n",
+        "        return in_flight + r.group_size <= r.max_inflight_requests\n",
+        ("tests/test_request_cap.py",),
+    ),
+    Mutation(
+        "engine_down_hot_loop",
+        "a generator keeps starting and retrying groups on a dead engine (fails them all, burns the data)",
+        "stages/rollout/generator.py",
+        "        if self.engine.available():\n",
+        "        if True:\n",
+        ("tests/test_engine_down.py",),
+    ),
 ]
 
 

@@ -161,3 +161,20 @@ def test_async_vs_sync_takes_the_engines_idle_share_over_the_steady_window_only(
     healed = [dict(r) for r in rows]
     healed[-1]["generator/engine_busy_s"] = 1.0  # a new incarnation counts afresh
     assert avs.window_idle_share(healed[1:]) is None
+
+
+def test_the_generator_only_baseline_runs_the_generator_of_the_run_without_a_trainer(monkeypatch, tmp_path):
+    """bench/gpu_async_vs_sync.py's second ceiling (the run's engine and client, no trainer) on the CPU
+    default: the torch engine stands in for SGLang; the GPU run uses the same code on the run's server."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_async_vs_sync as avs
+
+    overrides = [
+        f"model.cache_dir={tmp_path / 'models'}",
+        "rollout.sampling.max_new_tokens=8",
+        "rollout.group_size=4",
+        "rollout.max_inflight_groups=4",
+    ]
+    out = avs.generator_throughput("configs/default.yaml", overrides, 6, tmp_path / "gen.log")
+    assert out["groups"] == 6 and out["tokens"] > 0 and out["tokens_per_s"] > 0
+    assert (tmp_path / "gen.log").exists()

@@ -21,6 +21,9 @@ class StubEngine:
     def check_health(self):
         return self.healthy
 
+    def available(self):
+        return not self.restarting
+
     def restart(self):
         self.restarts += 1
         self.healthy = True

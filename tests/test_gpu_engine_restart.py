@@ -52,6 +52,25 @@ def _sglang_servers(pid: int) -> list:
     return out
 
 
+def _keep_logs(tmp_path: Path, run_dir: Path) -> None:
+    """With SLIPSTREAM_TEST_ARTIFACTS set (bench/gpu_session.sh sets it), copy the run's log, metrics
+    and SGLang logs there: a device session keeps only what it collects."""
+    dest = os.environ.get("SLIPSTREAM_TEST_ARTIFACTS")
+    if not dest:
+        return
+    import shutil
+
+    out = Path(dest) / run_dir.parent.name
+    out.mkdir(parents=True, exist_ok=True)
+    for src in [
+        tmp_path / "pipeline.log",
+        run_dir / "metrics.jsonl",
+        *sorted((run_dir / "sglang").glob("*.log")),
+    ]:
+        if src.exists():
+            shutil.copy(src, out / src.name)
+
+
 def _fresh(rows: list[dict], killed_at: float) -> list[dict]:
     """The steps after the kill whose batches hold tokens the relaunched server generated (the
     generators' token count moved on since the first step after the kill)."""
@@ -117,6 +136,7 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+            _keep_logs(tmp_path, run_dir)
     tail = log_path.read_text()[-4000:]
     assert rc in (0, 130), f"the run failed after its SGLang server was killed (rc {rc}):\n{tail}"
     rows = _steps(run_dir)

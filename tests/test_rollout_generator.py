@@ -171,7 +171,7 @@ def test_engine_error_fails_group_and_retries(cfg, engine):
         def __init__(self, inner):
             self.inner, self.calls = inner, 0
             self.version, self.stats = inner.version, inner.stats
-            self.requests_in_flight = inner.requests_in_flight
+            self.requests_in_flight, self.available = inner.requests_in_flight, inner.available
 
         async def generate(self, reqs):
             self.calls += 1

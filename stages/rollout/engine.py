@@ -75,6 +75,11 @@ class Engine(ABC):
         """Engine counters (tokens, busy/idle seconds, weight updates); empty if it keeps none."""
         return {}
 
+    def available(self) -> bool:
+        """False while the engine cannot serve (a server that died or is being relaunched): the
+        generator then starts no group and retries none until it is back (no hot loop of failures)."""
+        return True
+
     def requests_in_flight(self) -> int | None:
         """Requests submitted and not yet answered: each counted from the call of generate(), before it
         first awaits, until its own answer (not its batch's); None if the engine does not count them.

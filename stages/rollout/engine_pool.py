@@ -65,8 +65,9 @@ class EnginePool(Engine):
         return cls(started)
 
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        # an engine being restarted (engine_watch) takes no new requests while another one is up
-        up = [not getattr(e, "restarting", False) for e in self.engines]
+        # an engine that is down or being restarted (engine_watch) takes no new requests while another
+        # one is up
+        up = [e.available() for e in self.engines]
         load = [e.outstanding if ok or not any(up) else float("inf") for e, ok in zip(self.engines, up)]
         parts: list[list[int]] = [[] for _ in self.engines]
         for i in range(len(requests)):
@@ -140,6 +141,9 @@ class EnginePool(Engine):
     def close(self) -> None:
         for e in self.engines:
             e.close()
+
+    def available(self) -> bool:
+        return any(e.available() for e in self.engines)
 
     def requests_in_flight(self) -> int:
         return sum(e.requests_in_flight() for e in self.engines)

@@ -123,9 +123,13 @@ class Generator:
         self._held_since = self._held_warned = 0.0
         self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
-        self._unsent = (
-            0  # requests of started groups not yet sent to the engine (the request cap counts them)
-        )
+        # requests of started groups not yet sent to the engine (the request cap counts them)
+        self._unsent = 0
+        self._engine_down_since: float | None = None  # when engine.available() last turned False
+        self._engine_down_warned = 0.0
+        # a retry waits this long for a dead engine: its relaunch (startup) plus two health checks
+        sglang = cfg.rollout.sglang
+        self._engine_down_wait_s = sglang.startup_timeout_s + 2 * sglang.health_check_s
         self._last_engine_version = engine.version
         self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
         self._stopping = False
@@ -267,9 +271,11 @@ class Generator:
             if self._error is not None:
                 raise self._error
             has_room = self._has_room()
-            if has_room and self.admissible():
+            if not self._engine_up():
+                pass  # a server died or is being relaunched: its groups would only fail
+            elif has_room and self.admissible():
                 return True
-            held_back = has_room  # by staleness admission, not by the in-flight caps
+            held_back = has_room and self._engine_down_since is None  # by staleness admission
             self.counters["admission_waits"] += held_back
             t0 = time.perf_counter()
             if held_back:
@@ -278,6 +284,39 @@ class Generator:
             await self._wait(stop_event)
             self.admission_wait_s += (time.perf_counter() - t0) * held_back
         return False
+
+    def _engine_up(self) -> bool:
+        """Whether the engine can serve; says so when it has been down for long (the engine watch
+        relaunches a dead SGLang server and logs each attempt)."""
+        if self.engine.available():
+            if self._engine_down_since is not None:
+                log.warning(
+                    "generator %s: the engine is back after %.0fs",
+                    self.id,
+                    time.monotonic() - self._engine_down_since,
+                )
+                self._engine_down_since = None
+            return True
+        now = time.monotonic()
+        if self._engine_down_since is None:
+            self._engine_down_since = self._engine_down_warned = now
+            log.warning("generator %s: the engine is down; no new group until it is back", self.id)
+        elif now - self._engine_down_warned > HELD_BACK_WARN_S:
+            self._engine_down_warned = now
+            log.warning(
+                "generator %s: the engine has been down for %.0fs (the engine watch relaunches a dead SGLang "
+                "server every rollout.sglang.health_check_s; its log says why it is not back)",
+                self.id,
+                now - self._engine_down_since,
+            )
+        return False
+
+    async def _until_engine_up(self) -> None:
+        """Before a group's retry: wait while the engine is down, at most ENGINE_DOWN_WAIT_S (then the
+        retry runs and fails, and the group counts as failed: no wait without an end)."""
+        deadline = time.monotonic() + self._engine_down_wait_s
+        while not self._engine_up() and time.monotonic() < deadline and not self._stopping:
+            await asyncio.sleep(0.2)
 
     def _has_room(self) -> bool:
         """Room for one more group under the in-flight caps: max_inflight_groups, and with
@@ -368,6 +407,7 @@ class Generator:
                 engine=_Sending(self.engine, sent),
                 retries=self.cfg.rollout.engine_retries,
                 on_engine_error=self._count_engine_error,
+                before_retry=self._until_engine_up,
             )
         finally:
             self._unsent -= unsent  # a group that failed, or sent fewer requests than its size

@@ -397,11 +397,15 @@ class GenerateFn:
         engine: Engine,
         retries: int,
         on_engine_error: Callable[[EngineCallError], None] | None = None,
+        before_retry: Callable[[], Awaitable[None]] | None = None,
     ) -> list[Sample] | None:
         """The group's n Samples, or None when the engine failed on every one of 1 + retries attempts
-        (each attempt with fresh blanks; each failure logged and passed to on_engine_error)."""
+        (each attempt with fresh blanks; each failure logged and passed to on_engine_error; each retry
+        after `before_retry`, which waits for the engine to be back)."""
         attempts = 1 + max(0, retries)
         for attempt in range(1, attempts + 1):
+            if attempt > 1 and before_retry is not None:
+                await before_retry()
             blanks = blank_samples(
                 group_id=gid, prompt=prompt, n=n, generator_id=generator_id, created_at=time.time()
             )

@@ -144,6 +144,7 @@ class SGLangEngine(Engine):
         self._update_lock = threading.RLock()
         self.outstanding = 0  # requests sent and not yet answered
         self.restarting = False  # True while restart() relaunches the server
+        self._unreachable = False  # a request could not reach the server; cleared once it answers /health
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self.last_update: dict[str, float] = {}
         self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
@@ -191,6 +192,7 @@ class SGLangEngine(Engine):
         # a forgotten engine must not keep its GPU: end the group when this object goes away
         self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
         self._wait_healthy(self.cfg.startup_timeout_s)
+        self._unreachable = False
         self._version = version
         threading.Thread(
             target=self._follow_version, args=(self._proc,), name=f"{self.name}-version", daemon=True
@@ -234,7 +236,17 @@ class SGLangEngine(Engine):
         """True when the server process is alive and /health answers 200 in time."""
         if self._proc is None or self._proc.poll() is not None:
             return False
-        return self._get_status("/health", self.cfg.health_timeout_s) == 200
+        healthy = self._get_status("/health", self.cfg.health_timeout_s) == 200
+        if healthy:
+            self._unreachable = False
+        return healthy
+
+    def available(self) -> bool:
+        """False while restart() relaunches the server, once its process has exited, or after a request
+        could not reach it (until /health answers again): requests sent then would only fail."""
+        if self.restarting or self._unreachable:
+            return False
+        return self._proc is None or self._proc.poll() is None
 
     def restart(self) -> float:
         """Relaunch a dead or hung server and bring it back to the newest weights it can re-sync to.
@@ -419,6 +431,8 @@ class SGLangEngine(Engine):
                     finish = meta.get("finish_reason") or finish
                     routed = meta.get("routed_experts") or routed
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            if isinstance(e, aiohttp.ClientConnectionError | OSError) and not isinstance(e, TimeoutError):
+                self._unreachable = True  # not there (a slow answer is not that)
             raise EngineError(
                 f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
                 f"recover a dead server; log: {self.log_path}"
