@@ -123,6 +123,17 @@ def run_on_gpus(config: str, common: list[str], out: Path, jobs: list[tuple[str,
         raise SystemExit(f"learning runs failed: {'; '.join(failed)}")
 
 
+def prior_runs(folders: list[str], exclude: list[int]) -> dict[tuple[str, int], Path]:
+    """(variant, seed) -> folder for the seeds (not in `exclude`) that a folder has every variant of."""
+    found: dict[tuple[str, int], Path] = {}
+    for folder in map(Path, folders):
+        seeds = {int(f.stem.rsplit("seed", 1)[1]) for f in folder.glob("*-seed*.jsonl")}
+        for seed in sorted(seeds - set(exclude)):
+            if all((folder / f"{name}-seed{seed}.jsonl").exists() for name in VARIANTS):
+                found.update({(name, seed): folder for name in VARIANTS})
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/gpu-2x-disaggregated.yaml")
@@ -137,6 +148,13 @@ def main() -> None:
         default=0,
         help="run one-GPU (colocated) runs side by side, one per GPU (0: in turn)",
     )
+    ap.add_argument(
+        "--prior",
+        nargs="*",
+        default=[],
+        help="folders of earlier runs of the same settings (<variant>-seed<k>.jsonl) to count with these "
+        "seeds: a device session too short for every seed adds its seeds to the last one's",
+    )
     ap.add_argument("--_one", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -150,11 +168,16 @@ def main() -> None:
     jobs = [(name, seed) for seed in a.seeds for name in VARIANTS]
     if a.gpus:
         run_on_gpus(a.config, common, out, jobs, a.gpus)
+    prior = prior_runs(a.prior, exclude=a.seeds)
+    seeds = sorted({*a.seeds, *(seed for _, seed in prior)})
     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
-    for name, seed in jobs:
-        if a.gpus:
-            rows = [json.loads(line) for line in (out / f"{name}-seed{seed}.jsonl").read_text().splitlines()]
+    for name, seed in [(name, seed) for seed in seeds for name in VARIANTS]:
+        if (name, seed) in prior or a.gpus:
+            folder = prior.get((name, seed), out)
+            rows = [
+                json.loads(line) for line in (folder / f"{name}-seed{seed}.jsonl").read_text().splitlines()
+            ]
         else:
             rows = one_run(a.config, common, out, name, seed)
         per[name].append(summarise(rows, a.tail))
@@ -165,13 +188,14 @@ def main() -> None:
     def final(name: str) -> float:
         return round(statistics.mean(s["final_reward"] for s in per[name]), 4)
 
-    spread = round(statistics.stdev(s["final_reward"] for s in per["sync"]), 4) if len(a.seeds) > 1 else None
+    spread = round(statistics.stdev(s["final_reward"] for s in per["sync"]), 4) if len(seeds) > 1 else None
     result = {
         "bench": "gpu_learning" if gpu else "learning_cpu",
         "config": a.config,
         "overrides": a.overrides,
         "steps": a.steps,
-        "seeds": a.seeds,
+        "seeds": seeds,
+        "prior": {f"{name}-seed{seed}": str(folder) for (name, seed), folder in prior.items()},
         "final_reward_sync": final("sync"),
         "final_reward_async_tis": final("async_tis"),
         "final_reward_async_no_tis": final("async_no_tis"),

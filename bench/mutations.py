@@ -202,6 +202,14 @@ MUTATIONS = [
         "        if True:\n",
         ("tests/test_engine_down.py",),
     ),
+    Mutation(
+        "stale_abort_at_the_bound",
+        "a group exactly at run.max_staleness is aborted too (trainable work thrown away)",
+        "stages/rollout/generator.py",
+        "            if now - start > self.max_staleness and not task.done():\n",
+        "            if now - start >= self.max_staleness and not task.done():\n",
+        ("tests/test_stale_abort.py",),
+    ),
 ]
 
 

@@ -564,6 +564,7 @@ class Pipeline:
             "groups_finished",
             "groups_filtered",
             "groups_failed",
+            "groups_aborted_stale",  # cancelled while generating: too stale to train (abort_stale_groups)
             "groups_running",
             "requests_in_flight",  # sequences the engines decode now (rollout.max_inflight_requests)
             "samples_failed",

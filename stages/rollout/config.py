@@ -114,6 +114,9 @@ class RolloutConfig(_Base):
     # engine half empty; a request cap (like slime's sglang_server_concurrency) starts new groups as
     # sequences finish, up to max_inflight_groups and the staleness bound
     max_inflight_requests: int = 0
+    # cancel a group still generating once it can no longer be trained within run.max_staleness (the
+    # buffer would evict it on arrival): the engine decodes something else instead
+    abort_stale_groups: bool = True
     max_batch_size: int = 64  # sequences decoded together by the torch engine
     chunk_tokens: int = 8  # torch engine: decode steps between checks for a weight update
     # which groups reach the buffer: "none", "nonzero_std" (dynamic sampling: drop groups whose rewards

@@ -115,9 +115,12 @@ class Generator:
                 "tokens",
                 "admission_waits",
                 "groups_evicted",
+                "groups_aborted_stale",
             ),
             0,
         )
+        # groups in flight: id -> (task, engine version at its start), for abort_stale_groups
+        self._in_flight: dict[str, tuple[asyncio.Task, int]] = {}
         self.admission_wait_s = 0.0
         self._evicted_polled = 0.0
         self._held_since = self._held_warned = 0.0
@@ -168,7 +171,13 @@ class Generator:
             return True
         c = self.counters
         # groups the buffer evicted as too stale will never be consumed: they no longer hold a place
-        live = c["groups_started"] - c["groups_filtered"] - c["groups_failed"] - c["groups_evicted"]
+        live = (
+            c["groups_started"]
+            - c["groups_filtered"]
+            - c["groups_failed"]
+            - c["groups_evicted"]
+            - c["groups_aborted_stale"]
+        )
         version = self.admission_version()
         if version < self._last_engine_version:
             # The weights went back (a trainer restarted from its checkpoint): the groups the lost steps
@@ -249,10 +258,12 @@ class Generator:
                     gid, prompt = self.start_group()
                     self._unsent += self.cfg.rollout.group_size  # released as they reach the engine
                     task = asyncio.create_task(self._group(gid, prompt, self.engine.version))
+                    self._in_flight[gid] = (task, self.engine.version)
                     tasks.add(task)
-                    task.add_done_callback(lambda t: self._group_done(t, tasks))
-                if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    task.add_done_callback(lambda t, gid=gid: self._group_done(t, tasks, gid))
+                while tasks:  # the last groups: those past the staleness bound are still aborted
+                    self._abort_stale_groups()
+                    await asyncio.wait(set(tasks), timeout=0.05)
             if self._error is not None:
                 raise self._error
         finally:
@@ -270,6 +281,7 @@ class Generator:
         while not self._should_stop(stop_event, max_groups):
             if self._error is not None:
                 raise self._error
+            self._abort_stale_groups()
             has_room = self._has_room()
             if not self._engine_up():
                 pass  # a server died or is being relaunched: its groups would only fail
@@ -318,6 +330,32 @@ class Generator:
         while not self._engine_up() and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.2)
 
+    def _abort_stale_groups(self) -> None:
+        """Cancel the groups that can no longer be trained within run.max_staleness, so that the engine
+        decodes something else (rollout.abort_stale_groups). A group started on engine version v has
+        tokens of version >= v, and the trainer that consumes it is at least at the engine's version
+        now, so once `engine.version - v > max_staleness` the buffer would evict it on arrival. The
+        engine's version, not the trainer's from acks: it goes back with a restarted trainer, where the
+        acks' does not. Cancelling a group's task closes its requests (SGLang aborts a request whose
+        client went away)."""
+        if not self.cfg.rollout.abort_stale_groups or self.batch_groups <= 0:
+            return
+        now = self.engine.version
+        for gid, (task, start) in list(self._in_flight.items()):
+            if now - start > self.max_staleness and not task.done():
+                task.cancel()
+                del self._in_flight[gid]
+                self.counters["groups_aborted_stale"] += 1
+                log.info(
+                    "generator %s: aborted group %s started at engine version %d: at version %d it can "
+                    "no longer be trained within run.max_staleness=%d",
+                    self.id,
+                    gid,
+                    start,
+                    now,
+                    self.max_staleness,
+                )
+
     def _has_room(self) -> bool:
         """Room for one more group under the in-flight caps: max_inflight_groups, and with
         max_inflight_requests set, a whole group's requests beside those the engine still decodes."""
@@ -345,8 +383,9 @@ class Generator:
             return True
         return max_groups is not None and self.counters["groups_started"] >= max_groups
 
-    def _group_done(self, task: asyncio.Task, tasks: set[asyncio.Task]) -> None:
+    def _group_done(self, task: asyncio.Task, tasks: set[asyncio.Task], gid: str) -> None:
         tasks.discard(task)
+        self._in_flight.pop(gid, None)
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()  # the sink failed: run() re-raises it
         if self._wake is not None:
@@ -366,6 +405,7 @@ class Generator:
     async def _group(self, gid: str, prompt, start_version: int) -> None:
         try:
             samples = await self._generate(gid, prompt)
+            self._in_flight.pop(gid, None)  # generated: past aborting (its put may already be on the way)
             if samples is None:
                 self.counters["groups_failed"] += 1
                 return
