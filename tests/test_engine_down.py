@@ -108,3 +108,35 @@ def test_a_server_that_cannot_be_reached_is_marked_unavailable(tmp_path):
     with pytest.raises(EngineError, match="/generate failed"):
         asyncio.run(eng.generate([req]))
     assert not eng.available() and eng.requests_in_flight() == 0
+
+
+def test_a_retry_after_a_relaunch_is_judged_by_its_own_start(tmp_path_factory):
+    """The server dies under a group and comes back re-synced to a newer version: the group's retry
+    makes fresh tokens, so abort_stale_groups must judge it by the retry's start, not the first try's."""
+    cfg = make_cfg(tmp_path_factory, max_inflight_groups=1, engine_retries=1)  # run.max_staleness = 1
+
+    class Versioned(DyingEngine):
+        v = 0
+
+        @property
+        def version(self) -> int:
+            return self.v
+
+    engine = Versioned(latency_s=0.1)
+    gen = Generator(cfg, FakeSink(), engine, "relaunch", batch_groups=2)
+
+    async def go():
+        async def die_and_come_back_newer():
+            await asyncio.sleep(0.03)
+            engine.down = True
+            await asyncio.sleep(0.2)
+            engine.v = 3  # the catch-up push after the relaunch
+            engine.down = False
+
+        outage = asyncio.create_task(die_and_come_back_newer())
+        stats = await gen.run(max_groups=2)
+        await outage
+        return stats
+
+    stats = asyncio.run(go())
+    assert stats["groups_aborted_stale"] == 0 and stats["groups_finished"] == 2, stats

@@ -166,3 +166,113 @@ def test_an_engine_pool_sums_its_engines_requests():
             return self.n
 
     assert EnginePool([Counted(3), Counted(5)]).requests_in_flight() == 8
+
+
+def test_sglang_engine_gives_back_the_requests_of_a_batch_cancelled_before_they_ran(monkeypatch, tmp_path):
+    """A group aborted right after it sent its requests: their tasks are cancelled before their first
+    step, and the engine must still stop counting them (else the cap shrinks for good)."""
+    pytest.importorskip("aiohttp")
+    eng = SGLangEngine(str(tmp_path), start=False)
+
+    async def one(session, req, start_v):
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(eng, "_generate_one", one)
+
+    async def go():
+        reqs = [GenRequest(prompt_ids=[1], params=SamplingParams(), rid=str(i)) for i in range(4)]
+        task = asyncio.create_task(eng.generate(reqs))
+        await asyncio.sleep(0)  # generate() ran up to its gather: the request tasks have not run yet
+        assert eng.requests_in_flight() == 4
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return eng.requests_in_flight()
+
+    assert asyncio.run(go()) == 0
+
+
+def test_an_engine_pool_counts_a_share_until_its_engine_counts_it():
+    """Two engines: each share is handed over a loop step later; the pool counts it meanwhile, and gives
+    back the count of a share cancelled before it was handed over."""
+    from stages.rollout.engine_pool import EnginePool
+
+    class Counting:
+        def __init__(self):
+            self.open, self.outstanding, self.release = 0, 0, None
+
+        def available(self):
+            return True
+
+        def requests_in_flight(self):
+            return self.open
+
+        async def generate(self, requests):
+            self.open += len(requests)
+            try:
+                await self.release.wait()
+            finally:
+                self.open -= len(requests)
+            return [
+                GenResult(rid=r.rid, response_ids=[1], logprobs=[0.0], versions=[0], finish_reason="stop")
+                for r in requests
+            ]
+
+    engines = [Counting(), Counting()]
+    pool = EnginePool(engines)
+
+    async def go():
+        for e in engines:
+            e.release = asyncio.Event()
+        reqs = [GenRequest(prompt_ids=[1], params=SamplingParams(), rid=str(i)) for i in range(4)]
+        task = asyncio.create_task(pool.generate(reqs))
+        await asyncio.sleep(0)  # the pool split the batch; neither engine's generate() has run
+        before = pool.requests_in_flight()
+        await asyncio.sleep(0.01)
+        handed = pool.requests_in_flight(), [e.open for e in engines]
+        for e in engines:
+            e.release.set()
+        await task
+        cancelled = asyncio.create_task(pool.generate(reqs))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return before, handed, pool.requests_in_flight()
+
+    before, handed, after = asyncio.run(go())
+    assert before == 4 and handed == (4, [2, 2]) and after == 0
+
+
+def test_the_torch_engine_counts_a_cancelled_request_until_it_is_decoded(tmp_path_factory):
+    """The torch engine cannot stop a sequence it was given: a cancelled request still takes a place
+    until the engine has decoded it, so the cap does not admit past what it really decodes."""
+    cfg = make_cfg(tmp_path_factory)
+    engine = build_engine(cfg)
+
+    async def go():
+        reqs = [
+            GenRequest(prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=6), rid=str(i))
+            for i in range(4)
+        ]
+        task = asyncio.create_task(engine.generate(reqs))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        still = engine.requests_in_flight()
+        for _ in range(500):
+            if engine.requests_in_flight() == 0:
+                break
+            await asyncio.sleep(0.01)
+        return still, engine.requests_in_flight()
+
+    try:
+        still, after = asyncio.run(go())
+    finally:
+        engine.close()
+    assert still == 4 and after == 0

@@ -54,7 +54,7 @@ def _run(cfg, engine, versions: list[tuple[float, int]]):
             await asyncio.sleep(delay)
             engine.update_weights([], v)
             await asyncio.sleep(0.1)
-            seen.append("g-0" in gen._in_flight)
+            seen.append("g-0" in gen._flights)
 
     async def go():
         mover = asyncio.create_task(move())
@@ -82,3 +82,25 @@ def test_with_abort_stale_groups_off_the_group_is_left_to_the_buffer(tmp_path_fa
     stats, sink, seen = _run(cfg, engine, [(0.1, 2)])
     assert stats["groups_aborted_stale"] == 0 and engine.cancelled == 0
     assert stats["groups_finished"] == 6 and "g-0" in sink.groups
+
+
+def test_a_group_aborted_before_it_first_ran_gives_its_places_back(tmp_path_factory):
+    """A push that lands between a group's start and its first step makes it stale at once: its task
+    is cancelled before it ever ran. Its group and request places must come back all the same."""
+    cfg = make_cfg(tmp_path_factory, max_inflight_groups=4, max_inflight_requests=8)
+    engine = OneLongGroup(long_s=30.0)
+    gen = Generator(cfg, FakeSink(), engine, "g", batch_groups=2)
+
+    async def go():
+        gen._wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        gen._launch(tasks)
+        engine.update_weights([], 2)  # the push thread, before the task's first step
+        gen._abort_stale_groups()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return tasks
+
+    tasks = asyncio.run(go())
+    assert not tasks and gen.counters["groups_aborted_stale"] == 1 and engine.calls == 0
+    assert gen._running == 0 and gen._unsent == 0 and gen._has_room()

@@ -20,6 +20,11 @@ never sit in start_group() on a finished group (at run.max_staleness 0 that wait
 which needs exactly that group). `run_groups(fn)` is that loop; docs/rollouts.md shows it written out.
 A group given up on is `ctx.abandon(group)` (counted as failed). Groups still open when the function
 returns are counted as failed too.
+
+What the built-in loop does and a rollout_fn's groups do not get: a group's requests count against
+rollout.max_inflight_requests only once they reach the engine (start_group() reserves none), and a
+group past the staleness bound is not aborted (rollout.abort_stale_groups): the buffer evicts it. Like
+the built-in loop, start_group() waits while the engine is down, and run_groups' retries wait for it.
 """
 
 from __future__ import annotations
@@ -112,8 +117,13 @@ class RolloutContext:
         retries = max(0, self._gen.cfg.rollout.engine_retries)
         running: dict[asyncio.Task, tuple[Group, int]] = {}
 
+        async def attempt_of(group: Group, attempt: int):
+            if attempt > 1:  # a retry waits for a dead engine to be back (bounded), as the generator's do
+                await self._gen._until_engine_up()
+            return await fn(group)
+
         def spawn(group: Group, attempt: int) -> None:
-            task = asyncio.ensure_future(fn(group))
+            task = asyncio.ensure_future(attempt_of(group, attempt))
             self._tasks.add(task)
             running[task] = (group, attempt)
 

@@ -22,6 +22,7 @@ class EnginePool(Engine):
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self.engines = list(engines)
+        self._dispatching = 0  # requests handed to an engine whose generate() has not run yet
 
     @classmethod
     def launch(
@@ -74,14 +75,36 @@ class EnginePool(Engine):
             k = min(range(len(load)), key=load.__getitem__)
             parts[k].append(i)
             load[k] += 1
-        outs = await asyncio.gather(
-            *(e.generate([requests[i] for i in p]) for e, p in zip(self.engines, parts) if p)
-        )
+        used = [(e, [requests[i] for i in p]) for e, p in zip(self.engines, parts) if p]
+        if len(used) == 1:  # counted by the engine from this call on
+            outs = [await used[0][0].generate(used[0][1])]
+        else:
+            outs = await self._dispatch(used)
         results: list[GenResult | None] = [None] * len(requests)
         for p, out in zip([p for p in parts if p], outs):
             for i, r in zip(p, out):
                 results[i] = r
         return results  # type: ignore[return-value]
+
+    async def _dispatch(self, used: list[tuple[SGLangEngine, list[GenRequest]]]) -> list[list[GenResult]]:
+        """Each engine's share at once. An engine counts its requests when its generate() first runs, a
+        loop step later; until then they count here, so the generator's request cap never sees requests
+        that nobody counts (nor keeps counting those of a share cancelled before it ran)."""
+        pending = [len(reqs) for _, reqs in used]
+        self._dispatching += sum(pending)
+
+        def handed_over(k: int) -> None:
+            self._dispatching -= pending[k]
+            pending[k] = 0
+
+        async def one(k: int, engine: SGLangEngine, reqs: list[GenRequest]) -> list[GenResult]:
+            handed_over(k)
+            return await engine.generate(reqs)
+
+        tasks = [asyncio.ensure_future(one(k, e, reqs)) for k, (e, reqs) in enumerate(used)]
+        for k, task in enumerate(tasks):
+            task.add_done_callback(lambda _t, k=k: handed_over(k))  # a share cancelled before it ran
+        return await asyncio.gather(*tasks)
 
     @property
     def version(self) -> int:
@@ -146,7 +169,7 @@ class EnginePool(Engine):
         return any(e.available() for e in self.engines)
 
     def requests_in_flight(self) -> int:
-        return sum(e.requests_in_flight() for e in self.engines)
+        return sum(e.requests_in_flight() for e in self.engines) + self._dispatching
 
     def stats(self) -> dict:
         """Each engine's stats by name, and the sums over engines the generator reports (busy_s, idle_s,

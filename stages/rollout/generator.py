@@ -25,6 +25,7 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pipeline.sample import Sample, Status
 from stages.reward.registry import RewardScorer
@@ -119,8 +120,7 @@ class Generator:
             ),
             0,
         )
-        # groups in flight: id -> (task, engine version at its start), for abort_stale_groups
-        self._in_flight: dict[str, tuple[asyncio.Task, int]] = {}
+        self._flights: dict[str, _Flight] = {}  # the groups run() started and not yet done
         self.admission_wait_s = 0.0
         self._evicted_polled = 0.0
         self._held_since = self._held_warned = 0.0
@@ -245,6 +245,7 @@ class Generator:
         Returns stats(). An error from the sink (buffer unreachable) stops the loop and is raised."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._stop_event = stop_event
         tasks: set[asyncio.Task] = set()
         self._watch = watch_for(self.engine, self.cfg)  # restarts a dead SGLang server meanwhile
         watching = asyncio.create_task(self._watch.run()) if self._watch else None
@@ -255,12 +256,7 @@ class Generator:
                 await run_rollout_fn(self, stop_event, max_groups)
             else:
                 while await self.admitted(stop_event, max_groups):
-                    gid, prompt = self.start_group()
-                    self._unsent += self.cfg.rollout.group_size  # released as they reach the engine
-                    task = asyncio.create_task(self._group(gid, prompt, self.engine.version))
-                    self._in_flight[gid] = (task, self.engine.version)
-                    tasks.add(task)
-                    task.add_done_callback(lambda t, gid=gid: self._group_done(t, tasks, gid))
+                    self._launch(tasks)
                 while tasks:  # the last groups: those past the staleness bound are still aborted
                     self._abort_stale_groups()
                     await asyncio.wait(set(tasks), timeout=0.05)
@@ -274,6 +270,20 @@ class Generator:
                 self._watch.close()
             self._wake = None
         return self.stats()
+
+    def _launch(self, tasks: set[asyncio.Task]) -> str:
+        """Start a group (right after admitted()) as a task in `tasks`; returns its id."""
+        gid, prompt = self.start_group()
+        flight = _Flight(start_version=self.engine.version, unsent=self.cfg.rollout.group_size)
+        self._unsent += flight.unsent  # released as they reach the engine
+        flight.task = asyncio.create_task(self._group(gid, prompt, flight))
+        self._flights[gid] = flight
+        tasks.add(flight.task)
+        # a done callback, not the task's own `finally`: a task cancelled before it first ran never
+        # enters its body (a push that lands right after its start, then abort_stale_groups), and its
+        # places must be given back all the same
+        flight.task.add_done_callback(lambda t: self._group_done(t, tasks, gid))
+        return gid
 
     async def admitted(self, stop_event: asyncio.Event | None, max_groups: int | None) -> bool:
         """Wait until a new group may start (in-flight cap and staleness admission); False once the
@@ -299,7 +309,8 @@ class Generator:
 
     def _engine_up(self) -> bool:
         """Whether the engine can serve; says so when it has been down for long (the engine watch
-        relaunches a dead SGLang server and logs each attempt)."""
+        relaunches a dead SGLang server and logs each attempt), and raises EngineDown once it has been
+        down for two relaunches' time: the generator then fails, named, instead of waiting for ever."""
         if self.engine.available():
             if self._engine_down_since is not None:
                 log.warning(
@@ -313,6 +324,12 @@ class Generator:
         if self._engine_down_since is None:
             self._engine_down_since = self._engine_down_warned = now
             log.warning("generator %s: the engine is down; no new group until it is back", self.id)
+        elif now - self._engine_down_since > 2 * self._engine_down_wait_s:
+            raise EngineDown(
+                f"generator {self.id}: the engine has been down for {now - self._engine_down_since:.0f}s, two "
+                "relaunches' time (rollout.sglang.startup_timeout_s + 2 x health_check_s each); the engine "
+                "watch's errors and the SGLang log say why it does not come back"
+            )
         elif now - self._engine_down_warned > HELD_BACK_WARN_S:
             self._engine_down_warned = now
             log.warning(
@@ -327,31 +344,32 @@ class Generator:
         """Before a group's retry: wait while the engine is down, at most ENGINE_DOWN_WAIT_S (then the
         retry runs and fails, and the group counts as failed: no wait without an end)."""
         deadline = time.monotonic() + self._engine_down_wait_s
-        while not self._engine_up() and time.monotonic() < deadline and not self._stopping:
+        while not self._engine_up() and time.monotonic() < deadline:
+            if self._should_stop(self._stop_event, None):
+                return
             await asyncio.sleep(0.2)
 
     def _abort_stale_groups(self) -> None:
         """Cancel the groups that can no longer be trained within run.max_staleness, so that the engine
-        decodes something else (rollout.abort_stale_groups). A group started on engine version v has
-        tokens of version >= v, and the trainer that consumes it is at least at the engine's version
-        now, so once `engine.version - v > max_staleness` the buffer would evict it on arrival. The
-        engine's version, not the trainer's from acks: it goes back with a restarted trainer, where the
-        acks' does not. Cancelling a group's task closes its requests (SGLang aborts a request whose
-        client went away)."""
+        decodes something else (rollout.abort_stale_groups). A group whose current attempt started on
+        engine version v has tokens of version >= v, and the trainer that consumes it is at least at the
+        engine's version now, so once `engine.version - v > max_staleness` the buffer would evict it on
+        arrival. The engine's version, not the trainer's from acks: it goes back with a restarted
+        trainer, where the acks' does not. Cancelling a group's task closes its requests (SGLang aborts
+        a request whose client went away); it is counted once the task has ended cancelled."""
         if not self.cfg.rollout.abort_stale_groups or self.batch_groups <= 0:
             return
         now = self.engine.version
-        for gid, (task, start) in list(self._in_flight.items()):
-            if now - start > self.max_staleness and not task.done():
-                task.cancel()
-                del self._in_flight[gid]
-                self.counters["groups_aborted_stale"] += 1
+        for gid, f in self._flights.items():
+            if f.generating and not f.aborting and now - f.start_version > self.max_staleness:
+                f.aborting = True
+                f.task.cancel()
                 log.info(
-                    "generator %s: aborted group %s started at engine version %d: at version %d it can "
+                    "generator %s: aborting group %s started at engine version %d: at version %d it can "
                     "no longer be trained within run.max_staleness=%d",
                     self.id,
                     gid,
-                    start,
+                    f.start_version,
                     now,
                     self.max_staleness,
                 )
@@ -385,7 +403,11 @@ class Generator:
 
     def _group_done(self, task: asyncio.Task, tasks: set[asyncio.Task], gid: str) -> None:
         tasks.discard(task)
-        self._in_flight.pop(gid, None)
+        flight = self._flights.pop(gid)
+        self._release(flight)
+        self._running -= 1
+        if task.cancelled() and flight.aborting:
+            self.counters["groups_aborted_stale"] += 1
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()  # the sink failed: run() re-raises it
         if self._wake is not None:
@@ -402,17 +424,14 @@ class Generator:
         for w in waiters:
             w.cancel()
 
-    async def _group(self, gid: str, prompt, start_version: int) -> None:
-        try:
-            samples = await self._generate(gid, prompt)
-            self._in_flight.pop(gid, None)  # generated: past aborting (its put may already be on the way)
-            if samples is None:
-                self.counters["groups_failed"] += 1
-                return
-            await self._score(samples)
-            await self._put(samples)
-        finally:
-            self._running -= 1
+    async def _group(self, gid: str, prompt, flight: _Flight) -> None:
+        samples = await self._generate(gid, prompt, flight)
+        flight.generating = False  # past aborting: its put may already be on the way
+        if samples is None:
+            self.counters["groups_failed"] += 1
+            return
+        await self._score(samples)
+        await self._put(samples)
 
     async def _put(self, samples: list[Sample]) -> None:
         """Filter a scored group and stream it to the sink (counted either way)."""
@@ -426,16 +445,20 @@ class Generator:
         self.counters["samples_failed"] += sum(s.status == Status.FAILED for s in samples)
         self.counters["tokens"] += sum(s.response_len for s in samples)
 
-    async def _generate(self, gid: str, prompt) -> list[Sample] | None:
+    async def _generate(self, gid: str, prompt, flight: _Flight) -> list[Sample] | None:
         """The group's Samples from the generate_fn (None when the engine kept failing). An engine error
-        is retried with fresh blanks; anything else the function raises, or a bad return, is raised."""
-        unsent = self.cfg.rollout.group_size  # this group's part of self._unsent
+        is retried with fresh blanks, once the engine is up; anything else the function raises, or a bad
+        return, is raised."""
 
         def sent(n: int) -> None:
-            nonlocal unsent
-            k = min(n, unsent)
-            unsent -= k
+            k = min(n, flight.unsent)
+            flight.unsent -= k
             self._unsent -= k
+
+        async def before_retry() -> None:
+            flight.generating = False  # nothing to abort while it waits: its stale tokens are gone
+            await self._until_engine_up()
+            flight.start_version, flight.generating = self.engine.version, True  # the retry's are new
 
         try:
             samples = await self.generate.with_retries(
@@ -447,13 +470,18 @@ class Generator:
                 engine=_Sending(self.engine, sent),
                 retries=self.cfg.rollout.engine_retries,
                 on_engine_error=self._count_engine_error,
-                before_retry=self._until_engine_up,
+                before_retry=before_retry,
             )
         finally:
-            self._unsent -= unsent  # a group that failed, or sent fewer requests than its size
+            self._release(flight)  # a group that failed, or sent fewer requests than its size
         if samples is not None and self._delay_mean:  # bench only: a long-tailed per-group latency
             await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
         return samples
+
+    def _release(self, flight: _Flight) -> None:
+        """Give back the request places a group reserved and did not use (idempotent)."""
+        self._unsent -= flight.unsent
+        flight.unsent = 0
 
     def _count_engine_error(self, _error: BaseException) -> None:
         self.counters["engine_errors"] += 1
@@ -493,6 +521,22 @@ class Generator:
         self.group_counter = int(state["group_counter"])
 
 
+class EngineDown(RuntimeError):
+    """The generator's engine stayed down (not available()) for longer than relaunches take."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A group run() started: its task, the engine version its current attempt started at (for
+    abort_stale_groups), and its request places not yet sent to the engine (the request cap)."""
+
+    start_version: int
+    unsent: int
+    task: asyncio.Task | None = None
+    generating: bool = True  # False once its samples are made: past aborting
+    aborting: bool = False
+
+
 class _Sending:
     """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests
     it sends. Engines count a request from the moment generate() is called, so the group's reserved
@@ -511,6 +555,8 @@ class _Sending:
         return await self._engine.generate(requests)
 
     def __getattr__(self, name: str):
+        if name == "_engine":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self._engine, name)
 
 

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 
 VERSION_POLL_S = 0.5
+UNREACHABLE_BACKOFF_S = 2.0  # no new request for this long after one could not connect
 
 
 class EngineError(RuntimeError):
@@ -144,7 +145,8 @@ class SGLangEngine(Engine):
         self._update_lock = threading.RLock()
         self.outstanding = 0  # requests sent and not yet answered
         self.restarting = False  # True while restart() relaunches the server
-        self._unreachable = False  # a request could not reach the server; cleared once it answers /health
+        # when a request last could not reach the server; cleared once it answers /health
+        self._unreachable_at: float | None = None
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self.last_update: dict[str, float] = {}
         self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
@@ -192,7 +194,7 @@ class SGLangEngine(Engine):
         # a forgotten engine must not keep its GPU: end the group when this object goes away
         self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
         self._wait_healthy(self.cfg.startup_timeout_s)
-        self._unreachable = False
+        self._unreachable_at = None
         self._version = version
         threading.Thread(
             target=self._follow_version, args=(self._proc,), name=f"{self.name}-version", daemon=True
@@ -238,13 +240,17 @@ class SGLangEngine(Engine):
             return False
         healthy = self._get_status("/health", self.cfg.health_timeout_s) == 200
         if healthy:
-            self._unreachable = False
+            self._unreachable_at = None
         return healthy
 
     def available(self) -> bool:
-        """False while restart() relaunches the server, once its process has exited, or after a request
-        could not reach it (until /health answers again): requests sent then would only fail."""
-        if self.restarting or self._unreachable:
+        """False while restart() relaunches the server, once its process has exited, and for
+        UNREACHABLE_BACKOFF_S after a request could not reach it (or until /health answers): requests
+        sent then would only fail. A back-off, not a flag: without an engine watch nothing would clear it."""
+        if self.restarting:
+            return False
+        since = self._unreachable_at
+        if since is not None and time.monotonic() - since < UNREACHABLE_BACKOFF_S:
             return False
         return self._proc is None or self._proc.poll() is None
 
@@ -364,25 +370,35 @@ class SGLangEngine(Engine):
             self._busy_since = time.perf_counter()
         self.outstanding += len(requests)  # each one leaves when its own answer is in (_answered)
         t0 = time.perf_counter()
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            out = await asyncio.gather(
-                *(self._answered(self._generate_one(session, r, start_v)) for r in requests)
-            )
+        made = 0
+        try:
+            async with aiohttp.ClientSession(
+                timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            ) as session:
+                tasks = []
+                for r in requests:
+                    # a done callback, not a `finally` in the request's coroutine: a task cancelled
+                    # before it first ran (its group aborted at once) never enters its body
+                    task = asyncio.ensure_future(self._generate_one(session, r, start_v))
+                    task.add_done_callback(self._answered)
+                    tasks.append(task)
+                    made += 1
+                out = await asyncio.gather(*tasks)
+        finally:
+            for _ in range(len(requests) - made):  # never sent: an error before their task was made
+                self._answered()
         self._stats["requests"] += len(out)
         self._stats["tokens"] += sum(len(r.response_ids) for r in out)
         self._stats["gen_s"] += time.perf_counter() - t0
         return list(out)
 
-    async def _answered(self, one):
-        """Await one request; it stops counting as outstanding when its answer is in, not when its
-        batch's last one is: a group's long tail must not hold the places of its finished siblings."""
-        try:
-            return await one
-        finally:
-            self.outstanding -= 1
-            if self.outstanding == 0 and self._busy_since is not None:
-                self._busy_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
+    def _answered(self, _task: asyncio.Future | None = None) -> None:
+        """One request is done (answered, failed or cancelled): it stops counting as outstanding now,
+        not when its batch's last one is: a group's long tail must not hold its siblings' places."""
+        self.outstanding -= 1
+        if self.outstanding == 0 and self._busy_since is not None:
+            self._busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
 
     def requests_in_flight(self) -> int:
         return self.outstanding
@@ -432,7 +448,7 @@ class SGLangEngine(Engine):
                     routed = meta.get("routed_experts") or routed
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if isinstance(e, aiohttp.ClientConnectionError | OSError) and not isinstance(e, TimeoutError):
-                self._unreachable = True  # not there (a slow answer is not that)
+                self._unreachable_at = time.monotonic()  # not there (a slow answer is not that)
             raise EngineError(
                 f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
                 f"recover a dead server; log: {self.log_path}"

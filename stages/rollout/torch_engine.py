@@ -132,18 +132,19 @@ class TorchEngine(Engine):
 
         def resolver(fut: asyncio.Future) -> Callback:
             def done(res: GenResult | BaseException) -> None:
-                loop.call_soon_threadsafe(_settle, fut, res)
+                loop.call_soon_threadsafe(self._answered, fut, res)
 
             return done
 
         self.submit(requests, [resolver(f) for f in futures])
         self._open += len(requests)
-        for f in futures:  # settled on this loop's thread, so the count needs no lock
-            f.add_done_callback(self._answered)
         return list(await asyncio.gather(*futures))
 
-    def _answered(self, _fut: asyncio.Future) -> None:
+    def _answered(self, fut: asyncio.Future, res: GenResult | BaseException) -> None:
+        # on the caller's loop thread, so the count needs no lock; when the engine thread answers, not
+        # when the caller gives up (a cancelled request is still decoded to its end: it still counts)
         self._open -= 1
+        _settle(fut, res)
 
     def requests_in_flight(self) -> int:
         """Requests generate() submitted and not yet answered (each counted until its own answer)."""
