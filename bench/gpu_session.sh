@@ -98,7 +98,8 @@ lane() {
   # gets cores of its own (and fewer threads per process) to keep its timings its own
   local cpus=$1 gpus=$2 pin=()
   shift 2
-  command -v taskset >/dev/null && pin=(taskset -c "$cpus")
+  # pinned where the host has those cores (unpinned, and said so, where it has not)
+  if taskset -c "$cpus" true 2>/dev/null; then pin=(taskset -c "$cpus"); else echo "lane $gpus: not pinned to $cpus"; fi
   for p in "$@"; do
     CUDA_VISIBLE_DEVICES=$gpus OMP_NUM_THREADS=8 "${pin[@]}" bash "$0" one "$p"
     echo "lane $gpus: phase $p end $(date -u +%T)"
