@@ -206,8 +206,8 @@ MUTATIONS = [
         "stale_abort_at_the_bound",
         "a group exactly at run.max_staleness is aborted too (trainable work thrown away)",
         "stages/rollout/generator.py",
-        "            if now - start > self.max_staleness and not task.done():\n",
-        "            if now - start >= self.max_staleness and not task.done():\n",
+        "            if f.generating and not f.aborting and now - f.start_version > self.max_staleness:\n",
+        "            if f.generating and not f.aborting and now - f.start_version >= self.max_staleness:\n",
         ("tests/test_stale_abort.py",),
     ),
 ]
