@@ -248,17 +248,17 @@ def test_an_engine_pool_counts_a_share_until_its_engine_counts_it():
     assert before == 4 and handed == (4, [2, 2]) and after == 0
 
 
-def test_the_torch_engine_counts_a_cancelled_request_until_it_is_decoded(tmp_path_factory):
-    """The torch engine cannot stop a sequence it was given: a cancelled request still takes a place
-    until the engine has decoded it, so the cap does not admit past what it really decodes."""
+def test_the_torch_engine_drops_a_cancelled_request_and_counts_it_until_then(tmp_path_factory):
+    """An aborted group's requests: the torch engine drops them at its next step (never prefilled when
+    still queued) and counts them as in flight until it has, so the cap never admits past what it
+    really decodes."""
     cfg = make_cfg(tmp_path_factory)
     engine = build_engine(cfg)
 
     async def go():
-        reqs = [
-            GenRequest(prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=6), rid=str(i))
-            for i in range(4)
-        ]
+        params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+        reqs = [GenRequest(prompt_ids=[1, 2, 3], params=params, rid=str(i)) for i in range(4)]
+        tokens_before = engine.stats()["tokens"]
         task = asyncio.create_task(engine.generate(reqs))
         await asyncio.sleep(0)
         task.cancel()
@@ -269,10 +269,11 @@ def test_the_torch_engine_counts_a_cancelled_request_until_it_is_decoded(tmp_pat
             if engine.requests_in_flight() == 0:
                 break
             await asyncio.sleep(0.01)
-        return still, engine.requests_in_flight()
+        return still, engine.requests_in_flight(), engine.stats()["tokens"] - tokens_before
 
     try:
-        still, after = asyncio.run(go())
+        still, after, decoded = asyncio.run(go())
     finally:
         engine.close()
     assert still == 4 and after == 0
+    assert decoded < 4 * 64, f"{decoded} tokens: the cancelled requests were decoded to their end"

@@ -44,6 +44,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # record_routing: [positions, layers, k] parts
+    cancelled: bool = False  # its caller gave up (a group aborted): dropped at the next step
 
 
 @dataclass(eq=False)
@@ -136,8 +137,10 @@ class TorchEngine(Engine):
 
             return done
 
-        self.submit(requests, [resolver(f) for f in futures])
+        seqs = self.submit(requests, [resolver(f) for f in futures])
         self._open += len(requests)
+        for f, seq in zip(futures, seqs):  # a caller that gives up frees the sequence's row
+            f.add_done_callback(lambda f, seq=seq: _drop_if_cancelled(f, seq))
         return list(await asyncio.gather(*futures))
 
     def _answered(self, fut: asyncio.Future, res: GenResult | BaseException) -> None:
@@ -150,8 +153,9 @@ class TorchEngine(Engine):
         """Requests generate() submitted and not yet answered (each counted until its own answer)."""
         return self._open
 
-    def submit(self, requests: list[GenRequest], callbacks: list[Callback]) -> None:
-        """Queue requests; each callback is called (from the engine thread) with its result or error."""
+    def submit(self, requests: list[GenRequest], callbacks: list[Callback]) -> list[_Seq]:
+        """Queue requests; each callback is called (from the engine thread) with its result or error.
+        Returns their sequences (set `cancelled` on one to drop it)."""
         seqs = []
         for req, cb in zip(requests, callbacks):
             p = req.params
@@ -164,6 +168,7 @@ class TorchEngine(Engine):
                 raise RuntimeError("the engine is closed; create a new one to generate")
             self._pending.extend(seqs)
             self._cond.notify_all()
+        return seqs
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         # materialise in the caller's thread: the iterable may be a generator reading from a transport
@@ -271,6 +276,9 @@ class TorchEngine(Engine):
         room = self.max_batch_size - self._inflight()
         with self._cond:
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        for s in [s for s in new if s.cancelled]:  # given up while queued: never prefilled
+            s.done(_result(s, "abort"))
+        new = [s for s in new if not s.cancelled]
         if not new:
             return 0
         try:
@@ -370,6 +378,8 @@ class TorchEngine(Engine):
         b.seqs = [b.seqs[i] for i in keep]
 
     def _finish_reason(self, s: _Seq, next_pos: int) -> str:
+        if s.cancelled:
+            return "abort"
         if s.out and s.out[-1] in s.stop:
             return "stop"
         if len(s.out) >= s.req.params.max_new_tokens or next_pos >= self.max_positions:
@@ -413,6 +423,11 @@ def _checkpoint_names(model) -> dict[str, torch.Tensor]:
             for e in range(p.shape[0]):
                 out[f"{base}{e}.down_proj.weight"] = p.data[e]
     return out
+
+
+def _drop_if_cancelled(fut: asyncio.Future, seq: _Seq) -> None:
+    if fut.cancelled():
+        seq.cancelled = True  # read by the engine thread at its next step
 
 
 def _settle(fut: asyncio.Future, res: GenResult | BaseException) -> None:
