@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from http_stub import JsonHandler  # tests/ is on sys.path (pytest; this file run as a script)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +66,7 @@ class _Server(ThreadingHTTPServer):
     version = "0"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         srv = self.server
@@ -90,17 +91,6 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         srv = self.server
         self._answer({"weight_version": srv.version, "weights": srv.weights, "groups": sorted(srv.groups)})
-
-    def _answer(self, obj: dict) -> None:
-        out = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, *a):
-        pass
 
 
 def _serve(port: int) -> None:

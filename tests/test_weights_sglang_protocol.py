@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
+from http_stub import JsonHandler  # tests/ is on sys.path under pytest
 
 from stages.weights.base import WeightPushError
 from stages.weights.sglang_transport import NcclSGLangSender, _SGLangSender, check_flat_layout
@@ -26,7 +27,7 @@ class Recorder(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", port), Handler)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         self.server.calls.append((self.path, body))
@@ -38,17 +39,6 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         self.server.calls.append((self.path, {}))
         self._answer({"weight_version": self.server.weight_version})
-
-    def _answer(self, obj: dict) -> None:
-        out = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, *a):
-        pass
 
 
 class PostSender(_SGLangSender):

@@ -126,8 +126,6 @@ class Generator:
         self._held_since = self._held_warned = 0.0
         self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
-        # requests of started groups not yet sent to the engine (the request cap counts them)
-        self._unsent = 0
         self._engine_down_since: float | None = None  # when engine.available() last turned False
         self._engine_down_warned = 0.0
         # a retry waits this long for a dead engine: its relaunch (startup) plus two health checks
@@ -271,11 +269,11 @@ class Generator:
             self._wake = None
         return self.stats()
 
-    def _launch(self, tasks: set[asyncio.Task]) -> str:
-        """Start a group (right after admitted()) as a task in `tasks`; returns its id."""
+    def _launch(self, tasks: set[asyncio.Task]) -> None:
+        """Start a group (right after admitted()) as a task in `tasks`."""
         gid, prompt = self.start_group()
+        # its requests count against the request cap from now, until they reach the engine (sent)
         flight = _Flight(start_version=self.engine.version, unsent=self.cfg.rollout.group_size)
-        self._unsent += flight.unsent  # released as they reach the engine
         flight.task = asyncio.create_task(self._group(gid, prompt, flight))
         self._flights[gid] = flight
         tasks.add(flight.task)
@@ -283,7 +281,11 @@ class Generator:
         # enters its body (a push that lands right after its start, then abort_stale_groups), and its
         # places must be given back all the same
         flight.task.add_done_callback(lambda t: self._group_done(t, tasks, gid))
-        return gid
+
+    @property
+    def _unsent(self) -> int:
+        """Requests of the groups in flight not yet sent to the engine (the request cap counts them)."""
+        return sum(f.unsent for f in self._flights.values())
 
     async def admitted(self, stop_event: asyncio.Event | None, max_groups: int | None) -> bool:
         """Wait until a new group may start (in-flight cap and staleness admission); False once the
@@ -341,8 +343,9 @@ class Generator:
         return False
 
     async def _until_engine_up(self) -> None:
-        """Before a group's retry: wait while the engine is down, at most ENGINE_DOWN_WAIT_S (then the
-        retry runs and fails, and the group counts as failed: no wait without an end)."""
+        """Before a group's retry: wait while the engine is down, at most its relaunch time
+        (rollout.sglang.startup_timeout_s + 2 x health_check_s); then the retry runs, and if it fails
+        the group counts as failed: no wait without an end."""
         deadline = time.monotonic() + self._engine_down_wait_s
         while not self._engine_up() and time.monotonic() < deadline:
             if self._should_stop(self._stop_event, None):
@@ -403,8 +406,7 @@ class Generator:
 
     def _group_done(self, task: asyncio.Task, tasks: set[asyncio.Task], gid: str) -> None:
         tasks.discard(task)
-        flight = self._flights.pop(gid)
-        self._release(flight)
+        flight = self._flights.pop(gid)  # with it, its unsent request places
         self._running -= 1
         if task.cancelled() and flight.aborting:
             self.counters["groups_aborted_stale"] += 1
@@ -451,9 +453,7 @@ class Generator:
         return, is raised."""
 
         def sent(n: int) -> None:
-            k = min(n, flight.unsent)
-            flight.unsent -= k
-            self._unsent -= k
+            flight.unsent = max(0, flight.unsent - n)
 
         async def before_retry() -> None:
             flight.generating = False  # nothing to abort while it waits: its stale tokens are gone
@@ -473,15 +473,10 @@ class Generator:
                 before_retry=before_retry,
             )
         finally:
-            self._release(flight)  # a group that failed, or sent fewer requests than its size
+            flight.unsent = 0  # a group that failed, or sent fewer requests than its size
         if samples is not None and self._delay_mean:  # bench only: a long-tailed per-group latency
             await asyncio.sleep(self._rng.lognormvariate(0, 1) * self._delay_mean / 1.6487)
         return samples
-
-    def _release(self, flight: _Flight) -> None:
-        """Give back the request places a group reserved and did not use (idempotent)."""
-        self._unsent -= flight.unsent
-        flight.unsent = 0
 
     def _count_engine_error(self, _error: BaseException) -> None:
         self.counters["engine_errors"] += 1
@@ -540,7 +535,7 @@ class _Flight:
 class _Sending:
     """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests
     it sends. Engines count a request from the moment generate() is called, so the group's reserved
-    places (Generator._unsent) and the engine's count change in the same step, and admission never
+    places (its _Flight.unsent) and the engine's count change in the same step, and admission never
     sees the engine emptier than it is between a group's start and its first send."""
 
     def __init__(self, engine: Engine, sent):

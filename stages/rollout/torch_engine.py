@@ -145,7 +145,7 @@ class TorchEngine(Engine):
 
     def _answered(self, fut: asyncio.Future, res: GenResult | BaseException) -> None:
         # on the caller's loop thread, so the count needs no lock; when the engine thread answers, not
-        # when the caller gives up (a cancelled request is still decoded to its end: it still counts)
+        # when the caller gives up (a cancelled request holds its row until the engine's next step)
         self._open -= 1
         _settle(fut, res)
 
