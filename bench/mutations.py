@@ -179,6 +179,14 @@ MUTATIONS = [
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
+        "relaunch_between_pushes_missed",
+        "a server relaunched from the base weights between two pushes is never caught up (no push missed it)",
+        "stages/weights/sglang_transport.py",
+        "        behind = list(self._down_since) or self._relaunched_behind(last[0])\n",
+        "        behind = list(self._down_since)\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

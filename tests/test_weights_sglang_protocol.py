@@ -179,14 +179,44 @@ def test_a_relaunched_server_gets_the_last_weights_by_catch_up(server_factory):
     assert [r for r, _ in back.calls] == ["/pause_generation", "/load", "/continue_generation"]
     assert back.calls[1][1]["weight_version"] == "4"
     assert len(ok.calls) == calls_before  # the server that was up is not paused again
-    assert sender.catch_up() is None and sender._last is None  # nobody behind: the tensors are let go
+    assert sender.catch_up() is None  # nobody behind (both report version 4)
+    sender.forget_last_push()  # the trainer's next snapshot: the kept tensors go
+    assert sender._last is None
     back.shutdown()
     sender.close()
 
 
+def test_a_server_relaunched_between_pushes_is_found_by_its_version_and_caught_up(
+    server_factory, monkeypatch
+):
+    """No push missed it (it died and came back while the trainer waited for data), but it runs the base
+    model again: its /model_info weight_version is older than the last push, so catch_up() sends it that
+    push, asking at most every VERSION_PROBE_S. Without this the trainer waits for fresh data forever."""
+    from stages.weights import sglang_transport
+
+    ok, ok_url = server_factory()
+    relaunched, relaunched_url = server_factory()
+    sender = PostSender([ok_url, relaunched_url], timeout_s=10, restart_grace_s=30)
+    assert sender.push(3, _named()).result(timeout=10)["engines"] == 2
+    assert sender.catch_up() is None  # both run version 3
+    relaunched.weight_version, relaunched.calls[:] = "0", []  # the engine watch relaunched it from the base
+    assert sender.catch_up() is None  # asked less than VERSION_PROBE_S ago: not asked again yet
+    monkeypatch.setattr(sglang_transport, "VERSION_PROBE_S", 0.0)
+    calls_before = len(ok.calls)
+    caught = sender.catch_up().result(timeout=10)
+    assert caught["engines"] == 1 and caught["version"] == 3
+    loads = [body for route, body in relaunched.calls if route == "/load"]
+    assert loads[-1]["weight_version"] == "3" and relaunched.weight_version == "3"
+    assert [r for r, _ in ok.calls[calls_before:]] == ["/model_info"]  # the other one is only asked
+    assert sender.catch_up() is None
+    relaunched.shutdown()  # gone and not back: not counted as behind, nothing pushed
+    assert sender.catch_up() is None
+    sender.close()
+
+
 def test_the_trainer_catches_up_while_it_waits_for_data():
-    """Trainer._fetch_catching_up: while the sender has an engine behind, the wait for a batch is cut
-    into CATCH_UP_EVERY_S slices with a catch-up push between them; otherwise one wait."""
+    """Trainer._fetch_catching_up: with a sender, the wait for a batch is cut into CATCH_UP_EVERY_S
+    slices, each after asking for a catch-up push (started when an engine is behind); without, one wait."""
     from types import SimpleNamespace
 
     from stages.trainer.trainer import CATCH_UP_EVERY_S, Trainer
@@ -226,10 +256,16 @@ def test_the_trainer_catches_up_while_it_waits_for_data():
 
     t = trainer(Source(empty=2), Sender(behind=2))
     assert Trainer._fetch_catching_up(t) == "batch"
-    assert t.source.waits == pytest.approx([CATCH_UP_EVERY_S, CATCH_UP_EVERY_S, 100.0], abs=1)
+    assert t.source.waits == pytest.approx([CATCH_UP_EVERY_S] * 3, abs=1)
     assert t.sender.calls == 3 and t.pending_push is not None
-    calm = trainer(Source(empty=0), Sender(behind=0))
-    assert Trainer._fetch_catching_up(calm) == "batch" and calm.source.waits == pytest.approx([100.0], abs=1)
+    # nobody behind: still slices, since a server relaunched between pushes is only found by asking
+    calm = trainer(Source(empty=1), Sender(behind=0))
+    assert Trainer._fetch_catching_up(calm) == "batch" and calm.sender.calls == 2
+    assert calm.source.waits == pytest.approx([CATCH_UP_EVERY_S] * 2, abs=1) and calm.pending_push is None
+    alone = trainer(Source(empty=0), None)  # no sender (a trainer alone): one wait
+    assert Trainer._fetch_catching_up(alone) == "batch" and alone.source.waits == pytest.approx(
+        [100.0], abs=1
+    )
 
 
 class GroupSender(NcclSGLangSender):

@@ -40,7 +40,7 @@ from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack, shar
 from stages.trainer.routing_replay import RoutingReplay
 
 log = logging.getLogger(__name__)
-# while an engine is behind, the trainer's wait for data is cut into slices of this many seconds, and
+# with a weight sender, the trainer's wait for data is cut into slices of this many seconds, and
 # between them the last weights go to it again (Trainer._fetch_catching_up)
 CATCH_UP_EVERY_S = 10.0
 
@@ -180,37 +180,34 @@ class Trainer:
         return pa.ipc.open_stream(data).read_next_batch() if shared else data
 
     def _fetch_catching_up(self) -> pa.RecordBatch | None:
-        """source.fetch within trainer.fetch_timeout_s. While an engine is behind (the last push left
-        out a server that was restarting), the wait is cut into slices and between them the last
-        weights are pushed to it again (sender.catch_up): with one engine no fresh batch can come
-        before the relaunched server has the current weights."""
+        """source.fetch within trainer.fetch_timeout_s. With a weight sender, the wait is cut into
+        CATCH_UP_EVERY_S slices and before each the sender is asked to push the last weights again to
+        an engine that is behind (sender.catch_up: left out of a push while it restarted, or relaunched
+        from older weights since): with one engine no fresh batch can come before the relaunched
+        server has the current weights."""
         deadline = time.monotonic() + self.tc.fetch_timeout_s
         while True:
             left = max(0.0, deadline - time.monotonic())
-            behind = self.sender is not None and self._catch_up()
+            if self.sender is None:
+                return self.source.fetch(self.tc.batch_groups, self.version, self.cfg.run.max_staleness, left)
+            self._catch_up()
             batch = self.source.fetch(
-                self.tc.batch_groups,
-                self.version,
-                self.cfg.run.max_staleness,
-                min(left, CATCH_UP_EVERY_S) if behind else left,
+                self.tc.batch_groups, self.version, self.cfg.run.max_staleness, min(left, CATCH_UP_EVERY_S)
             )
-            # one wait when nobody is behind: the source answers None only at its timeout (or never
-            # again, like a finished replay), so this is the fetch's end
-            if batch is not None or not behind or time.monotonic() >= deadline:
+            if batch is not None or time.monotonic() >= deadline:
                 return batch
 
-    def _catch_up(self) -> bool:
-        """Start a catch-up push if an engine is behind and no push is in flight; True while one may
-        still be behind (the caller then waits in short slices)."""
+    def _catch_up(self) -> None:
+        """Start a catch-up push if an engine is behind and no push is in flight (one in flight may
+        reach the lagging server: it is asked again after the next slice)."""
         if self.pending_push is not None and not self.pending_push.done():
-            return True  # a push (regular or catch-up) in flight: it may reach the lagging server
+            return
         handle = self.sender.catch_up()
         if handle is None:
-            return False
+            return
         if self.pending_push is not None:
             self.pending_push.result()  # a failure of the previous push is raised here, not lost
         self.pending_push = handle  # push_weights waits for it before the next snapshot
-        return True
 
     def _fetch_timeout_message(self) -> str:
         where = getattr(self.source, "address", None) or type(self.source).__name__
@@ -726,6 +723,8 @@ class Trainer:
             )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
+        if self.rank == 0 and self.sender is not None:
+            self.sender.forget_last_push()  # the snapshot below replaces it: never two copies at once
         state = export_hf_state(self.policy, **self._snapshot_target())  # collective; full tensors on rank 0
         if self.rank == 0 and self.sender is not None:
             self.pending_push = self.sender.push(self.version, list(state.items()))

@@ -13,10 +13,12 @@ resumes the servers; a failed load leaves them paused (see `_push`). HTTP connec
 A server that cannot be reached at all (connection refused: it died, and the generator's engine watch
 is relaunching it) is left out of a push for up to `restart_grace_s` from the first push that missed
 it. The relaunched server starts from the weights its engine object holds (often the base model: a
-pushed-to server keeps no copy), so the sender keeps the last push's tensors while a server is behind,
-and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for data: with
-one engine, no fresh data comes before that). The next regular push reaches it too. Its tokens carry
-the versions that made them, so staleness stays exact. Past the grace a push fails naming the server.
+pushed-to server keeps no copy), so the sender keeps the last push's tensors, and `catch_up()` sends
+them to a server that is behind once it answers (the trainer calls it while it waits for data: with
+one engine, no fresh data comes before that). Behind is either left out of a push, or relaunched
+between two pushes, which no push saw: such a server reports an older weight_version on /model_info
+(asked at most every VERSION_PROBE_S). The next regular push reaches it too. Its tokens carry the
+versions that made them, so staleness stays exact. Past the grace a push fails naming the server.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -51,6 +53,11 @@ from stages.weights.base import PushHandle, WeightPushError, WeightSender, align
 
 log = logging.getLogger(__name__)
 
+# how often catch_up() asks the servers which weights they run (a relaunch between pushes), and how long
+# one may take to answer: one that does not is not back yet, and is asked again next time
+VERSION_PROBE_S = 10.0
+VERSION_PROBE_TIMEOUT_S = 2.0
+
 
 class _SGLangSender(WeightSender):
     snapshot_device = "cuda"  # the trainer snapshots straight into GPU memory for these transports
@@ -78,7 +85,8 @@ class _SGLangSender(WeightSender):
         self._local = threading.local()  # one keep-alive HTTP session per thread
         self.restart_grace_s = restart_grace_s
         self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
-        self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
+        self._last: tuple[int, list] | None = None  # (version, tensors) of the last push, for catch_up()
+        self._probed_at = float("-inf")  # when catch_up() last asked the servers their weight_version
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
         # server paused
@@ -136,11 +144,20 @@ class _SGLangSender(WeightSender):
         fut = self._pool.submit(self._push_on_stream, ready, version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
+    def forget_last_push(self) -> None:
+        # a new snapshot is about to be taken: holding the last one meanwhile would double the peak
+        self._last = None
+
     def catch_up(self) -> PushHandle | None:
-        """The last push again, to the servers it left out; None when none is behind."""
-        behind, last = list(self._down_since), self._last
-        if not behind or last is None:
+        """The last push again, to the servers it left out or that were relaunched since with older
+        weights; None when none is behind."""
+        last = self._last
+        if last is None:
             return None
+        behind = list(self._down_since) or self._relaunched_behind(last[0])
+        if not behind:
+            return None
+        log.warning("weights: %s behind version %d: pushing it again", behind, last[0])
         fut = self._pool.submit(
             self._push_on_stream, None, last[0], last[1], self._catch_up_targets(behind), behind
         )
@@ -149,6 +166,36 @@ class _SGLangSender(WeightSender):
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
         """Which servers a catch-up push goes to (None: all): just the ones behind."""
         return behind
+
+    def _relaunched_behind(self, version: int) -> list[str]:
+        """The servers that run older weights than `version` (the last push's) although no push missed
+        them: the engine watch relaunched them between two pushes from the weights their engine holds,
+        often the base model's. Asked at most every VERSION_PROBE_S; a server that does not answer in
+        VERSION_PROBE_TIMEOUT_S is not back yet and is not counted."""
+        now = time.monotonic()
+        if now - self._probed_at < VERSION_PROBE_S:
+            return []
+        self._probed_at = now
+        behind = []
+        for url in self.urls:
+            try:
+                reported = self._model_version(url, VERSION_PROBE_TIMEOUT_S)
+            except WeightPushError:
+                continue
+            if reported is not None and reported.isdigit() and int(reported) < version:
+                behind.append(url)
+        return behind
+
+    def _model_version(self, url: str, timeout_s: float) -> str | None:
+        """The weight_version `url` reports on /model_info (None: it reports none)."""
+        import requests
+
+        try:
+            info = self._session().get(url + proto.MODEL_INFO, timeout=timeout_s).json()
+        except (requests.RequestException, ValueError) as e:
+            raise WeightPushError(f"SGLang server {url}{proto.MODEL_INFO} unreachable: {e}") from e
+        v = info.get("weight_version") if isinstance(info, dict) else None
+        return None if v is None else str(v)
 
     def _regroup(self, live: list[str]) -> None:
         """Called with the servers of this push, all paused, before anything is loaded: a transport
@@ -224,8 +271,9 @@ class _SGLangSender(WeightSender):
         if failed:
             raise failed[0]
         t["continue_s"] = time.monotonic() - t3
-        # while a server is behind, keep these tensors for catch_up(); let them go once none is
-        self._last = (version, named) if self._down_since else None
+        # kept for catch_up() until the trainer's next snapshot (forget_last_push): a server may be
+        # relaunched from older weights at any time
+        self._last = (version, named)
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
@@ -419,18 +467,8 @@ class NcclSGLangSender(_SGLangSender):
     def _relaunched(self, urls: list[str]) -> list[str]:
         """The servers that report another weight version than the last push set on them."""
         known = [u for u in urls if u in self._version_at]
-        answers = [self._http.submit(self._model_version, u) for u in known]
+        answers = [self._http.submit(self._model_version, u, self.timeout_s) for u in known]
         return [u for u, a in zip(known, answers) if _within(a, self.timeout_s, u) != self._version_at[u]]
-
-    def _model_version(self, url: str) -> str | None:
-        import requests
-
-        try:
-            info = self._session().get(url + proto.MODEL_INFO, timeout=self.timeout_s).json()
-        except (requests.RequestException, ValueError) as e:
-            raise WeightPushError(f"SGLang server {url}{proto.MODEL_INFO} unreachable: {e}") from e
-        v = info.get("weight_version") if isinstance(info, dict) else None
-        return None if v is None else str(v)
 
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         if urls != self._members:  # _regroup made them equal; anything else would hang the broadcast
