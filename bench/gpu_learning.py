@@ -72,7 +72,11 @@ def plot(curves: dict[str, list[list[float]]], out: Path, window: int) -> None:
 
 def one_run(config: str, overrides: list[str], out: Path, name: str, seed: int) -> list[dict]:
     """One variant at one seed; its metrics rows, also written to OUT/<variant>-seed<k>.jsonl."""
-    rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name]], config)
+    # the SGLang server's log beside the run's (a server that died mid-run is explained there)
+    logs = (
+        [f"rollout.sglang.log_dir={(out / f'sglang-{name}-seed{seed}').resolve()}"] if "gpu" in config else []
+    )
+    rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name], *logs], config)
     (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -138,7 +142,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/gpu-2x-disaggregated.yaml")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument(
+        "--seeds", type=int, nargs="*", default=[0], help="seeds to run (none: only summarise --prior)"
+    )
     ap.add_argument("--tail", type=int, default=10, help="final reward = mean over this many last steps")
     ap.add_argument("--out", default="gpu-out/learning")
     ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
@@ -155,6 +161,7 @@ def main() -> None:
         help="folders of earlier runs of the same settings (<variant>-seed<k>.jsonl) to count with these "
         "seeds: a device session too short for every seed adds its seeds to the last one's",
     )
+    ap.add_argument("--device", default="", help="the card of the --prior runs, for a summary made elsewhere")
     ap.add_argument("--_one", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -170,6 +177,8 @@ def main() -> None:
         run_on_gpus(a.config, common, out, jobs, a.gpus)
     prior = prior_runs(a.prior, exclude=a.seeds)
     seeds = sorted({*a.seeds, *(seed for _, seed in prior)})
+    if not seeds:
+        raise SystemExit(f"no seeds to run and no complete seed (all three variants) in --prior {a.prior}")
     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     for name, seed in [(name, seed) for seed in seeds for name in VARIANTS]:
@@ -210,7 +219,8 @@ def main() -> None:
     }
     import torch
 
-    record(result, a.results, device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    record(result, a.results, device=a.device or here)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,14 @@ MUTATIONS = [
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
+        "relaunch_taken_for_trainer_going_back",
+        "a relaunched engine's dip to the base weights reopens admission as if the trainer went back",
+        "stages/rollout/generator.py",
+        "        elif relaunched or version == self._relaunch_dip:\n",
+        "        elif version == self._relaunch_dip:\n",
+        ("tests/test_rollout_generator.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

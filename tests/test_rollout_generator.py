@@ -326,3 +326,50 @@ def test_weights_that_go_back_reopen_admission(cfg, engine):
     first, total = asyncio.run(run())
     assert first == (5 + cfg.run.max_staleness + 1) * 2
     assert total - first == window  # the window of the new trainer, from version 2 on
+
+
+def _relaunch_run(cfg, engine, monkeypatch, gen_id: str, pushed_after: int) -> tuple[int, int, int]:
+    """Groups started: at version 5 (window full, nothing consumed), during a relaunch that left the
+    engine at version 0, and after the trainer then pushed `pushed_after`."""
+    relaunched = [0]
+    monkeypatch.setattr(engine, "relaunches", lambda: relaunched[0])
+
+    async def run():
+        engine.update_weights([], version=5)
+        gen = Generator(cfg, FakeSink(), engine, gen_id, batch_groups=2)
+        task = asyncio.create_task(gen.run())
+        await asyncio.sleep(2.0)
+        first = gen.stats()["groups_started"]
+        relaunched[0] += 1  # the engine watch relaunched the server from the base model
+        engine.update_weights([], version=0)
+        gen._poke()
+        await asyncio.sleep(2.0)
+        during = gen.stats()["groups_started"]
+        engine.update_weights([], version=pushed_after)
+        gen._poke()
+        await asyncio.sleep(2.0)
+        gen.stop()
+        await asyncio.wait_for(task, 30)
+        return first, during, gen.stats()["groups_started"]
+
+    return asyncio.run(run())
+
+
+def test_a_relaunched_engine_starts_nothing_until_caught_up_and_then_nothing_floods_in(
+    cfg, engine, monkeypatch
+):
+    """A relaunched server runs the base model (version 0) until the trainer, still at 5, pushes it the
+    current weights again. Groups started on it would be too stale, and the dip is no trainer going
+    back. Before: it was taken for one, a window opened at 0, and once caught up the whole window of
+    version 5 opened on top (a flood of groups the buffer evicts: 1,040 on an H100 in sync mode)."""
+    first, during, total = _relaunch_run(cfg, engine, monkeypatch, "gen-relaunch", pushed_after=5)
+    assert first == (5 + cfg.run.max_staleness + 1) * 2
+    assert during == first and total == first
+
+
+def test_a_trainer_that_went_back_during_a_relaunch_still_reopens_admission(cfg, engine, monkeypatch):
+    """The relaunch dip ends with a push of older weights than before it (the trainer restarted from
+    its checkpoint meanwhile): that is a trainer going back, and its window opens from there."""
+    first, during, total = _relaunch_run(cfg, engine, monkeypatch, "gen-relaunch-back", pushed_after=2)
+    assert during == first
+    assert total - first == (cfg.run.max_staleness + 1) * 2

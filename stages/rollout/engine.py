@@ -80,6 +80,12 @@ class Engine(ABC):
         generator then starts no group and retries none until it is back (no hot loop of failures)."""
         return True
 
+    def relaunches(self) -> int:
+        """How many times a server of this engine was relaunched (counted before it serves again). It
+        then runs older weights until the trainer's catch-up push: the generator tells that dip from a
+        trainer that went back to its checkpoint."""
+        return 0
+
     def requests_in_flight(self) -> int | None:
         """Requests submitted and not yet answered: each counted from the call of generate(), before it
         first awaits, until its own answer (not its batch's); None if the engine does not count them.

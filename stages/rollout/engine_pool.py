@@ -168,6 +168,9 @@ class EnginePool(Engine):
     def available(self) -> bool:
         return any(e.available() for e in self.engines)
 
+    def relaunches(self) -> int:
+        return sum(e.relaunches() for e in self.engines)
+
     def requests_in_flight(self) -> int:
         return sum(e.requests_in_flight() for e in self.engines) + self._dispatching
 

@@ -12,7 +12,9 @@ What happens around a restart:
   startup_timeout_s + 2 x health_check_s; stages/weights/sglang_transport.py). A pushed-to server
   keeps no host copy of those weights, so the relaunched one starts from the newest weights the engine
   itself holds (often the base model); the trainer, while it waits for data, pushes the last weights
-  to it again once it answers (catch-up), and its tokens carry the versions that made them.
+  to it again once it answers (catch-up: it was left out of a push, or reports an older weight
+  version than the last push), and its tokens carry the versions that made them. Until then the
+  generator starts no group on it (`Engine.relaunches()`: the dip is not a trainer going back).
 - An NCCL weight group dies with its server: the trainer's next push forms a new one with the servers
   that answer, and the catch-up forms one with all of them again.
 """

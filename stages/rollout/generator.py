@@ -133,6 +133,8 @@ class Generator:
         self._engine_down_wait_s = sglang.startup_timeout_s + 2 * sglang.health_check_s
         self._last_engine_version = engine.version
         self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
+        self._relaunches_seen = engine.relaunches()
+        self._relaunch_dip: int | None = None  # the version a relaunched engine runs until caught up
         self._stopping = False
         self._wake: asyncio.Event | None = None
         # one thread for every put: sinks (a ZeroMQ DEALER socket) are not thread-safe, and one
@@ -177,14 +179,33 @@ class Generator:
             - c["groups_aborted_stale"]
         )
         version = self.admission_version()
-        if version < self._last_engine_version:
+        relaunches = self.engine.relaunches()
+        relaunched, self._relaunches_seen = relaunches > self._relaunches_seen, relaunches
+        if version >= self._last_engine_version:
+            self._relaunch_dip = None
+            self._last_engine_version = version
+        elif relaunched or version == self._relaunch_dip:
+            # A relaunched server runs older weights (often the base model's) until the trainer's
+            # catch-up push; the trainer did not go back. Counting goes on from before the relaunch, so
+            # nothing starts meanwhile (it would come too stale) and nothing floods in once caught up.
+            if self._relaunch_dip is None:
+                log.warning(
+                    "generator %s: a relaunched engine runs version %d, behind %d: no new group until "
+                    "the trainer pushes it the current weights",
+                    self.id,
+                    version,
+                    self._last_engine_version,
+                )
+            self._relaunch_dip = version
+        else:
             # The weights went back (a trainer restarted from its checkpoint): the groups the lost steps
             # consumed are counted as kept, but the new trainer consumes from `version` on. Count as if
             # exactly `version` batches were consumed and nothing of ours waits in the buffer; the
             # buffer's staleness bound still drops whatever that lets through too late.
             self._kept_offset = live - self._running - version * self.batch_groups
             log.warning("generator %s: engine weights went back to version %d", self.id, version)
-        self._last_engine_version = version
+            self._relaunch_dip = None
+            self._last_engine_version = version
         return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
 
     def _warn_if_held_back_long(self) -> None:

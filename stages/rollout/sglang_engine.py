@@ -254,6 +254,9 @@ class SGLangEngine(Engine):
             return False
         return self._proc is None or self._proc.poll() is None
 
+    def relaunches(self) -> int:
+        return self.restarts
+
     def restart(self) -> float:
         """Relaunch a dead or hung server and bring it back to the newest weights it can re-sync to.
 
@@ -268,10 +271,12 @@ class SGLangEngine(Engine):
             try:
                 self._stop()
                 path, version = self._resync_source()
+                # counted before start() sets the older version: a reader of relaunches() never sees
+                # that version without the relaunch that explains it
+                self.restarts += 1
                 self.start(path, version)
             finally:
                 self.restarting = False
-            self.restarts += 1
             secs = time.perf_counter() - t0
             log.warning("%s: restarted at version %d from %s in %.1fs", self.name, version, path, secs)
             return secs
