@@ -172,6 +172,7 @@ def test_engine_error_fails_group_and_retries(cfg, engine):
             self.inner, self.calls = inner, 0
             self.version, self.stats = inner.version, inner.stats
             self.requests_in_flight, self.available = inner.requests_in_flight, inner.available
+            self.version_and_relaunches = inner.version_and_relaunches
 
         async def generate(self, reqs):
             self.calls += 1
@@ -332,7 +333,7 @@ def _relaunch_run(cfg, engine, monkeypatch, gen_id: str, pushed_after: int) -> t
     """Groups started: at version 5 (window full, nothing consumed), during a relaunch that left the
     engine at version 0, and after the trainer then pushed `pushed_after`."""
     relaunched = [0]
-    monkeypatch.setattr(engine, "relaunches", lambda: relaunched[0])
+    monkeypatch.setattr(engine, "version_and_relaunches", lambda: (engine.version, relaunched[0]))
 
     async def run():
         engine.update_weights([], version=5)

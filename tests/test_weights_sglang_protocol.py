@@ -24,6 +24,7 @@ class Recorder(ThreadingHTTPServer):
         self.calls: list[tuple[str, dict]] = []
         self.fail = fail
         self.weight_version = "0"  # what /model_info reports: a new server runs the base model
+        self.health = 200  # what /health answers
         super().__init__(("127.0.0.1", port), Handler)
 
 
@@ -37,6 +38,11 @@ class Handler(JsonHandler):
         self._answer({"success": ok, "message": "" if ok else "boom"})
 
     def do_GET(self):  # noqa: N802
+        if self.path == "/health":  # not recorded: the push sequence is what the tests compare
+            self.send_response(self.server.health)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         self.server.calls.append((self.path, {}))
         self._answer({"weight_version": self.server.weight_version})
 
@@ -179,93 +185,145 @@ def test_a_relaunched_server_gets_the_last_weights_by_catch_up(server_factory):
     assert [r for r, _ in back.calls] == ["/pause_generation", "/load", "/continue_generation"]
     assert back.calls[1][1]["weight_version"] == "4"
     assert len(ok.calls) == calls_before  # the server that was up is not paused again
-    assert sender.catch_up() is None  # nobody behind (both report version 4)
-    sender.forget_last_push()  # the trainer's next snapshot: the kept tensors go
-    assert sender._last is None
+    assert sender.catch_up() is None and sender._last is None  # nobody behind: the tensors are let go
     back.shutdown()
     sender.close()
 
 
-def test_a_server_relaunched_between_pushes_is_found_by_its_version_and_caught_up(
-    server_factory, monkeypatch
-):
+def test_a_server_relaunched_between_pushes_is_found_by_its_version(server_factory, monkeypatch):
     """No push missed it (it died and came back while the trainer waited for data), but it runs the base
-    model again: its /model_info weight_version is older than the last push, so catch_up() sends it that
-    push, asking at most every VERSION_PROBE_S. Without this the trainer waits for fresh data forever."""
+    model again: its /model_info weight_version is older than the last push, so catch_up() lists it in
+    needs_push() (asking at most every VERSION_PROBE_S, and only once /health answers), for the trainer
+    to push its current weights; that push clears it. Without this the trainer waits for fresh data
+    that cannot come (on an H100: 2,558 base-model groups evicted as stale, then a fetch timeout)."""
     from stages.weights import sglang_transport
 
     ok, ok_url = server_factory()
     relaunched, relaunched_url = server_factory()
     sender = PostSender([ok_url, relaunched_url], timeout_s=10, restart_grace_s=30)
+    assert sender.catch_up() is None and sender.needs_push() == []  # nothing pushed: nothing to compare
     assert sender.push(3, _named()).result(timeout=10)["engines"] == 2
-    assert sender.catch_up() is None  # both run version 3
-    relaunched.weight_version, relaunched.calls[:] = "0", []  # the engine watch relaunched it from the base
-    assert sender.catch_up() is None  # asked less than VERSION_PROBE_S ago: not asked again yet
+    assert sender.catch_up() is None and sender.needs_push() == []  # both run version 3
+    relaunched.weight_version = "0"  # the engine watch relaunched it from the base model
+    assert sender.catch_up() is None and sender.needs_push() == []  # asked < VERSION_PROBE_S ago
     monkeypatch.setattr(sglang_transport, "VERSION_PROBE_S", 0.0)
-    calls_before = len(ok.calls)
-    caught = sender.catch_up().result(timeout=10)
-    assert caught["engines"] == 1 and caught["version"] == 3
-    loads = [body for route, body in relaunched.calls if route == "/load"]
-    assert loads[-1]["weight_version"] == "3" and relaunched.weight_version == "3"
-    assert [r for r, _ in ok.calls[calls_before:]] == ["/model_info"]  # the other one is only asked
-    assert sender.catch_up() is None
-    relaunched.shutdown()  # gone and not back: not counted as behind, nothing pushed
-    assert sender.catch_up() is None
+    relaunched.health = 503  # still starting: not counted yet (a pause could fail with 5xx)
+    assert sender.catch_up() is None and sender.needs_push() == []
+    relaunched.health = 200
+    ok.calls[:] = []
+    assert sender.catch_up() is None and sender.needs_push() == [relaunched_url]
+    assert [r for r, _ in ok.calls] == ["/model_info"]  # the one that is current is only asked
+    assert sender.push(3, _named()).result(timeout=10)["engines"] == 2  # the trainer's push again
+    assert sender.needs_push() == [] and relaunched.weight_version == "3"
+    assert sender.catch_up() is None and sender.needs_push() == []
+    relaunched.shutdown()  # gone and not back: not counted as behind
+    assert sender.catch_up() is None and sender.needs_push() == []
     sender.close()
 
 
-def test_the_trainer_catches_up_while_it_waits_for_data():
-    """Trainer._fetch_catching_up: with a sender, the wait for a batch is cut into CATCH_UP_EVERY_S
-    slices, each after asking for a catch-up push (started when an engine is behind); without, one wait."""
+class _Source:
+    """Answers None `empty` times (each after waiting its timeout, as the buffer does), then a batch;
+    `finished`: None at once, as a replay with nothing left does."""
+
+    def __init__(self, empty: int, finished: bool = False):
+        self.waits, self.empty, self.finished = [], empty, finished
+
+    def fetch(self, num_groups, version, max_staleness, timeout_s):
+        import time
+
+        self.waits.append(timeout_s)
+        if self.finished:
+            return None
+        if len(self.waits) > self.empty:
+            return "batch"
+        time.sleep(timeout_s)
+        return None
+
+
+class _Sender:
+    """catch_up() starts a push the first `behind` times; needs_push() lists a server the first
+    `stale` times it is asked."""
+
+    def __init__(self, behind: int = 0, stale: int = 0):
+        from types import SimpleNamespace
+
+        self.calls, self.behind, self.stale, self.asked = 0, behind, stale, 0
+        self._done = SimpleNamespace(done=lambda: True, result=lambda: {})
+
+    def catch_up(self):
+        self.calls += 1
+        return self._done if self.calls <= self.behind else None
+
+    def needs_push(self):
+        self.asked += 1
+        return ["http://relaunched"] if self.asked <= self.stale else []
+
+
+def _trainer(source, sender, fetch_timeout_s=1.0):
     from types import SimpleNamespace
 
-    from stages.trainer.trainer import CATCH_UP_EVERY_S, Trainer
+    from stages.trainer.trainer import Trainer
 
-    class Source:
-        def __init__(self, empty: int):
-            self.waits, self.empty = [], empty
+    t = SimpleNamespace(
+        rank=0,
+        source=source,
+        sender=sender,
+        pending_push=None,
+        version=3,
+        pushes=0,
+        tc=SimpleNamespace(batch_groups=2, fetch_timeout_s=fetch_timeout_s),
+        cfg=SimpleNamespace(run=SimpleNamespace(max_staleness=2)),
+    )
+    t._catch_up = lambda: Trainer._catch_up(t)
+    t._fetch_catching_up = lambda deadline: Trainer._fetch_catching_up(t, deadline)
 
-        def fetch(self, num_groups, version, max_staleness, timeout_s):
-            self.waits.append(timeout_s)
-            if len(self.waits) > self.empty:
-                return "batch"
-            return None
+    def push_weights():
+        t.pushes += 1
+        return {}
 
-    class Sender:
-        def __init__(self, behind: int):
-            self.calls, self.behind = 0, behind
+    t.push_weights = push_weights
+    return t
 
-        def catch_up(self):
-            self.calls += 1
-            if self.calls > self.behind:
-                return None
-            done = SimpleNamespace(done=lambda: True, result=lambda: {})
-            return done
 
-    def trainer(source, sender):
-        t = SimpleNamespace(
-            source=source,
-            sender=sender,
-            pending_push=None,
-            version=3,
-            tc=SimpleNamespace(batch_groups=2, fetch_timeout_s=100.0),
-            cfg=SimpleNamespace(run=SimpleNamespace(max_staleness=2)),
-        )
-        t._catch_up = lambda: Trainer._catch_up(t)
-        return t
+def test_the_trainer_catches_up_while_it_waits_for_data(monkeypatch):
+    """Trainer._fetch_catching_up: with a sender, the wait for a batch is cut into CATCH_UP_EVERY_S
+    slices, each after asking for a catch-up push (started when an engine is behind); without, one wait;
+    and a source that answers None at once (a finished replay) ends the wait, without a busy loop."""
+    import time
 
-    t = trainer(Source(empty=2), Sender(behind=2))
-    assert Trainer._fetch_catching_up(t) == "batch"
-    assert t.source.waits == pytest.approx([CATCH_UP_EVERY_S] * 3, abs=1)
+    from stages.trainer import trainer as trainer_module
+    from stages.trainer.trainer import Trainer
+
+    monkeypatch.setattr(trainer_module, "CATCH_UP_EVERY_S", 0.05)
+    t = _trainer(_Source(empty=2), _Sender(behind=2))
+    assert Trainer._fetch_catching_up(t, time.monotonic() + 1.0) == "batch"
+    assert t.source.waits == pytest.approx([0.05] * 3, abs=0.01)
     assert t.sender.calls == 3 and t.pending_push is not None
     # nobody behind: still slices, since a server relaunched between pushes is only found by asking
-    calm = trainer(Source(empty=1), Sender(behind=0))
-    assert Trainer._fetch_catching_up(calm) == "batch" and calm.sender.calls == 2
-    assert calm.source.waits == pytest.approx([CATCH_UP_EVERY_S] * 2, abs=1) and calm.pending_push is None
-    alone = trainer(Source(empty=0), None)  # no sender (a trainer alone): one wait
-    assert Trainer._fetch_catching_up(alone) == "batch" and alone.source.waits == pytest.approx(
-        [100.0], abs=1
-    )
+    calm = _trainer(_Source(empty=1), _Sender())
+    assert Trainer._fetch_catching_up(calm, time.monotonic() + 1.0) == "batch" and calm.sender.calls == 2
+    assert calm.pending_push is None
+    alone = _trainer(_Source(empty=0), None)  # no sender (a trainer alone): one wait
+    assert Trainer._fetch_catching_up(alone, time.monotonic() + 1.0) == "batch"
+    assert alone.source.waits == pytest.approx([1.0], abs=0.05)
+    done = _trainer(_Source(empty=0, finished=True), _Sender())
+    assert Trainer._fetch_catching_up(done, time.monotonic() + 5.0) is None and len(done.source.waits) == 1
+
+
+def test_the_trainer_pushes_again_to_a_server_relaunched_since_its_last_push(monkeypatch):
+    """Trainer._fetch: when the sender finds a server running older weights with nothing kept for it
+    (needs_push), every rank snapshots and rank 0 pushes the current weights, then the wait goes on
+    within the same fetch_timeout_s."""
+    from stages.trainer import trainer as trainer_module
+    from stages.trainer.trainer import Trainer
+
+    monkeypatch.setattr(trainer_module, "CATCH_UP_EVERY_S", 0.05)
+    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 1)
+    t = _trainer(_Source(empty=1), _Sender(stale=1))
+    assert Trainer._fetch(t) == "batch"
+    assert t.pushes == 1 and len(t.source.waits) == 2  # pushed before it waited at all
+    quiet = _trainer(_Source(empty=0), _Sender())
+    assert Trainer._fetch(quiet) == "batch" and quiet.pushes == 0
 
 
 class GroupSender(NcclSGLangSender):

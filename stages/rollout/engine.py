@@ -80,11 +80,12 @@ class Engine(ABC):
         generator then starts no group and retries none until it is back (no hot loop of failures)."""
         return True
 
-    def relaunches(self) -> int:
-        """How many times a server of this engine was relaunched (counted before it serves again). It
-        then runs older weights until the trainer's catch-up push: the generator tells that dip from a
-        trainer that went back to its checkpoint."""
-        return 0
+    def version_and_relaunches(self) -> tuple[int, int]:
+        """`version` and how many times a server of this engine was relaunched, read together: a
+        relaunched server runs older weights until the trainer pushes it the current ones, and the
+        generator tells that dip from a trainer gone back to its checkpoint by the count that came with
+        it (read apart, the drop could be seen before its relaunch)."""
+        return self.version, 0
 
     def requests_in_flight(self) -> int | None:
         """Requests submitted and not yet answered: each counted from the call of generate(), before it

@@ -168,8 +168,9 @@ class EnginePool(Engine):
     def available(self) -> bool:
         return any(e.available() for e in self.engines)
 
-    def relaunches(self) -> int:
-        return sum(e.relaunches() for e in self.engines)
+    def version_and_relaunches(self) -> tuple[int, int]:
+        pairs = [e.version_and_relaunches() for e in self.engines]  # each engine's pair is consistent
+        return min(v for v, _ in pairs), sum(n for _, n in pairs)
 
     def requests_in_flight(self) -> int:
         return sum(e.requests_in_flight() for e in self.engines) + self._dispatching

@@ -14,7 +14,8 @@ What happens around a restart:
   itself holds (often the base model); the trainer, while it waits for data, pushes the last weights
   to it again once it answers (catch-up: it was left out of a push, or reports an older weight
   version than the last push), and its tokens carry the versions that made them. Until then the
-  generator starts no group on it (`Engine.relaunches()`: the dip is not a trainer going back).
+  generator starts no new group (`Engine.version_and_relaunches()`: the dip is not a trainer going
+  back).
 - An NCCL weight group dies with its server: the trainer's next push forms a new one with the servers
   that answer, and the catch-up forms one with all of them again.
 """

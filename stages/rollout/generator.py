@@ -131,10 +131,10 @@ class Generator:
         # a retry waits this long for a dead engine: its relaunch (startup) plus two health checks
         sglang = cfg.rollout.sglang
         self._engine_down_wait_s = sglang.startup_timeout_s + 2 * sglang.health_check_s
-        self._last_engine_version = engine.version
+        self._last_engine_version, self._relaunches_seen = engine.version_and_relaunches()
         self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
-        self._relaunches_seen = engine.relaunches()
         self._relaunch_dip: int | None = None  # the version a relaunched engine runs until caught up
+        self._relaunch_dip_since = 0.0
         self._stopping = False
         self._wake: asyncio.Event | None = None
         # one thread for every put: sinks (a ZeroMQ DEALER socket) are not thread-safe, and one
@@ -160,12 +160,6 @@ class Generator:
         if self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
-    def admission_version(self) -> int:
-        # The version a new group's tokens start at is the engine's. The trainer version learnt from acks
-        # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
-        # using it here deadlocks a generator that is waiting for the trainer to catch up.
-        return self.engine.version
-
     def admissible(self) -> bool:
         if self.batch_groups <= 0:
             return True
@@ -178,25 +172,18 @@ class Generator:
             - c["groups_evicted"]
             - c["groups_aborted_stale"]
         )
-        version = self.admission_version()
-        relaunches = self.engine.relaunches()
-        relaunched, self._relaunches_seen = relaunches > self._relaunches_seen, relaunches
+        # The version a new group's tokens start at is the engine's. The trainer version learnt from acks
+        # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
+        # using it here deadlocks a generator that is waiting for the trainer to catch up.
+        version, relaunches = self.engine.version_and_relaunches()
         if version >= self._last_engine_version:
             self._relaunch_dip = None
-            self._last_engine_version = version
-        elif relaunched or version == self._relaunch_dip:
+            self._last_engine_version, self._relaunches_seen = version, relaunches
+        elif self._in_relaunch_dip(version, relaunches):
             # A relaunched server runs older weights (often the base model's) until the trainer's
             # catch-up push; the trainer did not go back. Counting goes on from before the relaunch, so
             # nothing starts meanwhile (it would come too stale) and nothing floods in once caught up.
-            if self._relaunch_dip is None:
-                log.warning(
-                    "generator %s: a relaunched engine runs version %d, behind %d: no new group until "
-                    "the trainer pushes it the current weights",
-                    self.id,
-                    version,
-                    self._last_engine_version,
-                )
-            self._relaunch_dip = version
+            self._relaunches_seen = relaunches
         else:
             # The weights went back (a trainer restarted from its checkpoint): the groups the lost steps
             # consumed are counted as kept, but the new trainer consumes from `version` on. Count as if
@@ -205,8 +192,28 @@ class Generator:
             self._kept_offset = live - self._running - version * self.batch_groups
             log.warning("generator %s: engine weights went back to version %d", self.id, version)
             self._relaunch_dip = None
-            self._last_engine_version = version
+            self._last_engine_version, self._relaunches_seen = version, relaunches
         return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
+
+    def _in_relaunch_dip(self, version: int, relaunches: int) -> bool:
+        """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a
+        trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts
+        while the version stays there, for at most the time a relaunch and its catch-up take: a trainer
+        restarted meanwhile pushes another version, or, at the dip's own version (a fresh trainer at
+        0), is recognised by the dip outlasting that."""
+        now = time.monotonic()
+        if relaunches > self._relaunches_seen:
+            if self._relaunch_dip is None:
+                log.warning(
+                    "generator %s: a relaunched engine runs version %d, behind %d: no new group until "
+                    "the trainer pushes it the current weights",
+                    self.id,
+                    version,
+                    self._last_engine_version,
+                )
+            self._relaunch_dip, self._relaunch_dip_since = version, now
+            return True
+        return version == self._relaunch_dip and now - self._relaunch_dip_since < self._engine_down_wait_s
 
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""

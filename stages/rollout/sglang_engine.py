@@ -148,6 +148,7 @@ class SGLangEngine(Engine):
         # when a request last could not reach the server; cleared once it answers /health
         self._unreachable_at: float | None = None
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
+        self._state_lock = threading.Lock()  # restart's (restarts, _version) are read as one
         self.last_update: dict[str, float] = {}
         self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
         # busy = at least one request outstanding (the server has work); the rest of the time since the
@@ -254,8 +255,9 @@ class SGLangEngine(Engine):
             return False
         return self._proc is None or self._proc.poll() is None
 
-    def relaunches(self) -> int:
-        return self.restarts
+    def version_and_relaunches(self) -> tuple[int, int]:
+        with self._state_lock:
+            return self._version, self.restarts
 
     def restart(self) -> float:
         """Relaunch a dead or hung server and bring it back to the newest weights it can re-sync to.
@@ -271,9 +273,11 @@ class SGLangEngine(Engine):
             try:
                 self._stop()
                 path, version = self._resync_source()
-                # counted before start() sets the older version: a reader of relaunches() never sees
-                # that version without the relaunch that explains it
-                self.restarts += 1
+                # the older version from now on (a pool's version drops while this one is down), and
+                # together with the relaunch that explains it (version_and_relaunches)
+                with self._state_lock:
+                    self.restarts += 1
+                    self._version = version
                 self.start(path, version)
             finally:
                 self.restarting = False
@@ -350,8 +354,9 @@ class SGLangEngine(Engine):
         which the generator reads inside its event loop: a slow server must not stall every stream."""
         while self._proc is proc and proc.poll() is None:
             v = self._server_version()
-            if v is not None and v > self._version:
-                self._version = v
+            with self._state_lock:  # a relaunch may have begun since the server was asked
+                if v is not None and v > self._version and self._proc is proc:
+                    self._version = v
             time.sleep(VERSION_POLL_S)
 
     def _get_json(self, path: str, timeout: float) -> dict | None:

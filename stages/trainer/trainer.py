@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # with a weight sender, the trainer's wait for data is cut into slices of this many seconds, and
 # between them the last weights go to it again (Trainer._fetch_catching_up)
 CATCH_UP_EVERY_S = 10.0
+_PUSH_AGAIN = object()  # _fetch_catching_up: an engine needs the current weights before data can come
 
 
 class SourceExhausted(Exception):
@@ -156,45 +157,63 @@ class Trainer:
         self.sender = sender
 
     def _fetch(self) -> pa.RecordBatch:
-        """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast)."""
-        payload = [None]
+        """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast). An engine
+        found running older weights than the last push (relaunched since, needs_push) gets the current
+        weights first: every rank takes part in that snapshot, then the wait goes on."""
         shared = dist.get_world_size() > 1  # other ranks need the batch: send it as Arrow IPC bytes
-        if self.rank == 0:
-            try:
-                batch = self._fetch_catching_up()
-                if batch is None:
-                    payload[0] = ("timeout", None)
-                else:
-                    payload[0] = ("ok", _to_ipc(batch) if shared else batch)
-            except SourceExhausted:
-                payload[0] = ("exhausted", None)
-        if shared:
-            dist.broadcast_object_list(
-                payload, src=0, device=self.device if self.device.type == "cuda" else None
-            )
-        kind, data = payload[0]
-        if kind == "exhausted":
-            raise SourceExhausted("the replay source has no more complete groups")
-        if kind == "timeout":
-            raise TimeoutError(self._fetch_timeout_message())
-        return pa.ipc.open_stream(data).read_next_batch() if shared else data
-
-    def _fetch_catching_up(self) -> pa.RecordBatch | None:
-        """source.fetch within trainer.fetch_timeout_s. With a weight sender, the wait is cut into
-        CATCH_UP_EVERY_S slices and before each the sender is asked to push the last weights again to
-        an engine that is behind (sender.catch_up: left out of a push while it restarted, or relaunched
-        from older weights since): with one engine no fresh batch can come before the relaunched
-        server has the current weights."""
         deadline = time.monotonic() + self.tc.fetch_timeout_s
+        while True:
+            payload = [None]
+            if self.rank == 0:
+                try:
+                    batch = self._fetch_catching_up(deadline)
+                    if batch is _PUSH_AGAIN:
+                        payload[0] = ("push", None)
+                    elif batch is None:
+                        payload[0] = ("timeout", None)
+                    else:
+                        payload[0] = ("ok", _to_ipc(batch) if shared else batch)
+                except SourceExhausted:
+                    payload[0] = ("exhausted", None)
+            if shared:
+                dist.broadcast_object_list(
+                    payload, src=0, device=self.device if self.device.type == "cuda" else None
+                )
+            kind, data = payload[0]
+            if kind == "push":
+                if self.rank == 0:
+                    log.warning(
+                        "trainer at version %d: %s run older weights (relaunched since the last push): "
+                        "pushing them the current ones",
+                        self.version,
+                        self.sender.needs_push(),
+                    )
+                self.push_weights()
+                continue
+            if kind == "exhausted":
+                raise SourceExhausted("the replay source has no more complete groups")
+            if kind == "timeout":
+                raise TimeoutError(self._fetch_timeout_message())
+            return pa.ipc.open_stream(data).read_next_batch() if shared else data
+
+    def _fetch_catching_up(self, deadline: float):
+        """source.fetch until `deadline`; None at the deadline, or _PUSH_AGAIN when an engine needs the
+        current weights. With a weight sender the wait is cut into CATCH_UP_EVERY_S slices and before
+        each the sender may push the last weights again to an engine it left out while it restarted
+        (catch_up) or find one relaunched since (needs_push): with one engine no fresh batch can come
+        before the relaunched server has the current weights."""
         while True:
             left = max(0.0, deadline - time.monotonic())
             if self.sender is None:
                 return self.source.fetch(self.tc.batch_groups, self.version, self.cfg.run.max_staleness, left)
             self._catch_up()
-            batch = self.source.fetch(
-                self.tc.batch_groups, self.version, self.cfg.run.max_staleness, min(left, CATCH_UP_EVERY_S)
-            )
-            if batch is not None or time.monotonic() >= deadline:
+            if self.sender.needs_push():
+                return _PUSH_AGAIN
+            wait = min(left, CATCH_UP_EVERY_S)
+            t0 = time.monotonic()
+            batch = self.source.fetch(self.tc.batch_groups, self.version, self.cfg.run.max_staleness, wait)
+            # a source answers None only at its timeout, or at once when it has no more (a replay)
+            if batch is not None or time.monotonic() >= deadline or time.monotonic() - t0 < 0.5 * wait:
                 return batch
 
     def _catch_up(self) -> None:
@@ -723,8 +742,6 @@ class Trainer:
             )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        if self.rank == 0 and self.sender is not None:
-            self.sender.forget_last_push()  # the snapshot below replaces it: never two copies at once
         state = export_hf_state(self.policy, **self._snapshot_target())  # collective; full tensors on rank 0
         if self.rank == 0 and self.sender is not None:
             self.pending_push = self.sender.push(self.version, list(state.items()))

@@ -77,12 +77,15 @@ class WeightSender(ABC):
         """Start delivering a snapshot; returns immediately."""
 
     def catch_up(self) -> PushHandle | None:
-        """Push the last weights again to the engines that are behind them (the last push left them
-        out while they restarted, or they were relaunched since), or None when none is behind. Transports that never leave one out have nothing to catch up."""
+        """Push the last weights again to the engines the last push left out (they were restarting),
+        or None when none is behind; also the moment to look for engines relaunched since (needs_push).
+        Transports that never leave one out have nothing to catch up."""
         return None
 
-    def forget_last_push(self) -> None:  # noqa: B027 - optional
-        """Drop what is kept of the last push for catch_up(): a new snapshot is about to replace it."""
+    def needs_push(self) -> list[str]:
+        """Engines found running older weights than the last push with nothing kept to send them (one
+        relaunched between two pushes): the trainer pushes its current weights again."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

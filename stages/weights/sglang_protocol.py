@@ -25,6 +25,7 @@ LOAD_DISTRIBUTED = "/update_weights_from_distributed"
 LOAD_DISK = "/update_weights_from_disk"
 JOIN_GROUP = "/init_weights_update_group"
 LEAVE_GROUP = "/destroy_weights_update_group"
+HEALTH = "/health"  # 200 once the server serves
 MODEL_INFO = "/model_info"  # {"weight_version": ...}: the version the server runs
 
 

@@ -13,12 +13,14 @@ resumes the servers; a failed load leaves them paused (see `_push`). HTTP connec
 A server that cannot be reached at all (connection refused: it died, and the generator's engine watch
 is relaunching it) is left out of a push for up to `restart_grace_s` from the first push that missed
 it. The relaunched server starts from the weights its engine object holds (often the base model: a
-pushed-to server keeps no copy), so the sender keeps the last push's tensors, and `catch_up()` sends
-them to a server that is behind once it answers (the trainer calls it while it waits for data: with
-one engine, no fresh data comes before that). Behind is either left out of a push, or relaunched
-between two pushes, which no push saw: such a server reports an older weight_version on /model_info
-(asked at most every VERSION_PROBE_S). The next regular push reaches it too. Its tokens carry the
-versions that made them, so staleness stays exact. Past the grace a push fails naming the server.
+pushed-to server keeps no copy), so the sender keeps the last push's tensors while a server is behind,
+and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for data: with
+one engine, no fresh data comes before that). A server relaunched between two pushes was missed by
+none, and nothing is kept for it (a GPU snapshot held through a training step would cost its memory):
+`catch_up()` finds it by its older weight_version on /model_info (asked at most every VERSION_PROBE_S,
+once /health answers) and lists it in `needs_push()`, and the trainer then pushes its current weights
+again. The next regular push reaches it too. Its tokens carry the versions that made them, so
+staleness stays exact. Past the grace a push fails naming the server.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -85,8 +87,10 @@ class _SGLangSender(WeightSender):
         self._local = threading.local()  # one keep-alive HTTP session per thread
         self.restart_grace_s = restart_grace_s
         self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
-        self._last: tuple[int, list] | None = None  # (version, tensors) of the last push, for catch_up()
+        self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
+        self._pushed_version: int | None = None  # the version the last push set
         self._probed_at = float("-inf")  # when catch_up() last asked the servers their weight_version
+        self._stale: list[str] = []  # servers found running older weights than the last push (needs_push)
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
         # server paused
@@ -141,23 +145,21 @@ class _SGLangSender(WeightSender):
         if self._stream is not None:  # the snapshot's copies, queued on the caller's stream until now
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
+        self._stale = []  # every server gets this one
         fut = self._pool.submit(self._push_on_stream, ready, version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
-    def forget_last_push(self) -> None:
-        # a new snapshot is about to be taken: holding the last one meanwhile would double the peak
-        self._last = None
+    def needs_push(self) -> list[str]:
+        return list(self._stale)
 
     def catch_up(self) -> PushHandle | None:
-        """The last push again, to the servers it left out or that were relaunched since with older
-        weights; None when none is behind."""
-        last = self._last
-        if last is None:
+        """The last push again, to the servers it left out; None when none is behind. Servers found
+        relaunched since the last push (nothing kept for them) go to needs_push() instead."""
+        behind, last = list(self._down_since), self._last
+        if not behind or last is None:
+            if self._pushed_version is not None and not self._stale:
+                self._stale = self._relaunched_behind(self._pushed_version)
             return None
-        behind = list(self._down_since) or self._relaunched_behind(last[0])
-        if not behind:
-            return None
-        log.warning("weights: %s behind version %d: pushing it again", behind, last[0])
         fut = self._pool.submit(
             self._push_on_stream, None, last[0], last[1], self._catch_up_targets(behind), behind
         )
@@ -176,15 +178,29 @@ class _SGLangSender(WeightSender):
         if now - self._probed_at < VERSION_PROBE_S:
             return []
         self._probed_at = now
-        behind = []
-        for url in self.urls:
+
+        def behind(url: str) -> bool:
             try:
                 reported = self._model_version(url, VERSION_PROBE_TIMEOUT_S)
             except WeightPushError:
-                continue
-            if reported is not None and reported.isdigit() and int(reported) < version:
-                behind.append(url)
-        return behind
+                return False
+            older = reported is not None and reported.isdigit() and int(reported) < version
+            # and up: a server still starting may answer a pause with 5xx, which fails a push
+            return older and self._healthy(url)
+
+        with cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-probe") as probe:
+            found = [url for url, late in zip(self.urls, probe.map(behind, self.urls)) if late]
+        if found:
+            log.warning("weights: %s run older weights than version %d (relaunched since)", found, version)
+        return found
+
+    def _healthy(self, url: str) -> bool:
+        import requests
+
+        try:
+            return requests.get(url + proto.HEALTH, timeout=VERSION_PROBE_TIMEOUT_S).status_code == 200
+        except requests.RequestException:
+            return False
 
     def _model_version(self, url: str, timeout_s: float) -> str | None:
         """The weight_version `url` reports on /model_info (None: it reports none)."""
@@ -271,9 +287,9 @@ class _SGLangSender(WeightSender):
         if failed:
             raise failed[0]
         t["continue_s"] = time.monotonic() - t3
-        # kept for catch_up() until the trainer's next snapshot (forget_last_push): a server may be
-        # relaunched from older weights at any time
-        self._last = (version, named)
+        # while a server is behind, keep these tensors for catch_up(); let them go once none is
+        self._last = (version, named) if self._down_since else None
+        self._pushed_version = version
         nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
