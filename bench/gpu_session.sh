@@ -23,6 +23,8 @@
 #             (seed 0) and 8 on GPUs 2,3: what issue #17 still lacks, in one device session (~20 min)
 #   10 x4     on a 4-GPU machine, lanes pinned to cores 0-31 / 32-63: phase 3 with AVS_FLAGS (default
 #             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
+#   11 x4     the same lanes: phase 6 then 3 over AVS_STEPS=30 on GPUs 0,1; phase 8 then 5 (seed 2,
+#             counting sessions 4 and 5) on GPUs 2,3 (~20 min, not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -62,7 +64,7 @@ phase2() {
 }
 
 phase3() {
-  python bench/gpu_async_vs_sync.py --steps 10 --skip 2 --staleness ${AVS_STALENESS:-8} --out $S ${AVS_FLAGS:-} \
+  python bench/gpu_async_vs_sync.py --steps ${AVS_STEPS:-10} --skip 2 --staleness ${AVS_STALENESS:-8} --out $S ${AVS_FLAGS:-} \
     --results $R/gpu_async_vs_sync.jsonl >$S/3-avs.out 2>&1
 }
 
@@ -113,6 +115,16 @@ phase10() {
   AVS_FLAGS=${AVS_FLAGS---skip-sync} lane 0-31 0,1 3 6 &
   # seed 0 ran in session 4: the line written counts it with seeds 1 and 2
   LEARN_SEEDS="1 2" LEARN_PRIOR=bench/gpu_results/2026-11-26/session-4/learning lane 32-63 2,3 8 5 &
+  wait
+}
+
+phase11() {
+  # a 4-GPU machine, what session 5 (phase 10) left open: the one-GPU kill test after the relaunch
+  # fixes, and the stall of pushes over 30 steps (10 were too few); beside it the two-GPU kill test on
+  # the new code and learning seed 2 again (its sync run failed on a hung server)
+  AVS_FLAGS=${AVS_FLAGS---skip-sync} AVS_STEPS=${AVS_STEPS:-30} lane 0-31 0,1 6 3 &
+  LEARN_SEEDS=2 LEARN_PRIOR="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-26/session-5/learning" \
+    lane 32-63 2,3 8 5 &
   wait
 }
 
