@@ -190,8 +190,8 @@ MUTATIONS = [
         "relaunched_server_not_pushed",
         "the trainer is told a server runs older weights and waits for data anyway",
         "stages/trainer/trainer.py",
-        "            if self.sender.needs_push():\n                return _PUSH_AGAIN\n",
-        "",
+        "                    return _PUSH_AGAIN\n",
+        "                    pass\n",
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
@@ -201,6 +201,14 @@ MUTATIONS = [
         "        if relaunches > self._relaunches_seen:\n",
         "        if False:\n",
         ("tests/test_rollout_generator.py", "tests/test_relaunch_dip.py"),
+    ),
+    Mutation(
+        "relaunch_dip_never_ends",
+        "a fresh trainer at the version a relaunched server came back at is never let through",
+        "stages/rollout/generator.py",
+        "now - self._relaunch_dip_since < 2 * self._engine_down_wait_s",
+        "True",
+        ("tests/test_relaunch_dip.py",),
     ),
     Mutation(
         "relaunch_version_late",

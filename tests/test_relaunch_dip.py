@@ -71,10 +71,10 @@ class Quick(Engine):
         ]
 
 
-def _started(tmp_path_factory, step) -> tuple[int, int, int]:
+def _started(tmp_path_factory, step, after_s: float = 1.0, **rollout) -> tuple[int, int, int]:
     """Groups started by a generator over a pool of two engines at version 5 (nothing consumed, so its
-    window fills): before, during a relaunch of one engine, and after `step(relaunched)` ends the dip."""
-    cfg = make_cfg(tmp_path_factory, max_inflight_groups=64)  # run.max_staleness = 1
+    window fills): before, during a relaunch of one engine, and `after_s` after `step(relaunched)`."""
+    cfg = make_cfg(tmp_path_factory, max_inflight_groups=64, **rollout)  # run.max_staleness = 1
     steady, relaunched = Quick(5), Quick(5)
     gen = Generator(cfg, FakeSink(), EnginePool([steady, relaunched]), "pool", batch_groups=2)
 
@@ -88,7 +88,7 @@ def _started(tmp_path_factory, step) -> tuple[int, int, int]:
         during = gen.stats()["groups_started"]
         step(relaunched)
         gen._poke()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(after_s)
         gen.stop()
         await asyncio.wait_for(task, 30)
         return first, during, gen.stats()["groups_started"]
@@ -106,3 +106,14 @@ def test_a_trainer_gone_back_during_a_relaunch_reopens_admission_from_its_versio
     """The dip ends with older weights than before it: the trainer restarted from its checkpoint (2)."""
     first, during, total = _started(tmp_path_factory, lambda e: e.update_weights([], 2))
     assert during == first and total - first == (1 + 1) * 2
+
+
+def test_a_dip_that_outlasts_a_relaunch_and_its_catch_up_is_a_trainer_gone_back(tmp_path_factory):
+    """A fresh trainer (no checkpoint) pushes version 0, the very version the relaunched server came back
+    at: nothing ends the dip but time. Past twice the relaunch bound (startup_timeout_s + 2 x
+    health_check_s) it is taken for a trainer gone back, and its window opens, or the new trainer would
+    wait for data that never comes."""
+    quick = {"sglang": {"startup_timeout_s": 0.4, "health_check_s": 0.2}}  # bound 0.8 s: 1.6 s for a dip
+    first, during, total = _started(tmp_path_factory, lambda e: None, after_s=2.0, **quick)
+    assert during == first  # 1 s into the dip: still held
+    assert total - first == (0 + 1 + 1) * 2  # the window of version 0

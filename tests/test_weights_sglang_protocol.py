@@ -192,32 +192,32 @@ def test_a_relaunched_server_gets_the_last_weights_by_catch_up(server_factory):
 
 def test_a_server_relaunched_between_pushes_is_found_by_its_version(server_factory, monkeypatch):
     """No push missed it (it died and came back while the trainer waited for data), but it runs the base
-    model again: its /model_info weight_version is older than the last push, so catch_up() lists it in
-    needs_push() (asking at most every VERSION_PROBE_S, and only once /health answers), for the trainer
-    to push its current weights; that push clears it. Without this the trainer waits for fresh data
-    that cannot come (on an H100: 2,558 base-model groups evicted as stale, then a fetch timeout)."""
+    model again: its /model_info weight_version is older than the last push, so needs_push() lists it
+    (asking at most every VERSION_PROBE_S, and only once /health answers) for the trainer to push its
+    current weights; that push clears it. Without this the trainer waits for fresh data that cannot
+    come (on an H100: 2,558 base-model groups evicted as stale, then a fetch timeout)."""
     from stages.weights import sglang_transport
 
     ok, ok_url = server_factory()
     relaunched, relaunched_url = server_factory()
     sender = PostSender([ok_url, relaunched_url], timeout_s=10, restart_grace_s=30)
-    assert sender.catch_up() is None and sender.needs_push() == []  # nothing pushed: nothing to compare
+    assert sender.needs_push() == []  # nothing pushed: nothing to compare with
     assert sender.push(3, _named()).result(timeout=10)["engines"] == 2
-    assert sender.catch_up() is None and sender.needs_push() == []  # both run version 3
+    assert sender.needs_push() == []  # both run version 3
     relaunched.weight_version = "0"  # the engine watch relaunched it from the base model
-    assert sender.catch_up() is None and sender.needs_push() == []  # asked < VERSION_PROBE_S ago
+    assert sender.needs_push() == []  # asked less than VERSION_PROBE_S ago
     monkeypatch.setattr(sglang_transport, "VERSION_PROBE_S", 0.0)
     relaunched.health = 503  # still starting: not counted yet (a pause could fail with 5xx)
-    assert sender.catch_up() is None and sender.needs_push() == []
+    assert sender.needs_push() == []
     relaunched.health = 200
     ok.calls[:] = []
-    assert sender.catch_up() is None and sender.needs_push() == [relaunched_url]
+    assert sender.needs_push() == [relaunched_url]
     assert [r for r, _ in ok.calls] == ["/model_info"]  # the one that is current is only asked
     assert sender.push(3, _named()).result(timeout=10)["engines"] == 2  # the trainer's push again
-    assert sender.needs_push() == [] and relaunched.weight_version == "3"
-    assert sender.catch_up() is None and sender.needs_push() == []
-    relaunched.shutdown()  # gone and not back: not counted as behind
-    assert sender.catch_up() is None and sender.needs_push() == []
+    assert relaunched.weight_version == "3" and sender.needs_push() == []
+    relaunched.weight_version = "0"
+    relaunched.shutdown()  # relaunched again, and not back yet: not counted, nothing to push to
+    assert sender.needs_push() == []
     sender.close()
 
 
@@ -311,9 +311,10 @@ def test_the_trainer_catches_up_while_it_waits_for_data(monkeypatch):
 
 
 def test_the_trainer_pushes_again_to_a_server_relaunched_since_its_last_push(monkeypatch):
-    """Trainer._fetch: when the sender finds a server running older weights with nothing kept for it
-    (needs_push), every rank snapshots and rank 0 pushes the current weights, then the wait goes on
-    within the same fetch_timeout_s."""
+    """Trainer._fetch: after a wait that came back empty, the sender is asked for a server running
+    older weights with nothing kept for it (needs_push); then every rank snapshots and rank 0 pushes
+    the current weights, and the wait goes on within the same fetch_timeout_s. With data there at once,
+    nobody is asked anything."""
     from stages.trainer import trainer as trainer_module
     from stages.trainer.trainer import Trainer
 
@@ -321,9 +322,54 @@ def test_the_trainer_pushes_again_to_a_server_relaunched_since_its_last_push(mon
     monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 1)
     t = _trainer(_Source(empty=1), _Sender(stale=1))
     assert Trainer._fetch(t) == "batch"
-    assert t.pushes == 1 and len(t.source.waits) == 2  # pushed before it waited at all
-    quiet = _trainer(_Source(empty=0), _Sender())
-    assert Trainer._fetch(quiet) == "batch" and quiet.pushes == 0
+    assert t.pushes == 1 and len(t.source.waits) == 2 and t.sender.asked == 1
+    quiet = _trainer(_Source(empty=0), _Sender(stale=1))
+    assert Trainer._fetch(quiet) == "batch" and quiet.pushes == 0 and quiet.sender.asked == 0
+
+
+def _two_ranks(monkeypatch, answers: list) -> list:
+    """Trainer._fetch as one of two ranks: the broadcast hands out `answers` in turn (what rank 0
+    decided), and records what this rank put in."""
+    from stages.trainer import trainer as trainer_module
+
+    sent, answers = [], iter(answers)
+
+    def broadcast(payload, src, device=None):
+        sent.append(payload[0])
+        if payload[0] is None or payload[0][0] != "error":
+            payload[0] = next(answers)
+
+    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(trainer_module.dist, "broadcast_object_list", broadcast)
+    return sent
+
+
+def test_every_rank_takes_part_in_the_push_again_and_hears_of_rank_0s_failure(monkeypatch):
+    """The snapshot of a push is collective: a rank other than 0 learns of it from the fetch broadcast
+    and pushes too, then gets its batch. A fetch that fails on rank 0 is broadcast as such: without, the
+    other ranks would wait in the broadcast until the process group's timeout."""
+    import pyarrow as pa
+
+    from stages.trainer.trainer import Trainer, _to_ipc
+
+    _two_ranks(monkeypatch, [("push", None), ("ok", _to_ipc(pa.record_batch({"x": [7]})))])
+    other = _trainer(None, None)
+    other.rank, other.device = 1, torch.device("cpu")
+    assert Trainer._fetch(other).column("x").to_pylist() == [7] and other.pushes == 1
+
+    class Gone:
+        def fetch(self, *a):
+            raise ConnectionError("buffer at tcp://x is gone")
+
+    sent = _two_ranks(monkeypatch, [])
+    first = _trainer(Gone(), None)
+    first.device = torch.device("cpu")
+    with pytest.raises(ConnectionError, match="is gone"):
+        Trainer._fetch(first)
+    assert sent == [("error", "ConnectionError: buffer at tcp://x is gone")]
+    _two_ranks(monkeypatch, [("error", "ConnectionError: buffer at tcp://x is gone")])
+    with pytest.raises(RuntimeError, match="rank 0 failed while fetching a batch: ConnectionError"):
+        Trainer._fetch(other)
 
 
 class GroupSender(NcclSGLangSender):

@@ -200,7 +200,8 @@ class Generator:
         trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts
         while the version stays there, for at most the time a relaunch and its catch-up take: a trainer
         restarted meanwhile pushes another version, or, at the dip's own version (a fresh trainer at
-        0), is recognised by the dip outlasting that."""
+        0), is recognised by the dip outlasting that: twice the relaunch bound, since in a pool the dip
+        begins when the server goes down and the catch-up may wait for the trainer's next step."""
         now = time.monotonic()
         if relaunches > self._relaunches_seen:
             if self._relaunch_dip is None:
@@ -213,7 +214,7 @@ class Generator:
                 )
             self._relaunch_dip, self._relaunch_dip_since = version, now
             return True
-        return version == self._relaunch_dip and now - self._relaunch_dip_since < self._engine_down_wait_s
+        return version == self._relaunch_dip and now - self._relaunch_dip_since < 2 * self._engine_down_wait_s
 
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""

@@ -157,13 +157,14 @@ class Trainer:
         self.sender = sender
 
     def _fetch(self) -> pa.RecordBatch:
-        """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast). An engine
-        found running older weights than the last push (relaunched since, needs_push) gets the current
-        weights first: every rank takes part in that snapshot, then the wait goes on."""
+        """Rank 0 fetches within trainer.fetch_timeout_s; every rank gets the batch (broadcast), or rank
+        0's error (the other ranks would otherwise wait in the broadcast). An engine found running older
+        weights than the last push (relaunched since: needs_push) gets the current weights first: every
+        rank takes part in that snapshot, then the wait goes on."""
         shared = dist.get_world_size() > 1  # other ranks need the batch: send it as Arrow IPC bytes
         deadline = time.monotonic() + self.tc.fetch_timeout_s
         while True:
-            payload = [None]
+            payload, failure = [None], None
             if self.rank == 0:
                 try:
                     batch = self._fetch_catching_up(deadline)
@@ -175,21 +176,22 @@ class Trainer:
                         payload[0] = ("ok", _to_ipc(batch) if shared else batch)
                 except SourceExhausted:
                     payload[0] = ("exhausted", None)
+                except Exception as e:
+                    if not shared:
+                        raise
+                    payload[0], failure = ("error", f"{type(e).__name__}: {e}"), e
             if shared:
                 dist.broadcast_object_list(
                     payload, src=0, device=self.device if self.device.type == "cuda" else None
                 )
             kind, data = payload[0]
             if kind == "push":
-                if self.rank == 0:
-                    log.warning(
-                        "trainer at version %d: %s run older weights (relaunched since the last push): "
-                        "pushing them the current ones",
-                        self.version,
-                        self.sender.needs_push(),
-                    )
                 self.push_weights()
                 continue
+            if kind == "error":
+                if failure is not None:
+                    raise failure
+                raise RuntimeError(f"trainer rank 0 failed while fetching a batch: {data}")
             if kind == "exhausted":
                 raise SourceExhausted("the replay source has no more complete groups")
             if kind == "timeout":
@@ -198,35 +200,48 @@ class Trainer:
 
     def _fetch_catching_up(self, deadline: float):
         """source.fetch until `deadline`; None at the deadline, or _PUSH_AGAIN when an engine needs the
-        current weights. With a weight sender the wait is cut into CATCH_UP_EVERY_S slices and before
-        each the sender may push the last weights again to an engine it left out while it restarted
-        (catch_up) or find one relaunched since (needs_push): with one engine no fresh batch can come
-        before the relaunched server has the current weights."""
+        current weights. With a weight sender the wait is cut into CATCH_UP_EVERY_S slices: before each
+        the sender may push the last weights again to an engine it left out while it restarted
+        (catch_up), and after a slice that came back empty it is asked for an engine relaunched since
+        the last push (needs_push; not before, so a step with data waiting pays nothing for it). With
+        one engine no fresh batch can come before the relaunched server has the current weights."""
+        waited = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             if self.sender is None:
                 return self.source.fetch(self.tc.batch_groups, self.version, self.cfg.run.max_staleness, left)
-            self._catch_up()
-            if self.sender.needs_push():
-                return _PUSH_AGAIN
+            idle = self._catch_up()
+            if waited and idle:
+                stale = self.sender.needs_push()
+                if stale:
+                    log.warning(
+                        "trainer at version %d: %s run older weights (relaunched since the last push): "
+                        "pushing them the current ones",
+                        self.version,
+                        stale,
+                    )
+                    return _PUSH_AGAIN
             wait = min(left, CATCH_UP_EVERY_S)
             t0 = time.monotonic()
             batch = self.source.fetch(self.tc.batch_groups, self.version, self.cfg.run.max_staleness, wait)
             # a source answers None only at its timeout, or at once when it has no more (a replay)
             if batch is not None or time.monotonic() >= deadline or time.monotonic() - t0 < 0.5 * wait:
                 return batch
+            waited = True
 
-    def _catch_up(self) -> None:
+    def _catch_up(self) -> bool:
         """Start a catch-up push if an engine is behind and no push is in flight (one in flight may
-        reach the lagging server: it is asked again after the next slice)."""
+        reach the lagging server: it is asked again after the next slice). True when no push is in
+        flight, then or now."""
         if self.pending_push is not None and not self.pending_push.done():
-            return
+            return False
         handle = self.sender.catch_up()
         if handle is None:
-            return
+            return True
         if self.pending_push is not None:
             self.pending_push.result()  # a failure of the previous push is raised here, not lost
         self.pending_push = handle  # push_weights waits for it before the next snapshot
+        return False
 
     def _fetch_timeout_message(self) -> str:
         where = getattr(self.source, "address", None) or type(self.source).__name__

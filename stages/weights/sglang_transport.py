@@ -17,9 +17,9 @@ pushed-to server keeps no copy), so the sender keeps the last push's tensors whi
 and `catch_up()` sends them to it once it answers (the trainer calls it while it waits for data: with
 one engine, no fresh data comes before that). A server relaunched between two pushes was missed by
 none, and nothing is kept for it (a GPU snapshot held through a training step would cost its memory):
-`catch_up()` finds it by its older weight_version on /model_info (asked at most every VERSION_PROBE_S,
-once /health answers) and lists it in `needs_push()`, and the trainer then pushes its current weights
-again. The next regular push reaches it too. Its tokens carry the versions that made them, so
+`needs_push()` finds it by its older weight_version on /model_info (asked at most every
+VERSION_PROBE_S, counted once /health answers; the trainer asks after a wait for data came back empty),
+and the trainer then pushes its current weights again. The next regular push reaches it too. Its tokens carry the versions that made them, so
 staleness stays exact. Past the grace a push fails naming the server.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
@@ -89,8 +89,7 @@ class _SGLangSender(WeightSender):
         self._down_since: dict[str, float] = {}  # unreachable servers left out of pushes, since when
         self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
         self._pushed_version: int | None = None  # the version the last push set
-        self._probed_at = float("-inf")  # when catch_up() last asked the servers their weight_version
-        self._stale: list[str] = []  # servers found running older weights than the last push (needs_push)
+        self._probed_at = float("-inf")  # when needs_push() last asked the servers their weight_version
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
         # server paused
@@ -145,20 +144,20 @@ class _SGLangSender(WeightSender):
         if self._stream is not None:  # the snapshot's copies, queued on the caller's stream until now
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._stale = []  # every server gets this one
         fut = self._pool.submit(self._push_on_stream, ready, version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def needs_push(self) -> list[str]:
-        return list(self._stale)
+        """Servers relaunched since the last push with older weights (no push missed them, so nothing is
+        kept for them). Call it with no push in flight; [] while a left-out server waits for catch_up."""
+        if self._pushed_version is None or self._down_since:
+            return []
+        return self._relaunched_behind(self._pushed_version)
 
     def catch_up(self) -> PushHandle | None:
-        """The last push again, to the servers it left out; None when none is behind. Servers found
-        relaunched since the last push (nothing kept for them) go to needs_push() instead."""
+        """The last push again, to the servers it left out; None when none is behind."""
         behind, last = list(self._down_since), self._last
         if not behind or last is None:
-            if self._pushed_version is not None and not self._stale:
-                self._stale = self._relaunched_behind(self._pushed_version)
             return None
         fut = self._pool.submit(
             self._push_on_stream, None, last[0], last[1], self._catch_up_targets(behind), behind
@@ -179,28 +178,24 @@ class _SGLangSender(WeightSender):
             return []
         self._probed_at = now
 
-        def behind(url: str) -> bool:
-            try:
-                reported = self._model_version(url, VERSION_PROBE_TIMEOUT_S)
-            except WeightPushError:
-                return False
-            older = reported is not None and reported.isdigit() and int(reported) < version
-            # and up: a server still starting may answer a pause with 5xx, which fails a push
-            return older and self._healthy(url)
-
-        with cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-probe") as probe:
-            found = [url for url, late in zip(self.urls, probe.map(behind, self.urls)) if late]
-        if found:
-            log.warning("weights: %s run older weights than version %d (relaunched since)", found, version)
-        return found
-
-    def _healthy(self, url: str) -> bool:
         import requests
 
-        try:
-            return requests.get(url + proto.HEALTH, timeout=VERSION_PROBE_TIMEOUT_S).status_code == 200
-        except requests.RequestException:
-            return False
+        def behind(url: str) -> bool:
+            # plain GETs: these threads live for one probe (no keep-alive session to leave behind)
+            try:
+                info = requests.get(url + proto.MODEL_INFO, timeout=VERSION_PROBE_TIMEOUT_S).json()
+                reported = str(info.get("weight_version")) if isinstance(info, dict) else ""
+                older = reported.isdigit() and int(reported) < version
+                # and up: a server still starting may answer a pause with 5xx, which fails a push
+                return (
+                    older
+                    and requests.get(url + proto.HEALTH, timeout=VERSION_PROBE_TIMEOUT_S).status_code == 200
+                )
+            except (requests.RequestException, ValueError):
+                return False  # not back yet: asked again next time
+
+        with cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-probe") as probe:
+            return [url for url, late in zip(self.urls, probe.map(behind, self.urls)) if late]
 
     def _model_version(self, url: str, timeout_s: float) -> str | None:
         """The weight_version `url` reports on /model_info (None: it reports none)."""
