@@ -182,8 +182,8 @@ MUTATIONS = [
         "relaunch_between_pushes_missed",
         "a server relaunched from the base weights between two pushes is never caught up (no push missed it)",
         "stages/weights/sglang_transport.py",
-        "                self._stale = self._relaunched_behind(self._pushed_version)\n",
-        "                self._stale = []\n",
+        "        return self._relaunched_behind(self._pushed_version)\n",
+        "        return []\n",
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
