@@ -50,6 +50,7 @@ def summarise(rows: list[dict], tail: int) -> dict:
         "logp_abs_diff": round(statistics.mean(r["logp/abs_diff_train_rollout"] for r in rows), 5),
         "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 3),
         "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
+        "lr": rows[-1].get("lr"),  # the peak: with the default schedule the same at every step
     }
 
 
@@ -131,6 +132,10 @@ def prior_runs(folders: list[str], exclude: list[int]) -> dict[tuple[str, int], 
     """(variant, seed) -> folder for the seeds (not in `exclude`) that a folder has every variant of."""
     found: dict[tuple[str, int], Path] = {}
     for folder in map(Path, folders):
+        if not folder.is_dir():  # `--prior A key=value`: the override was taken for a folder
+            raise SystemExit(
+                f"--prior {folder}: no such folder (overrides go before --prior, which takes every word after it)"
+            )
         seeds = {int(f.stem.rsplit("seed", 1)[1]) for f in folder.glob("*-seed*.jsonl")}
         for seed in sorted(seeds - set(exclude)):
             if all((folder / f"{name}-seed{seed}.jsonl").exists() for name in VARIANTS):
@@ -192,6 +197,13 @@ def main() -> None:
         per[name].append(summarise(rows, a.tail))
         curves[name].append([r["reward/mean"] for r in rows])
         print(json.dumps({"variant": name, "seed": seed, **per[name][-1]}), flush=True)
+    # every run of one comparison at one learning rate: an override lost on the way (a session whose
+    # --prior swallowed them) must not pass as another seed
+    lrs = {f"{name}-seed{seed}": s["lr"] for name in VARIANTS for seed, s in zip(seeds, per[name])}
+    if len({round(v, 12) for v in lrs.values() if v is not None}) > 1:
+        raise SystemExit(
+            f"these runs trained at different learning rates, so they are no seeds of one comparison: {lrs}"
+        )
     plot(curves, out / "learning_curves.png", max(1, a.steps // 15))
 
     def final(name: str) -> float:

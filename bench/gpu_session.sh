@@ -23,8 +23,8 @@
 #             (seed 0) and 8 on GPUs 2,3: what issue #17 still lacks, in one device session (~20 min)
 #   10 x4     on a 4-GPU machine, lanes pinned to cores 0-31 / 32-63: phase 3 with AVS_FLAGS (default
 #             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
-#   11 x4     the same lanes: phase 6 then 3 over AVS_STEPS=30 on GPUs 0,1; phase 8 then 5 (seed 2,
-#             counting sessions 4 and 5) on GPUs 2,3 (~20 min, not yet run)
+#   11 x4     the same lanes: phase 6 then 3 over AVS_STEPS=30 on GPUs 0,1; phase 8 then 5 (seeds 1 2,
+#             counting session 4's seed 0) on GPUs 2,3 (~22 min, not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -70,9 +70,11 @@ phase3() {
 
 phase5() {
   # the three variants x seeds as one-GPU (colocated) runs, two at a time on the two GPUs
+  # the overrides before --prior, which takes every word after it (session 5 lost them there: its seeds
+  # ran at the config's lr)
   python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml --gpus 2 --seeds ${LEARN_SEEDS:-0 1 2} \
-    --steps "${LEARN_STEPS:-100}" --out $S/learning --results $R/gpu_learning.jsonl ${LEARN_PRIOR:+--prior $LEARN_PRIOR} \
-    rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 >$S/5-learning.out 2>&1
+    --steps "${LEARN_STEPS:-100}" --out $S/learning --results $R/gpu_learning.jsonl \
+    rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 ${LEARN_PRIOR:+--prior $LEARN_PRIOR} >$S/5-learning.out 2>&1
 }
 
 phase6() {
@@ -121,10 +123,9 @@ phase10() {
 phase11() {
   # a 4-GPU machine, what session 5 (phase 10) left open: the one-GPU kill test after the relaunch
   # fixes, and the stall of pushes over 30 steps (10 were too few); beside it the two-GPU kill test on
-  # the new code and learning seed 2 again (its sync run failed on a hung server)
+  # the new code and learning seeds 1 and 2 again (session 5 ran them at the config's lr, not 1e-5)
   AVS_FLAGS=${AVS_FLAGS---skip-sync} AVS_STEPS=${AVS_STEPS:-30} lane 0-31 0,1 6 3 &
-  LEARN_SEEDS=2 LEARN_PRIOR="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-26/session-5/learning" \
-    lane 32-63 2,3 8 5 &
+  LEARN_SEEDS="1 2" LEARN_PRIOR=bench/gpu_results/2026-11-26/session-4/learning lane 32-63 2,3 8 5 &
   wait
 }
 

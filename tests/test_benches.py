@@ -178,3 +178,45 @@ def test_the_generator_only_baseline_runs_the_generator_of_the_run_without_a_tra
     out = avs.generator_throughput("configs/default.yaml", overrides, 6, tmp_path / "gen.log")
     assert out["groups"] == 6 and out["tokens"] > 0 and out["tokens_per_s"] > 0
     assert (tmp_path / "gen.log").exists()
+
+
+def _learning_runs(folder: Path, seed: int, lr: float) -> None:
+    """The three variants' metrics files of one seed, as bench/gpu_learning.py writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("sync", "async_tis", "async_no_tis"):
+        rows = [
+            {"reward/mean": 0.1 * i / 20, "samples": 128, "logp/abs_diff_train_rollout": 0.03,
+             "staleness/mean": 0.0, "time": float(i), "lr": lr}
+            for i in range(20)
+        ]  # fmt: skip
+        (folder / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_overrides_taken_for_folders(tmp_path):
+    """A device session put its overrides after --prior, which took them for folders: its seeds trained
+    at the config's learning rate, and a summary counted them with a seed at another. Both are refused
+    now, by name; runs at one rate are summarised (here, without running anything)."""
+
+    def summary(*args: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable,
+            str(REPO / "bench" / "gpu_learning.py"),
+            "--config",
+            "configs/gpu-1x-colocated.yaml",
+        ]
+        return subprocess.run(
+            [*cmd, "--steps", "20", "--tail", "5", "--seeds", "--out", str(tmp_path / "out"), *args],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    _learning_runs(tmp_path / "a", seed=0, lr=1e-5)
+    _learning_runs(tmp_path / "b", seed=1, lr=2e-6)
+    mixed = summary("--prior", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert mixed.returncode != 0 and "different learning rates" in mixed.stderr
+    swallowed = summary("--prior", str(tmp_path / "a"), "trainer.lr=1.0e-5")
+    assert swallowed.returncode != 0 and "--prior trainer.lr=1.0e-5: no such folder" in swallowed.stderr
+    _learning_runs(tmp_path / "b", seed=1, lr=1e-5)
+    one_rate = summary("--prior", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert one_rate.returncode == 0, one_rate.stderr[-2000:]
+    line = json.loads(one_rate.stdout.strip().splitlines()[-1])
+    assert line["seeds"] == [0, 1] and line["runs"]["sync"][0]["lr"] == 1e-5
