@@ -176,21 +176,20 @@ class Generator:
         # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
         # using it here deadlocks a generator that is waiting for the trainer to catch up.
         version, relaunches = self.engine.version_and_relaunches()
-        if version >= self._last_engine_version:
-            self._relaunch_dip = None
-            self._last_engine_version, self._relaunches_seen = version, relaunches
-        elif self._in_relaunch_dip(version, relaunches):
+        went_back = version < self._last_engine_version
+        if went_back and self._in_relaunch_dip(version, relaunches):
             # A relaunched server runs older weights (often the base model's) until the trainer's
             # catch-up push; the trainer did not go back. Counting goes on from before the relaunch, so
             # nothing starts meanwhile (it would come too stale) and nothing floods in once caught up.
             self._relaunches_seen = relaunches
         else:
-            # The weights went back (a trainer restarted from its checkpoint): the groups the lost steps
-            # consumed are counted as kept, but the new trainer consumes from `version` on. Count as if
-            # exactly `version` batches were consumed and nothing of ours waits in the buffer; the
-            # buffer's staleness bound still drops whatever that lets through too late.
-            self._kept_offset = live - self._running - version * self.batch_groups
-            log.warning("generator %s: engine weights went back to version %d", self.id, version)
+            if went_back:
+                # The weights went back (a trainer restarted from its checkpoint): the groups the lost
+                # steps consumed are counted as kept, but the new trainer consumes from `version` on.
+                # Count as if exactly `version` batches were consumed and nothing of ours waits in the
+                # buffer; the buffer's staleness bound still drops whatever that lets through too late.
+                self._kept_offset = live - self._running - version * self.batch_groups
+                log.warning("generator %s: engine weights went back to version %d", self.id, version)
             self._relaunch_dip = None
             self._last_engine_version, self._relaunches_seen = version, relaunches
         return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups

@@ -78,8 +78,7 @@ class WeightSender(ABC):
 
     def catch_up(self) -> PushHandle | None:
         """Push the last weights again to the engines the last push left out (they were restarting),
-        or None when none is behind; also the moment to look for engines relaunched since (needs_push).
-        Transports that never leave one out have nothing to catch up."""
+        or None when none is behind. Transports that never leave one out have nothing to catch up."""
         return None
 
     def needs_push(self) -> list[str]:

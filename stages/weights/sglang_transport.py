@@ -19,8 +19,9 @@ one engine, no fresh data comes before that). A server relaunched between two pu
 none, and nothing is kept for it (a GPU snapshot held through a training step would cost its memory):
 `needs_push()` finds it by its older weight_version on /model_info (asked at most every
 VERSION_PROBE_S, counted once /health answers; the trainer asks after a wait for data came back empty),
-and the trainer then pushes its current weights again. The next regular push reaches it too. Its tokens carry the versions that made them, so
-staleness stays exact. Past the grace a push fails naming the server.
+and the trainer then pushes its current weights again. The next regular push reaches it too. Its
+tokens carry the versions that made them, so staleness stays exact. Past the grace a push fails naming
+the server.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -55,7 +56,7 @@ from stages.weights.base import PushHandle, WeightPushError, WeightSender, align
 
 log = logging.getLogger(__name__)
 
-# how often catch_up() asks the servers which weights they run (a relaunch between pushes), and how long
+# how often needs_push() asks the servers which weights they run (a relaunch between pushes), and how long
 # one may take to answer: one that does not is not back yet, and is asked again next time
 VERSION_PROBE_S = 10.0
 VERSION_PROBE_TIMEOUT_S = 2.0
@@ -181,28 +182,27 @@ class _SGLangSender(WeightSender):
         import requests
 
         def behind(url: str) -> bool:
-            # plain GETs: these threads live for one probe (no keep-alive session to leave behind)
             try:
-                info = requests.get(url + proto.MODEL_INFO, timeout=VERSION_PROBE_TIMEOUT_S).json()
-                reported = str(info.get("weight_version")) if isinstance(info, dict) else ""
-                older = reported.isdigit() and int(reported) < version
+                reported = self._model_version(url, VERSION_PROBE_TIMEOUT_S) or ""
                 # and up: a server still starting may answer a pause with 5xx, which fails a push
                 return (
-                    older
+                    reported.isdigit()
+                    and int(reported) < version
                     and requests.get(url + proto.HEALTH, timeout=VERSION_PROBE_TIMEOUT_S).status_code == 200
                 )
-            except (requests.RequestException, ValueError):
+            except (WeightPushError, requests.RequestException):
                 return False  # not back yet: asked again next time
 
         with cf.ThreadPoolExecutor(len(self.urls), thread_name_prefix="weights-probe") as probe:
             return [url for url, late in zip(self.urls, probe.map(behind, self.urls)) if late]
 
     def _model_version(self, url: str, timeout_s: float) -> str | None:
-        """The weight_version `url` reports on /model_info (None: it reports none)."""
+        """The weight_version `url` reports on /model_info (None: it reports none). A plain GET: the
+        probe asks from threads that live for one probe (no keep-alive session to leave behind)."""
         import requests
 
         try:
-            info = self._session().get(url + proto.MODEL_INFO, timeout=timeout_s).json()
+            info = requests.get(url + proto.MODEL_INFO, timeout=timeout_s).json()
         except (requests.RequestException, ValueError) as e:
             raise WeightPushError(f"SGLang server {url}{proto.MODEL_INFO} unreachable: {e}") from e
         v = info.get("weight_version") if isinstance(info, dict) else None
