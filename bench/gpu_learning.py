@@ -2,7 +2,11 @@
 staleness 4 and TIS vs async with staleness 4 and no correction, per seed, one invocation.
 
     python bench/gpu_learning.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 150] [--seeds 0 1 2]
-                                 [--out DIR] [--results bench/results/gpu_learning.jsonl] [--gpus N] [a.b=c ...]
+                                 [--staleness 4] [--out DIR] [--results bench/results/gpu_learning.jsonl]
+                                 [--gpus N] [a.b=c ...]
+
+`--staleness K` bounds the async runs at K versions of lag instead of 4 (`--prior` folders must have run
+at the same bound: the summary cannot tell from the metrics).
 
 `--gpus N` with a one-GPU config (configs/gpu-1x-colocated.yaml) runs N of the (variant, seed) runs at
 once, each in its own process on its own GPU, instead of one after another.
@@ -31,10 +35,11 @@ from pathlib import Path
 from _results import record
 from _runs import moving_average, run
 
+# the async variants run at run.max_staleness = --staleness (4 unless told)
 VARIANTS = {
     "sync": ["run.mode=sync"],
-    "async_tis": ["run.mode=async", "run.max_staleness=4", "trainer.loss.correction=tis"],
-    "async_no_tis": ["run.mode=async", "run.max_staleness=4", "trainer.loss.correction=none"],
+    "async_tis": ["run.mode=async", "trainer.loss.correction=tis"],
+    "async_no_tis": ["run.mode=async", "trainer.loss.correction=none"],
 }
 # what bench/gpu_pipeline.sh sets for the GPU configs (no reasoning-gym on the GPU machine)
 GPU_TASK = ["rollout.data.source=bench/data/basic_arithmetic.jsonl", "rollout.reward.fn=math"]
@@ -71,18 +76,21 @@ def plot(curves: dict[str, list[list[float]]], out: Path, window: int) -> None:
     fig.savefig(out, dpi=120)
 
 
-def one_run(config: str, overrides: list[str], out: Path, name: str, seed: int) -> list[dict]:
+def one_run(config: str, overrides: list[str], out: Path, name: str, seed: int, staleness: int) -> list[dict]:
     """One variant at one seed; its metrics rows, also written to OUT/<variant>-seed<k>.jsonl."""
     # the SGLang server's log beside the run's (a server that died mid-run is explained there)
     logs = (
         [f"rollout.sglang.log_dir={(out / f'sglang-{name}-seed{seed}').resolve()}"] if "gpu" in config else []
     )
-    rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name], *logs], config)
+    bound = [] if name == "sync" else [f"run.max_staleness={staleness}"]
+    rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name], *bound, *logs], config)
     (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
-def run_on_gpus(config: str, common: list[str], out: Path, jobs: list[tuple[str, int]], gpus: int) -> None:
+def run_on_gpus(
+    config: str, common: list[str], out: Path, jobs: list[tuple[str, int]], gpus: int, staleness: int
+) -> None:
     """Each (variant, seed) in a process of its own pinned to one GPU, `gpus` at a time (a one-GPU
     config per run: colocated). A run that fails is named; the others go on."""
     import os
@@ -108,6 +116,8 @@ def run_on_gpus(config: str, common: list[str], out: Path, jobs: list[tuple[str,
                 config,
                 "--out",
                 str(out),
+                "--staleness",
+                str(staleness),
                 "--_one",
                 name,
                 str(seed),
@@ -150,6 +160,12 @@ def main() -> None:
     ap.add_argument(
         "--seeds", type=int, nargs="*", default=[0], help="seeds to run (none: only summarise --prior)"
     )
+    ap.add_argument(
+        "--staleness",
+        type=int,
+        default=4,
+        help="run.max_staleness of the async variants (more versions of lag: more for the correction to do)",
+    )
     ap.add_argument("--tail", type=int, default=10, help="final reward = mean over this many last steps")
     ap.add_argument("--out", default="gpu-out/learning")
     ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
@@ -174,12 +190,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     gpu = "gpu" in Path(a.config).name
     if a._one:  # a child of run_on_gpus: its overrides are already complete
-        one_run(a.config, a.overrides, out, a._one[0], int(a._one[1]))
+        one_run(a.config, a.overrides, out, a._one[0], int(a._one[1]), a.staleness)
         return
     common = [f"run.steps={a.steps}", "run.time_limit_s=0", *(GPU_TASK if gpu else []), *a.overrides]
     jobs = [(name, seed) for seed in a.seeds for name in VARIANTS]
     if a.gpus:
-        run_on_gpus(a.config, common, out, jobs, a.gpus)
+        run_on_gpus(a.config, common, out, jobs, a.gpus, a.staleness)
     prior = prior_runs(a.prior, exclude=a.seeds)
     seeds = sorted({*a.seeds, *(seed for _, seed in prior)})
     if not seeds:
@@ -193,7 +209,7 @@ def main() -> None:
                 json.loads(line) for line in (folder / f"{name}-seed{seed}.jsonl").read_text().splitlines()
             ]
         else:
-            rows = one_run(a.config, common, out, name, seed)
+            rows = one_run(a.config, common, out, name, seed, a.staleness)
         per[name].append(summarise(rows, a.tail))
         curves[name].append([r["reward/mean"] for r in rows])
         print(json.dumps({"variant": name, "seed": seed, **per[name][-1]}), flush=True)
@@ -216,6 +232,7 @@ def main() -> None:
         "overrides": a.overrides,
         "steps": a.steps,
         "seeds": seeds,
+        "staleness_bound": a.staleness,
         "prior": {f"{name}-seed{seed}": str(folder) for (name, seed), folder in prior.items()},
         "final_reward_sync": final("sync"),
         "final_reward_async_tis": final("async_tis"),

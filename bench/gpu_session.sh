@@ -24,7 +24,10 @@
 #   10 x4     on a 4-GPU machine, lanes pinned to cores 0-31 / 32-63: phase 3 with AVS_FLAGS (default
 #             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
 #   11 x4     the same lanes: phase 6 then 3 (staleness 8 only, AVS_STEPS=30) on GPUs 0,1; phase 5
-#             (seeds 1 2, counting session 4's seed 0) on GPUs 2,3 (~17 min)
+#             (seeds 1 2, counting session 4's seed 0) on GPUs 2,3 (21 min, 2026-11-27)
+#   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 3 with the GC
+#             not frozen (no ceilings), then 5 (one seed, lr 3e-5, staleness 8) on GPUs 2,3 (~18 min,
+#             not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -65,7 +68,7 @@ phase2() {
 
 phase3() {
   python bench/gpu_async_vs_sync.py --steps ${AVS_STEPS:-10} --skip 2 --staleness "${AVS_STALENESS-8}" --out $S ${AVS_FLAGS:-} \
-    --results $R/gpu_async_vs_sync.jsonl >$S/3-avs.out 2>&1
+    --results $R/gpu_async_vs_sync.jsonl >$S/3-avs${AVS_LOG:-}.out 2>&1
 }
 
 phase5() {
@@ -74,7 +77,8 @@ phase5() {
   # ran at the config's lr)
   python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml --gpus 2 --seeds ${LEARN_SEEDS:-0 1 2} \
     --steps "${LEARN_STEPS:-100}" --out $S/learning --results $R/gpu_learning.jsonl \
-    rollout.sglang.disable_cuda_graph=true trainer.lr=1.0e-5 ${LEARN_PRIOR:+--prior $LEARN_PRIOR} >$S/5-learning.out 2>&1
+    --staleness ${LEARN_STALENESS:-4} rollout.sglang.disable_cuda_graph=true trainer.lr=${LEARN_LR:-1.0e-5} \
+    ${LEARN_PRIOR:+--prior $LEARN_PRIOR} >$S/5-learning.out 2>&1
 }
 
 phase6() {
@@ -127,6 +131,19 @@ phase11() {
   # (session 5 ran them at the config's lr, not 1e-5). The two-GPU kill test is left for the minutes after
   AVS_STALENESS= AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" AVS_STEPS=${AVS_STEPS:-30} lane 0-31 0,1 6 3 &
   LEARN_SEEDS="1 2" LEARN_PRIOR=bench/gpu_results/2026-11-26/session-4/learning lane 32-63 2,3 5 &
+  wait
+}
+
+phase12() {
+  # a 4-GPU machine, what session 6 (phase 11) left open: the two-GPU kill test on the code of the
+  # relaunch fixes, then the push stall at staleness 8 with the servers' GC frozen (the default since
+  # session 6) and both ceilings; beside it the same run with rollout.sglang.freeze_gc=false (the A/B,
+  # no ceilings), then one learning seed with more drift per version (lr 3e-5, staleness bound 8), where
+  # the correction has more off-policy error to remove than at 1e-5 and 4
+  AVS_STALENESS= AVS_STEPS=30 AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" lane 0-31 0,1 8 3 &
+  AVS_STALENESS= AVS_STEPS=30 AVS_LOG=-nofreeze \
+    AVS_FLAGS="--skip-sync --skip-ceilings --tag=-s8-nofreeze run.max_staleness=8 rollout.sglang.freeze_gc=false" \
+    LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 3 5 &
   wait
 }
 

@@ -219,6 +219,14 @@ MUTATIONS = [
         ("tests/test_relaunch_dip.py",),
     ),
     Mutation(
+        "freeze_gc_skipped",
+        "a (re)started SGLang server keeps every start-up object in its garbage collector's reach",
+        "stages/rollout/sglang_engine.py",
+        "        if self.cfg.freeze_gc:\n            self._freeze_gc()\n",
+        "",
+        ("tests/test_sglang_freeze_gc.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

@@ -220,3 +220,23 @@ def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_override
     assert one_rate.returncode == 0, one_rate.stderr[-2000:]
     line = json.loads(one_rate.stdout.strip().splitlines()[-1])
     assert line["seeds"] == [0, 1] and line["runs"]["sync"][0]["lr"] == 1e-5
+
+
+def test_the_learning_bench_bounds_only_the_async_runs_at_its_staleness(tmp_path, monkeypatch):
+    """`--staleness 8` (more lag for the correction to undo) reaches both async runs, after the user's
+    overrides so that nothing there wins, and leaves the sync run alone."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_learning
+
+    calls: list[list[str]] = []
+    # no rows: the run itself is not what this checks
+    monkeypatch.setattr(gpu_learning, "run", lambda overrides, config: (calls.append(overrides) or [], None))
+    bounds = {}
+    for name in gpu_learning.VARIANTS:
+        gpu_learning.one_run("configs/default.yaml", ["run.max_staleness=2"], tmp_path, name, 0, 8)
+        bounds[name] = [o for o in calls[-1] if o.startswith("run.max_staleness=")][-1]
+    assert bounds == {
+        "sync": "run.max_staleness=2",  # the user's: sync never lags, whatever the bound
+        "async_tis": "run.max_staleness=8",
+        "async_no_tis": "run.max_staleness=8",
+    }

@@ -100,6 +100,11 @@ class SGLangConfig(_Base):
     # weights it was computed with, so after an update new requests on a cached prompt (every GRPO group
     # member) would decode over old-weight KV, and the cache cannot be flushed while requests are paused.
     radix_cache: bool = False
+    # once a server answers /health (and after each relaunch), move its processes' start-up objects out of
+    # Python's garbage collector (SGLang's /freeze_gc). Without it, on an H100 the HTTP process ran a full
+    # collection over ~0.9M objects every ~6 s that took 0.5-0.67 s, during which it answered nothing:
+    # a weight push whose pause met one stalled generation that long (bench/RESULTS.md, session 6)
+    freeze_gc: bool = True
 
 
 class RolloutConfig(_Base):

@@ -195,6 +195,8 @@ class SGLangEngine(Engine):
         # a forgotten engine must not keep its GPU: end the group when this object goes away
         self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
         self._wait_healthy(self.cfg.startup_timeout_s)
+        if self.cfg.freeze_gc:
+            self._freeze_gc()
         self._unreachable_at = None
         self._version = version
         threading.Thread(
@@ -221,6 +223,20 @@ class SGLangEngine(Engine):
             f"stopped. Raise rollout.sglang.startup_timeout_s if it was still loading; last lines of "
             f"{self.log_path}:\n{_tail(self.log_path)}"
         )
+
+    def _freeze_gc(self) -> None:
+        """The server has warmed itself up by the time /health answers, so what its processes hold then
+        lives as long as they do; frozen, a full collection no longer walks it (SGLang's advice in its
+        own long-GC warning). An SGLang without the endpoint still serves: say so and go on."""
+        try:
+            self._post("/freeze_gc", {}, timeout=self.cfg.health_timeout_s)
+        except EngineError as e:
+            log.warning(
+                "%s: could not freeze the server's garbage collector (%s); generation may stall for the "
+                "length of a full collection now and then. Set rollout.sglang.freeze_gc=false to skip this.",
+                self.name,
+                e,
+            )
 
     @property
     def pid(self) -> int | None:

@@ -1,0 +1,106 @@
+"""SGLangEngine.start freezes the server's garbage collector once /health answers (SGLang's /freeze_gc):
+on an H100 the HTTP process otherwise stopped for a 0.5-0.67 s full collection every ~6 s, and a weight
+push whose pause met one stalled generation that long. The server here is a real process answering
+real HTTP on a real port, standing in for `python -m sglang.launch_server`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+import time
+
+from stages.rollout.config import SGLangConfig
+from stages.rollout.sglang_engine import SGLangEngine
+
+SERVER = textwrap.dedent(
+    """
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    port, calls_file, has_freeze = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, code, body):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._answer(200, "")
+            else:  # /model_info, which the engine's version thread asks
+                self._answer(200, json.dumps({"weight_version": "0"}))
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with open(calls_file, "a") as f:
+                f.write(self.path + "\\n")
+            if self.path == "/freeze_gc" and has_freeze:
+                self._answer(200, "Garbage collection frozen.\\n")  # SGLang 0.5.17 answers plain text
+            else:
+                self._answer(404, json.dumps({"detail": "Not Found"}))
+
+    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    """
+)
+
+
+def engine_on_fake_server(tmp_path, *, has_freeze: bool, **cfg) -> tuple[SGLangEngine, object]:
+    script, calls = tmp_path / "server.py", tmp_path / "calls.txt"
+    script.write_text(SERVER)
+    calls.write_text("")
+    conf = SGLangConfig(log_dir=str(tmp_path / "logs"), startup_timeout_s=30, **cfg)
+    eng = SGLangEngine(str(tmp_path), conf, start=False)
+    eng._command = lambda path, version: [
+        sys.executable,
+        str(script),
+        str(eng.port),
+        str(calls),
+        "1" if has_freeze else "0",
+    ]
+    return eng, calls
+
+
+def posts(calls) -> list[str]:
+    return calls.read_text().split()
+
+
+def test_start_freezes_the_servers_gc_and_so_does_each_relaunch(tmp_path):
+    eng, calls = engine_on_fake_server(tmp_path, has_freeze=True)
+    try:
+        eng.start()
+        assert posts(calls) == ["/freeze_gc"]
+        eng.restart()  # a relaunched server is a fresh process with nothing frozen
+        assert posts(calls) == ["/freeze_gc", "/freeze_gc"]
+    finally:
+        eng.close()
+
+
+def test_freeze_gc_off_leaves_the_server_alone(tmp_path):
+    eng, calls = engine_on_fake_server(tmp_path, has_freeze=True, freeze_gc=False)
+    try:
+        eng.start()
+        time.sleep(0.2)
+        assert posts(calls) == []
+    finally:
+        eng.close()
+
+
+def test_a_server_without_freeze_gc_still_serves_and_the_log_says_why(tmp_path, caplog):
+    """An older SGLang has no /freeze_gc: the engine starts anyway and names the knob that skips it."""
+    eng, calls = engine_on_fake_server(tmp_path, has_freeze=False)
+    try:
+        with caplog.at_level(logging.WARNING):
+            eng.start()
+        assert posts(calls) == ["/freeze_gc"]
+        assert eng.check_health()
+        warned = [r.getMessage() for r in caplog.records if "garbage collector" in r.getMessage()]
+        assert len(warned) == 1 and "rollout.sglang.freeze_gc=false" in warned[0] and "404" in warned[0]
+    finally:
+        eng.close()
