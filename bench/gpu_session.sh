@@ -25,9 +25,10 @@
 #             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
 #   11 x4     the same lanes: phase 6 then 3 (staleness 8 only, AVS_STEPS=30) on GPUs 0,1; phase 5
 #             (seeds 1 2, counting session 4's seed 0) on GPUs 2,3 (21 min, 2026-11-27)
-#   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 3 with the GC
-#             not frozen (no ceilings), then 5 (one seed, lr 3e-5, staleness 8) on GPUs 2,3 (~18 min,
-#             not yet run)
+#   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 13, phase 3 with
+#             the GC not frozen (no ceilings), then 5 (one seed, lr 3e-5, staleness 8) on GPUs 2,3
+#             (~18 min, not yet run)
+#   13 stall  the colocated config with the servers' GC frozen (first GPU) and not (second), at once
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -137,13 +138,28 @@ phase11() {
 phase12() {
   # a 4-GPU machine, what session 6 (phase 11) left open: the two-GPU kill test on the code of the
   # relaunch fixes, then the push stall at staleness 8 with the servers' GC frozen (the default since
-  # session 6) and both ceilings; beside it the same run with rollout.sglang.freeze_gc=false (the A/B,
-  # no ceilings), then one learning seed with more drift per version (lr 3e-5, staleness bound 8), where
-  # the correction has more off-policy error to remove than at 1e-5 and 4
+  # session 6) and both ceilings; beside it the colocated config's stall with the GC frozen and not
+  # (phase 13), the staleness-8 run with rollout.sglang.freeze_gc=false (no ceilings), then one learning
+  # seed with more drift per version (lr 3e-5, staleness bound 8), where the correction has more
+  # off-policy error to remove than at 1e-5 and 4
   AVS_STALENESS= AVS_STEPS=30 AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" lane 0-31 0,1 8 3 &
   AVS_STALENESS= AVS_STEPS=30 AVS_LOG=-nofreeze \
     AVS_FLAGS="--skip-sync --skip-ceilings --tag=-s8-nofreeze run.max_staleness=8 rollout.sglang.freeze_gc=false" \
-    LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 3 5 &
+    LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 13 3 5 &
+  wait
+}
+
+phase13() {
+  # the colocated config's push stall (7-8 % in session 6's learning runs, where a pause met the HTTP
+  # process's garbage collection) with each server's GC frozen and not, at once on the lane's two GPUs,
+  # at those runs' settings
+  local gpus=(${CUDA_VISIBLE_DEVICES//,/ })
+  local common=(run.steps=100 run.mode=async run.max_staleness=4 trainer.loss.correction=tis trainer.lr=1.0e-5
+    rollout.sglang.disable_cuda_graph=true)
+  CUDA_VISIBLE_DEVICES=${gpus[0]} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml coloc-freeze 0 \
+    "${common[@]}" >$S/13-coloc-freeze.out 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[1]:-${gpus[0]}} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml \
+    coloc-nofreeze 0 "${common[@]}" rollout.sglang.freeze_gc=false >$S/13-coloc-nofreeze.out 2>&1 &
   wait
 }
 

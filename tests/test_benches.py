@@ -184,9 +184,10 @@ def _learning_runs(folder: Path, seed: int, lr: float) -> None:
     """The three variants' metrics files of one seed, as bench/gpu_learning.py writes them."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("sync", "async_tis", "async_no_tis"):
+        push = {} if name == "sync" else {"push/prev_seconds": 0.05}  # one a second: a 5 % stall
         rows = [
             {"reward/mean": 0.1 * i / 20, "samples": 128, "logp/abs_diff_train_rollout": 0.03,
-             "staleness/mean": 0.0, "time": float(i), "lr": lr}
+             "staleness/mean": 0.0, "time": float(i), "lr": lr, **push}
             for i in range(20)
         ]  # fmt: skip
         (folder / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -220,6 +221,8 @@ def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_override
     assert one_rate.returncode == 0, one_rate.stderr[-2000:]
     line = json.loads(one_rate.stdout.strip().splitlines()[-1])
     assert line["seeds"] == [0, 1] and line["runs"]["sync"][0]["lr"] == 1e-5
+    # the push stall the issue bounds at 5 % in every config, which the learning runs are the colocated one of
+    assert line["stall_share"] == {"sync": 0.0, "async_tis": 0.05, "async_no_tis": 0.05}
 
 
 def test_the_learning_bench_bounds_only_the_async_runs_at_its_staleness(tmp_path, monkeypatch):
