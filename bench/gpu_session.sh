@@ -29,6 +29,8 @@
 #             the GC not frozen (no ceilings), then 5 (one seed, lr 3e-5, staleness 8) on GPUs 2,3
 #             (~18 min, not yet run)
 #   13 stall  the colocated config with the servers' GC frozen (first GPU) and not (second), at once
+#   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~9 min,
+#             not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -161,6 +163,22 @@ phase13() {
   CUDA_VISIBLE_DEVICES=${gpus[1]:-${gpus[0]}} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml \
     coloc-nofreeze 0 "${common[@]}" rollout.sglang.freeze_gc=false >$S/13-coloc-nofreeze.out 2>&1 &
   wait
+}
+
+phase14() {
+  # the push stall at 7B in a running pipeline (the issue's "every config"): gpu-4x-dp2 with a random
+  # Qwen2.5-7B, megatron TP=2 on two GPUs, two SGLang engines on the other two, ${LIMIT_7B:-240} s of
+  # training. Each push gathers the TP shards into pinned host memory (weights.snapshot=auto at this
+  # size) and broadcasts 15 GB to both engines in 4 GB buckets (the NCCL default). The run of
+  # 2026-11-26 (scale-4x) went out of memory at step 2 in the non-finite check since replaced
+  model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/14-build.err | tail -n 1)
+  [ -d "$model" ] || { echo "7b build failed"; return 1; }
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml 7b-tp2 "${LIMIT_7B:-240}" \
+    rollout.sglang.disable_cuda_graph=true model.name="$model" trainer.tp=2 trainer.sequence_parallel=true \
+    trainer.recompute=true trainer.batch_groups=4 trainer.micro_batch_tokens=8192 rollout.group_size=4 \
+    rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64 rollout.sglang.mem_fraction_static=0.6 \
+    >$S/14-7b-pipeline.out 2>&1
+  rm -rf /tmp/models-7b /tmp/buffer-7b-tp2
 }
 
 phase9() {
