@@ -18,7 +18,7 @@ machine has no reasoning-gym), as bench/gpu_pipeline.sh runs it; `--config confi
 the same comparison on the CPU default (the torch engine), which is how the script is checked here.
 
 Reported per variant: the final reward (mean over the last `--tail` steps, then over seeds), the mean
-engine-vs-trainer logprob gap of all trained tokens (`logp/abs_diff_train_rollout`), its mean
+reward over every step (how fast it learnt: runs that converge end alike), the mean engine-vs-trainer logprob gap of all trained tokens (`logp/abs_diff_train_rollout`), its mean
 staleness, and the share of wall time generation stood paused for pushes (`stall_share`, the worst run;
 the issue's goal for every config is <= 5 %). Goal: async + TIS within the noise of sync's final reward (the spread over seeds), and the
 uncorrected run measurably worse or its logprob gap measurably larger. The curves go to
@@ -53,6 +53,8 @@ def summarise(rows: list[dict], tail: int) -> dict:
         "samples": int(sum(r["samples"] for r in rows)),
         "final_reward": round(statistics.mean(r["reward/mean"] for r in last), 4),
         "first_reward": round(statistics.mean(r["reward/mean"] for r in rows[:tail]), 4),
+        # over every step: how fast it learnt, which the final reward misses once runs converge
+        "mean_reward": round(statistics.mean(r["reward/mean"] for r in rows), 4),
         "logp_abs_diff": round(statistics.mean(r["logp/abs_diff_train_rollout"] for r in rows), 5),
         "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 3),
         "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
@@ -250,6 +252,7 @@ def main() -> None:
         "final_reward_sync": final("sync"),
         "final_reward_async_tis": final("async_tis"),
         "final_reward_async_no_tis": final("async_no_tis"),
+        "mean_reward": {v: round(statistics.mean(s["mean_reward"] for s in per[v]), 4) for v in VARIANTS},
         "sync_seed_stdev": spread,
         "logp_abs_diff": {v: round(statistics.mean(s["logp_abs_diff"] for s in per[v]), 5) for v in VARIANTS},
         "staleness_mean": {

@@ -223,6 +223,7 @@ def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_override
     assert line["seeds"] == [0, 1] and line["runs"]["sync"][0]["lr"] == 1e-5
     # the push stall the issue bounds at 5 % in every config, which the learning runs are the colocated one of
     assert line["stall_share"] == {"sync": 0.0, "async_tis": 0.05, "async_no_tis": 0.05}
+    assert line["mean_reward"]["sync"] == pytest.approx(0.1 * 9.5 / 20, abs=1e-4)  # rewards 0 .. 0.095
 
 
 def test_the_learning_bench_bounds_only_the_async_runs_at_its_staleness(tmp_path, monkeypatch):
