@@ -25,9 +25,8 @@
 #             --skip-sync) then 6 on GPUs 0,1; phase 8 then 5 (seeds 1 2) on GPUs 2,3 (~22 min)
 #   11 x4     the same lanes: phase 6 then 3 (staleness 8 only, AVS_STEPS=30) on GPUs 0,1; phase 5
 #             (seeds 1 2, counting session 4's seed 0) on GPUs 2,3 (21 min, 2026-11-27)
-#   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 13, phase 3 with
-#             the GC not frozen (no ceilings), then 5 (one seed, lr 3e-5, staleness 8) on GPUs 2,3
-#             (~18 min, not yet run)
+#   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 13 then 5 (one
+#             seed, lr 3e-5, staleness 8) on GPUs 2,3 (~18 min, not yet run)
 #   13 stall  the colocated config with the servers' GC frozen (first GPU) and not (second), at once
 #   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~9 min,
 #             not yet run)
@@ -140,14 +139,11 @@ phase11() {
 phase12() {
   # a 4-GPU machine, what session 6 (phase 11) left open: the two-GPU kill test on the code of the
   # relaunch fixes, then the push stall at staleness 8 with the servers' GC frozen (the default since
-  # session 6) and both ceilings; beside it the colocated config's stall with the GC frozen and not
-  # (phase 13), the staleness-8 run with rollout.sglang.freeze_gc=false (no ceilings), then one learning
-  # seed with more drift per version (lr 3e-5, staleness bound 8), where the correction has more
-  # off-policy error to remove than at 1e-5 and 4
+  # session 6) and both ceilings (~17 min); beside it the colocated config's stall with the GC frozen
+  # and not (phase 13), then one learning seed with more drift per version (lr 3e-5, staleness bound 8),
+  # where the correction has more off-policy error to remove than at 1e-5 and 4 (~15 min)
   AVS_STALENESS= AVS_STEPS=30 AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" lane 0-31 0,1 8 3 &
-  AVS_STALENESS= AVS_STEPS=30 AVS_LOG=-nofreeze \
-    AVS_FLAGS="--skip-sync --skip-ceilings --tag=-s8-nofreeze run.max_staleness=8 rollout.sglang.freeze_gc=false" \
-    LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 13 3 5 &
+  LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 13 5 &
   wait
 }
 
