@@ -5,8 +5,8 @@ staleness 4 and TIS vs async with staleness 4 and no correction, per seed, one i
                                  [--staleness 4] [--out DIR] [--results bench/results/gpu_learning.jsonl]
                                  [--gpus N] [a.b=c ...]
 
-`--staleness K` bounds the async runs at K versions of lag instead of 4 (`--prior` folders must have run
-at the same bound: the summary cannot tell from the metrics).
+`--staleness K` bounds the async runs at K versions of lag instead of 4; the summary refuses `--prior`
+runs at another bound (each async run's rows record it), as it refuses runs at another learning rate.
 
 `--gpus N` with a one-GPU config (configs/gpu-1x-colocated.yaml) runs N of the (variant, seed) runs at
 once, each in its own process on its own GPU, instead of one after another.
@@ -18,10 +18,11 @@ machine has no reasoning-gym), as bench/gpu_pipeline.sh runs it; `--config confi
 the same comparison on the CPU default (the torch engine), which is how the script is checked here.
 
 Reported per variant: the final reward (mean over the last `--tail` steps, then over seeds), the mean
-reward over every step (how fast it learnt: runs that converge end alike), the mean engine-vs-trainer logprob gap of all trained tokens (`logp/abs_diff_train_rollout`), its mean
-staleness, and the share of wall time generation stood paused for pushes (`stall_share`, the worst run;
-the issue's goal for every config is <= 5 %). Goal: async + TIS within the noise of sync's final reward (the spread over seeds), and the
-uncorrected run measurably worse or its logprob gap measurably larger. The curves go to
+reward over every step (how fast it learnt: runs that converge end alike), the mean engine-vs-trainer
+logprob gap of all trained tokens (`logp/abs_diff_train_rollout`), its mean staleness, and the share of
+wall time generation stood paused for pushes (`stall_share`, the worst async run; the issue's goal for
+every config is <= 5 %). Goal: async + TIS within the noise of sync's final reward (the spread over
+seeds), and the uncorrected run measurably worse or its logprob gap measurably larger. The curves go to
 OUT/learning_curves.png, every run's metrics to OUT/<variant>-seed<k>.jsonl. JSON last line.
 """
 
@@ -42,6 +43,7 @@ VARIANTS = {
     "async_tis": ["run.mode=async", "trainer.loss.correction=tis"],
     "async_no_tis": ["run.mode=async", "trainer.loss.correction=none"],
 }
+BOUND_KEY = "bench/staleness_bound"  # an async run's run.max_staleness, in the rows one_run writes
 # what bench/gpu_pipeline.sh sets for the GPU configs (no reasoning-gym on the GPU machine)
 GPU_TASK = ["rollout.data.source=bench/data/basic_arithmetic.jsonl", "rollout.reward.fn=math"]
 
@@ -61,15 +63,18 @@ def summarise(rows: list[dict], tail: int) -> dict:
         # generation stalled by weight pushes (the issue's <= 5 %), as bench/gpu_async_vs_sync.py counts it
         "stall_share": stall_share(rows),
         "lr": rows[-1].get("lr"),  # the peak: with the default schedule the same at every step
+        # an async run's run.max_staleness, which the metrics do not carry: one_run writes it into the rows
+        "staleness_bound": rows[-1].get(BOUND_KEY),
     }
 
 
 def stall_share(rows: list[dict], skip: int = 2) -> float | None:
-    """Pause-to-continue seconds of the pushes over the wall time from step `skip` + 1 on (start-up and
-    the first pushes left out); each row carries the push that went before it."""
+    """Pause-to-continue seconds of the async pushes over the wall time from step `skip` + 1 on (start-up
+    and the first pushes left out); each row carries the push that went before it. None for a sync run,
+    which pushes between batches with nothing generating (its rows log `push/seconds` instead)."""
     part = rows[skip:]
     span = part[-1]["time"] - part[0]["time"] if len(part) > 1 else 0.0
-    if span <= 0:
+    if span <= 0 or not any("push/prev_seconds" in r for r in part):
         return None
     return round(sum(r.get("push/prev_seconds") or 0.0 for r in part[1:]) / span, 4)
 
@@ -99,6 +104,8 @@ def one_run(config: str, overrides: list[str], out: Path, name: str, seed: int, 
     )
     bound = [] if name == "sync" else [f"run.max_staleness={staleness}"]
     rows, _ = run([*overrides, f"run.seed={seed}", *VARIANTS[name], *bound, *logs], config)
+    if bound:  # so that a later summary (--prior) can tell which bound it ran at
+        rows = [{**r, BOUND_KEY: staleness} for r in rows]
     (out / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -234,6 +241,17 @@ def main() -> None:
     if len({round(v, 12) for v in lrs.values() if v is not None}) > 1:
         raise SystemExit(
             f"these runs trained at different learning rates, so they are no seeds of one comparison: {lrs}"
+        )
+    # and at one staleness bound (runs written before the bound was recorded ran at 4, then fixed)
+    bounds = {
+        f"{name}-seed{seed}": s["staleness_bound"] or 4
+        for name in VARIANTS
+        if name != "sync"
+        for seed, s in zip(seeds, per[name])
+    }
+    if set(bounds.values()) != {a.staleness}:
+        raise SystemExit(
+            f"these async runs ran at other staleness bounds than --staleness {a.staleness}: {bounds}"
         )
     plot(curves, out / "learning_curves.png", max(1, a.steps // 15))
 

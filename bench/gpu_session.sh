@@ -151,12 +151,15 @@ phase13() {
   # the colocated config's push stall (7-8 % in session 6's learning runs, where a pause met the HTTP
   # process's garbage collection) with each server's GC frozen and not, at once on the lane's two GPUs,
   # at those runs' settings
-  local gpus=(${CUDA_VISIBLE_DEVICES//,/ })
+  local gpus=(${CUDA_VISIBLE_DEVICES:-0,1})
+  gpus=(${gpus[@]//,/ })
+  # one run per GPU: two colocated runs on one GPU would share it and spoil the comparison
+  [ ${#gpus[@]} -ge 2 ] || { echo "phase 13 needs two GPUs, got CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"; return 1; }
   local common=(run.steps=100 run.mode=async run.max_staleness=4 trainer.loss.correction=tis trainer.lr=1.0e-5
     rollout.sglang.disable_cuda_graph=true)
   CUDA_VISIBLE_DEVICES=${gpus[0]} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml coloc-freeze 0 \
     "${common[@]}" >$S/13-coloc-freeze.out 2>&1 &
-  CUDA_VISIBLE_DEVICES=${gpus[1]:-${gpus[0]}} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml \
+  CUDA_VISIBLE_DEVICES=${gpus[1]} bash bench/gpu_pipeline.sh --out $S configs/gpu-1x-colocated.yaml \
     coloc-nofreeze 0 "${common[@]}" rollout.sglang.freeze_gc=false >$S/13-coloc-nofreeze.out 2>&1 &
   wait
 }

@@ -180,11 +180,14 @@ def test_the_generator_only_baseline_runs_the_generator_of_the_run_without_a_tra
     assert (tmp_path / "gen.log").exists()
 
 
-def _learning_runs(folder: Path, seed: int, lr: float) -> None:
-    """The three variants' metrics files of one seed, as bench/gpu_learning.py writes them."""
+def _learning_runs(folder: Path, seed: int, lr: float, bound: int | None = None) -> None:
+    """The three variants' metrics files of one seed, as bench/gpu_learning.py writes them (`bound`: the
+    async runs' recorded staleness bound; None: runs from before it was recorded)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("sync", "async_tis", "async_no_tis"):
         push = {} if name == "sync" else {"push/prev_seconds": 0.05}  # one a second: a 5 % stall
+        if bound is not None and name != "sync":
+            push["bench/staleness_bound"] = bound
         rows = [
             {"reward/mean": 0.1 * i / 20, "samples": 128, "logp/abs_diff_train_rollout": 0.03,
              "staleness/mean": 0.0, "time": float(i), "lr": lr, **push}
@@ -193,10 +196,11 @@ def _learning_runs(folder: Path, seed: int, lr: float) -> None:
         (folder / f"{name}-seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_overrides_taken_for_folders(tmp_path):
+def test_the_learning_summary_refuses_seeds_of_another_comparison_and_overrides_taken_for_folders(tmp_path):
     """A device session put its overrides after --prior, which took them for folders: its seeds trained
     at the config's learning rate, and a summary counted them with a seed at another. Both are refused
-    now, by name; runs at one rate are summarised (here, without running anything)."""
+    now, by name, and so are async runs at another staleness bound; runs of one comparison are
+    summarised (here, without running anything)."""
 
     def summary(*args: str) -> subprocess.CompletedProcess:
         cmd = [
@@ -216,13 +220,17 @@ def test_the_learning_summary_refuses_seeds_at_other_learning_rates_and_override
     assert mixed.returncode != 0 and "different learning rates" in mixed.stderr
     swallowed = summary("--prior", str(tmp_path / "a"), "trainer.lr=1.0e-5")
     assert swallowed.returncode != 0 and "--prior trainer.lr=1.0e-5: no such folder" in swallowed.stderr
+    _learning_runs(tmp_path / "c", seed=2, lr=1e-5, bound=8)  # more lag: another comparison
+    other_bound = summary("--prior", str(tmp_path / "a"), str(tmp_path / "c"))
+    assert other_bound.returncode != 0 and "other staleness bounds than --staleness 4" in other_bound.stderr
+    assert summary("--staleness", "8", "--prior", str(tmp_path / "c")).returncode == 0
     _learning_runs(tmp_path / "b", seed=1, lr=1e-5)
     one_rate = summary("--prior", str(tmp_path / "a"), str(tmp_path / "b"))
     assert one_rate.returncode == 0, one_rate.stderr[-2000:]
     line = json.loads(one_rate.stdout.strip().splitlines()[-1])
     assert line["seeds"] == [0, 1] and line["runs"]["sync"][0]["lr"] == 1e-5
     # the push stall the issue bounds at 5 % in every config, which the learning runs are the colocated one of
-    assert line["stall_share"] == {"sync": 0.0, "async_tis": 0.05, "async_no_tis": 0.05}
+    assert line["stall_share"] == {"sync": None, "async_tis": 0.05, "async_no_tis": 0.05}
     assert line["mean_reward"]["sync"] == pytest.approx(0.1 * 9.5 / 20, abs=1e-4)  # rewards 0 .. 0.095
 
 

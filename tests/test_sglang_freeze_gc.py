@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
-import time
 
 from stages.rollout.config import SGLangConfig
 from stages.rollout.sglang_engine import SGLangEngine
@@ -86,7 +85,6 @@ def test_freeze_gc_off_leaves_the_server_alone(tmp_path):
     eng, calls = engine_on_fake_server(tmp_path, has_freeze=True, freeze_gc=False)
     try:
         eng.start()
-        time.sleep(0.2)
         assert posts(calls) == []
     finally:
         eng.close()

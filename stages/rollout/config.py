@@ -103,7 +103,9 @@ class SGLangConfig(_Base):
     # once a server answers /health (and after each relaunch), move its processes' start-up objects out of
     # Python's garbage collector (SGLang's /freeze_gc). Without it, on an H100 the HTTP process ran a full
     # collection over ~0.9M objects every ~6 s that took 0.5-0.67 s, during which it answered nothing:
-    # a weight push whose pause met one stalled generation that long (bench/RESULTS.md, session 6)
+    # a weight push whose pause met one stalled generation that long (bench/RESULTS.md, GPU session of
+    # 2026-11-27). How much shorter freezing makes them is not yet measured: objects made while serving
+    # stay in the collector's reach
     freeze_gc: bool = True
 
 

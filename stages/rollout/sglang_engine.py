@@ -229,8 +229,8 @@ class SGLangEngine(Engine):
         lives as long as they do; frozen, a full collection no longer walks it (SGLang's advice in its
         own long-GC warning). An SGLang without the endpoint still serves: say so and go on."""
         try:
-            self._post("/freeze_gc", {}, timeout=self.cfg.health_timeout_s)
-        except EngineError as e:
+            self._post("/freeze_gc", {}, timeout=max(self.cfg.health_timeout_s, 1.0))
+        except Exception as e:  # noqa: BLE001 - best effort: a server that answers /health must not fail here
             log.warning(
                 "%s: could not freeze the server's garbage collector (%s); generation may stall for the "
                 "length of a full collection now and then. Set rollout.sglang.freeze_gc=false to skip this.",
