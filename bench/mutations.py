@@ -227,6 +227,14 @@ MUTATIONS = [
         ("tests/test_sglang_freeze_gc.py",),
     ),
     Mutation(
+        "rendezvous_port_race_fatal",
+        "a trainer group whose rendezvous port another process took fails the run instead of starting again",
+        "pipeline/orchestration/launcher.py",
+        "            if not port_taken(e) or attempt == attempts:\n",
+        "            if True:\n",
+        ("tests/test_rendezvous_port.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

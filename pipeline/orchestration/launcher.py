@@ -30,6 +30,29 @@ from pipeline.orchestration.progress import Progress, summary
 log = logging.getLogger("slipstream")
 
 
+# a trainer group whose rendezvous port another process took is started again this many times at most
+RENDEZVOUS_ATTEMPTS = 3
+
+
+def port_taken(error: Exception) -> bool:
+    """Whether a stage failed because a port it was given was taken by the time it bound it (the OS
+    hands a port freed by a probe to the next process that asks: Ray opens connections all the time)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "ddress already in use" in text
+
+
+def retry_if_port_taken(start, end_attempt, attempts: int = RENDEZVOUS_ATTEMPTS):
+    """`start()` again (after `end_attempt(error)`) while it fails because a port was taken, up to
+    `attempts` tries in all; any other failure, and the last, is raised as it came."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except StageFailed as e:
+            if not port_taken(e) or attempt == attempts:
+                raise
+            end_attempt(e)
+
+
 class StageFailed(RuntimeError):
     """A stage raised; the message names the stage and carries its error."""
 
@@ -251,8 +274,19 @@ class Pipeline:
             """All ranks set up together (each blocks in the process-group rendezvous until all are in).
             Ranks follow (node, GPU), so that a TP group's ranks share a node (megatron groups TP first).
             A replacement group binds its predecessor's weight address (`weights_bind`): the engines'
-            receivers reconnect to it by themselves."""
-            actors = [
+            receivers reconnect to it by themselves. Rank 0 picks the rendezvous port before its ranks
+            bind it, so another process may take it in between: the group is started again, on a new
+            port, up to RENDEZVOUS_ATTEMPTS times."""
+
+            def end_attempt(error: StageFailed) -> None:
+                log.warning("trainer: %s; starting its ranks again on another port", error)
+                for a in self.trainers:
+                    ray.kill(a, no_restart=True)
+
+            return retry_if_port_taken(lambda: trainer_group(urls, weights_bind, push_now), end_attempt)
+
+        def trainer_group(urls, weights_bind: str | None, push_now: bool):
+            actors = self.trainers = [  # this attempt's, whatever fails below (a retry ends them)
                 TrainerActor.options(num_gpus=plan.trainer_gpus, **on(b)).remote(n_ranks)
                 for b in plan.trainer_bundles
             ]
