@@ -237,22 +237,34 @@ class EvictingSink(FakeSink):
         return self.evicted if producer == "gen-evict" else 0
 
 
+async def started_when_settled(gen, expect: int | None = None, quiet_s: float = 0.5, timeout_s: float = 15.0):
+    """The generator's groups started, once `expect` of them are (when given) and then no more for
+    `quiet_s`. Admission answers a poke at once, so a group it wrongly lets through starts well within
+    that; waiting for the count instead of a fixed time keeps these tests short on a quiet box and right
+    on a loaded one."""
+    deadline = time.monotonic() + timeout_s
+    while expect is not None and gen.counters["groups_started"] < expect and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(quiet_s)
+    return gen.counters["groups_started"]
+
+
 def test_evicted_groups_free_their_admission_places(cfg, engine):
     # engine version 0, batch 2: admission allows (0 + max_staleness + 1) * 2 pending groups. When the
     # buffer evicted 3 of them as too stale (they will never be trained on), 3 more may start.
     engine.update_weights([], version=0)
     window = (cfg.run.max_staleness + 1) * 2
 
-    async def run(sink):
+    async def run(sink, expect):
         gen = Generator(cfg, sink, engine, "gen-evict", batch_groups=2)
         task = asyncio.create_task(gen.run())
-        await asyncio.sleep(3.0)  # long enough to start everything admissible and to poll the buffer
+        await started_when_settled(gen, expect)  # the buffer is asked every EVICTED_POLL_S meanwhile
         gen.stop()
         await asyncio.wait_for(task, 30)
         return gen.stats()
 
-    assert asyncio.run(run(FakeSink()))["groups_started"] == window
-    stats = asyncio.run(run(EvictingSink(evicted=3)))
+    assert asyncio.run(run(FakeSink(), window))["groups_started"] == window
+    stats = asyncio.run(run(EvictingSink(evicted=3), window + 3))
     assert stats["groups_evicted"] == 3 and stats["groups_started"] == window + 3
 
 
@@ -315,11 +327,10 @@ def test_weights_that_go_back_reopen_admission(cfg, engine):
         engine.update_weights([], version=5)  # 5 versions trained: room for (5 + s + 1) * 2 groups
         gen = Generator(cfg, FakeSink(), engine, "gen-back", batch_groups=2)
         task = asyncio.create_task(gen.run())
-        await asyncio.sleep(2.0)
-        first = gen.stats()["groups_started"]
+        first = await started_when_settled(gen, (5 + cfg.run.max_staleness + 1) * 2)
         engine.update_weights([], version=2)  # the restarted trainer's checkpoint
         gen._poke()
-        await asyncio.sleep(2.0)
+        await started_when_settled(gen, first + window)
         gen.stop()
         await asyncio.wait_for(task, 30)
         return first, gen.stats()["groups_started"]
@@ -335,20 +346,21 @@ def _relaunch_run(cfg, engine, monkeypatch, gen_id: str, pushed_after: int) -> t
     relaunched = [0]
     monkeypatch.setattr(engine, "version_and_relaunches", lambda: (engine.version, relaunched[0]))
 
+    window = (cfg.run.max_staleness + 1) * 2
+
     async def run():
         engine.update_weights([], version=5)
         gen = Generator(cfg, FakeSink(), engine, gen_id, batch_groups=2)
         task = asyncio.create_task(gen.run())
-        await asyncio.sleep(2.0)
-        first = gen.stats()["groups_started"]
+        first = await started_when_settled(gen, (5 + cfg.run.max_staleness + 1) * 2)
         relaunched[0] += 1  # the engine watch relaunched the server from the base model
         engine.update_weights([], version=0)
         gen._poke()
-        await asyncio.sleep(2.0)
-        during = gen.stats()["groups_started"]
+        during = await started_when_settled(gen)  # nothing is expected to start: a quiet period
         engine.update_weights([], version=pushed_after)
         gen._poke()
-        await asyncio.sleep(2.0)
+        # a trainer gone back (an older version than before the relaunch) opens a window from there
+        await started_when_settled(gen, first + window if pushed_after < 5 else None)
         gen.stop()
         await asyncio.wait_for(task, 30)
         return first, during, gen.stats()["groups_started"]
