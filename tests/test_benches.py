@@ -252,3 +252,35 @@ def test_the_learning_bench_bounds_only_the_async_runs_at_its_staleness(tmp_path
         "async_tis": "run.max_staleness=8",
         "async_no_tis": "run.max_staleness=8",
     }
+
+
+def test_the_gc_bench_reads_sglangs_own_log_lines():
+    """bench/sglang_gc.py judges the GC by SGLang's log: its freeze lines (SGLang 0.5.17's format, from
+    its source: no run has logged one yet) and its long-collection warnings (the first two lines are
+    session 6's server log as written; the third, a generation-1 collection, is made up)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from sglang_gc import read_log
+
+    log = "\n".join(
+        [
+            "[2026-11-27 01:01:05] Freezing GC in Tokenizer Manager process. gen0: 312->0, gen1: 40->0, "
+            "gen2: 801234->0",
+            "[2026-11-27 01:01:05] Freezing GC in Scheduler process. gen0: 10->0, gen1: 2->0, gen2: 654321->0",
+            "[2026-11-27 01:01:11] LONG GARBAGE COLLECTION DETECTED | Generation 2 | Duration: 0.5594s | "
+            "# Objects: gen0=3, gen1=0, gen2=862714 | This may cause latency jitter. Consider calling the "
+            "freeze_gc API after sending a few warmup requests.",
+            "[2026-11-27 01:01:25] LONG GARBAGE COLLECTION DETECTED | Generation 2 | Duration: 0.4952s | "
+            "# Objects: gen0=3, gen1=0, gen2=861344 | This may cause latency jitter. Consider calling the "
+            "freeze_gc API after sending a few warmup requests.",
+            "[2026-11-27 01:01:26] LONG GARBAGE COLLECTION DETECTED | Generation 1 | Duration: 0.0612s | "
+            "# Objects: gen0=0, gen1=0, gen2=12000 | This may cause latency jitter.",
+        ]
+    )
+    got = read_log(log)
+    assert got["frozen"] == {
+        "Tokenizer Manager": {"gen2_before": 801234, "gen2_after": 0},
+        "Scheduler": {"gen2_before": 654321, "gen2_after": 0},
+    }
+    assert (got["long_collections"], got["full_collections"]) == (3, 2)
+    assert got["full_collection_s_max"] == 0.5594 and got["gen2_objects_max"] == 862714
+    assert read_log("")["full_collection_s_max"] is None
