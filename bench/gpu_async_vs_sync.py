@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from _results import record  # noqa: E402 - bench/ is on sys.path when a bench runs
+from pipeline_summary import stall_share  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 from pipeline.orchestration.metrics import read_history  # noqa: E402
 
@@ -69,8 +70,7 @@ def steady(rows: list[dict], skip: int) -> dict:
         "samples_per_s": round(sum(r["samples"] for r in part[1:]) / span, 2),
         "rollout_tokens_per_s": round(gen / span, 1),
         "trainer_wait_share": round(sum(r["time/data_wait_s"] for r in part[1:]) / span, 3),
-        # generation stalled by pushes (async: pause-to-continue summed / wall; sync pushes between batches)
-        "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in part[1:]) / span, 4),
+        "stall_share": stall_share(part),  # sync pushes between batches: 0
         "train_s_mean": mean("time/train_s"),
         "staleness_mean": mean("staleness/mean"),
         # how full the engines were kept (sequences in flight at each step's end), and the work lost to

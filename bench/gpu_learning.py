@@ -36,6 +36,7 @@ from pathlib import Path
 
 from _results import record
 from _runs import moving_average, run
+from pipeline_summary import stall_share
 
 # the async variants run at run.max_staleness = --staleness (4 unless told)
 VARIANTS = {
@@ -61,22 +62,19 @@ def summarise(rows: list[dict], tail: int) -> dict:
         "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 3),
         "wall_s": round(rows[-1]["time"] - rows[0]["time"], 1),
         # generation stalled by weight pushes (the issue's <= 5 %), as bench/gpu_async_vs_sync.py counts it
-        "stall_share": stall_share(rows),
+        "stall_share": async_stall_share(rows),
         "lr": rows[-1].get("lr"),  # the peak: with the default schedule the same at every step
         # an async run's run.max_staleness, which the metrics do not carry: one_run writes it into the rows
         "staleness_bound": rows[-1].get(BOUND_KEY),
     }
 
 
-def stall_share(rows: list[dict], skip: int = 2) -> float | None:
-    """Pause-to-continue seconds of the async pushes over the wall time from step `skip` + 1 on (start-up
-    and the first pushes left out); each row carries the push that went before it. None for a sync run,
-    which pushes between batches with nothing generating (its rows log `push/seconds` instead)."""
+def async_stall_share(rows: list[dict], skip: int = 2) -> float | None:
+    """The pushes' stall (bench/pipeline_summary.py's) from step `skip` + 1 on (start-up and the first
+    pushes left out); None for a sync run, which pushes between batches with nothing generating (its
+    rows log `push/seconds` instead)."""
     part = rows[skip:]
-    span = part[-1]["time"] - part[0]["time"] if len(part) > 1 else 0.0
-    if span <= 0 or not any("push/prev_seconds" in r for r in part):
-        return None
-    return round(sum(r.get("push/prev_seconds") or 0.0 for r in part[1:]) / span, 4)
+    return stall_share(part) if any("push/prev_seconds" in r for r in part) else None
 
 
 def plot(curves: dict[str, list[list[float]]], out: Path, window: int) -> None:

@@ -36,6 +36,17 @@ def _same_version_gap(rows: list[dict]) -> float | None:
     return round(sum(d * t for d, t in pairs) / n, 4) if n else None
 
 
+def stall_share(steady: list[dict]) -> float | None:
+    """Generation stalled by weight pushes over `steady`, a window of metrics rows: the pause-to-continue
+    seconds of its pushes (each row carries the one before it, so the first row's is left out) over
+    its span; None when it spans no time. A sync run logs no `push/prev_seconds` (it pushes between
+    batches) and comes out 0."""
+    span = steady[-1]["time"] - steady[0]["time"] if steady else 0.0
+    if span <= 0:
+        return None
+    return round(sum(r.get("push/prev_seconds") or 0.0 for r in steady[1:]) / span, 4)
+
+
 def summarise(run_dir: Path) -> dict:
     rows = [r for r in read_history(run_dir / "metrics.jsonl") if "reward/mean" in r]
     if len(rows) < 3:
@@ -64,10 +75,7 @@ def summarise(run_dir: Path) -> dict:
         "trainer_tokens_per_s": round(train_tok / train_s, 1) if train_s > 0 else None,
         "trainer_data_wait_share": round(sum(r["time/data_wait_s"] for r in steady) / max(span, 1e-9), 3),
         "push_seconds_median": push,  # SGLang pushes pause generation for all of this
-        # generation stalled by pushes: pause-to-continue time summed over the steady steps / their span
-        "stall_share": round(sum(r.get("push/prev_seconds", 0.0) for r in steady[1:]) / span, 4)
-        if span > 0
-        else None,
+        "stall_share": stall_share(steady),
         "push_pause_s_median": _med(rows[2:], "push/prev_pause_s"),  # the /pause_generation call itself
         "push_raw_transfer_s_median": raw,
         "push_vs_raw_transfer": round(push / raw, 2) if push and raw else None,
