@@ -30,6 +30,10 @@ from pipeline.orchestration.progress import Progress, summary
 log = logging.getLogger("slipstream")
 
 
+class StageFailed(RuntimeError):
+    """A stage raised; the message names the stage and carries its error."""
+
+
 # a trainer group whose rendezvous port another process took is started again this many times at most
 RENDEZVOUS_ATTEMPTS = 3
 
@@ -51,10 +55,6 @@ def retry_if_port_taken(start, end_attempt, attempts: int = RENDEZVOUS_ATTEMPTS)
             if not port_taken(e) or attempt == attempts:
                 raise
             end_attempt(e)
-
-
-class StageFailed(RuntimeError):
-    """A stage raised; the message names the stage and carries its error."""
 
 
 class _TrainerDied(Exception):
