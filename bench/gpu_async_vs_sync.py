@@ -204,11 +204,6 @@ def main() -> None:
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument("--skip-sync", action="store_true", help="no sync run: engine_util only, speedup null")
     ap.add_argument(
-        "--skip-ceilings",
-        action="store_true",
-        help="no offline ceilings: engine_util null (a run beside another lane that measures them)",
-    )
-    ap.add_argument(
         "--staleness",
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
@@ -253,17 +248,11 @@ def main() -> None:
             more[k] = run_mode(f"avs{a.tag}-async-s{k}", ["run.mode=async", f"run.max_staleness={k}"])
         except (SystemExit, subprocess.TimeoutExpired) as e:
             more[k] = {"error": str(e)}
-    offline = gen_only = None
-    if not a.skip_ceilings:
-        offline = offline_throughput(a.config, common, a.offline_prompts, out / "offline-engine.log")
-        gen_only = generator_throughput(a.config, common, a.offline_prompts, out / "offline-generator.log")
-
-    def util(row: dict, *ceilings: dict | None) -> float | None:
-        # judged against the faster of the two: SGLang's Engine API, and the same server and client as
-        # the run without a trainer (on H100 without CUDA graphs the Engine API came out at half the latter)
-        if None in ceilings:
-            return None
-        return round(row["rollout_tokens_per_s"] / max(c["tokens_per_s"] for c in ceilings), 3)
+    offline = offline_throughput(a.config, common, a.offline_prompts, out / "offline-engine.log")
+    gen_only = generator_throughput(a.config, common, a.offline_prompts, out / "offline-generator.log")
+    # judged against the faster of the two: SGLang's Engine API, and the same server and client as the
+    # run without a trainer (on H100 without CUDA graphs the Engine API came out at half the latter)
+    ceiling = max(offline["tokens_per_s"], gen_only["tokens_per_s"])
 
     def judged(row: dict) -> dict:
         return {
@@ -272,9 +261,9 @@ def main() -> None:
             if row["engine_idle_share"] is None
             else round(1 - row["engine_idle_share"], 3),
             "trainer_idle_share": row["trainer_wait_share"],
-            "engine_util": util(row, offline, gen_only),
-            "engine_util_vs_engine_api": util(row, offline),
-            "engine_util_vs_generator_only": util(row, gen_only),
+            "engine_util": round(row["rollout_tokens_per_s"] / ceiling, 3),
+            "engine_util_vs_engine_api": round(row["rollout_tokens_per_s"] / offline["tokens_per_s"], 3),
+            "engine_util_vs_generator_only": round(row["rollout_tokens_per_s"] / gen_only["tokens_per_s"], 3),
         }
 
     result = {
