@@ -3,10 +3,13 @@ staleness 4 and TIS vs async with staleness 4 and no correction, per seed, one i
 
     python bench/gpu_learning.py [--config configs/gpu-2x-disaggregated.yaml] [--steps 150] [--seeds 0 1 2]
                                  [--staleness 4] [--out DIR] [--results bench/results/gpu_learning.jsonl]
-                                 [--gpus N] [a.b=c ...]
+                                 [--gpus N] [--variants V ...] [--prior DIR ...] [--prior-sync DIR ...]
+                                 [a.b=c ...]
 
 `--staleness K` bounds the async runs at K versions of lag instead of 4; the summary refuses `--prior`
 runs at another bound (each async run's rows record it), as it refuses runs at another learning rate.
+`--variants async_tis async_no_tis --prior-sync DIR` runs only the async variants and counts the sync
+runs of an earlier study (a sync run has no bound): how a study at another bound costs no sync runs.
 
 `--gpus N` with a one-GPU config (configs/gpu-1x-colocated.yaml) runs N of the (variant, seed) runs at
 once, each in its own process on its own GPU, instead of one after another.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -115,7 +119,6 @@ def run_on_gpus(
     config per run: colocated). A run that fails is named; the others go on."""
     import os
     import subprocess
-    import sys
 
     # the GPUs this process may use (a session that gives other GPUs to other work sets them)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -158,18 +161,26 @@ def run_on_gpus(
         raise SystemExit(f"learning runs failed: {'; '.join(failed)}")
 
 
-def prior_runs(folders: list[str], exclude: list[int]) -> dict[tuple[str, int], Path]:
-    """(variant, seed) -> folder for the seeds (not in `exclude`) that a folder has every variant of."""
+def prior_runs(
+    sources: list[tuple[Path, tuple[str, ...]]], exclude: set[tuple[str, int]]
+) -> dict[tuple[str, int], Path]:
+    """(variant, seed) -> folder for the earlier runs in `sources` (each a folder and the variants taken
+    from it), but for those in `exclude` (this invocation's own). A run found twice is refused: which
+    one counts must not depend on the order of the folders."""
     found: dict[tuple[str, int], Path] = {}
-    for folder in map(Path, folders):
+    for folder, variants in sources:
         if not folder.is_dir():  # `--prior A key=value`: the override was taken for a folder
             raise SystemExit(
                 f"--prior {folder}: no such folder (overrides go before --prior, which takes every word after it)"
             )
-        seeds = {int(f.stem.rsplit("seed", 1)[1]) for f in folder.glob("*-seed*.jsonl")}
-        for seed in sorted(seeds - set(exclude)):
-            if all((folder / f"{name}-seed{seed}.jsonl").exists() for name in VARIANTS):
-                found.update({(name, seed): folder for name in VARIANTS})
+        for f in sorted(folder.glob("*-seed*.jsonl")):
+            name, _, seed = f.stem.rpartition("-seed")
+            key = (name, int(seed))
+            if name not in variants or key in exclude:
+                continue
+            if key in found:
+                raise SystemExit(f"{name} seed {seed} is in both {found[key]} and {folder}: give one of them")
+            found[key] = folder
     return found
 
 
@@ -202,6 +213,20 @@ def main() -> None:
         help="folders of earlier runs of the same settings (<variant>-seed<k>.jsonl) to count with these "
         "seeds: a device session too short for every seed adds its seeds to the last one's",
     )
+    ap.add_argument(
+        "--prior-sync",
+        nargs="*",
+        default=[],
+        help="folders whose sync runs (and only those) count: a sync run has no staleness bound, so the sync "
+        "runs of a study at one bound serve a study of the async runs at another",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="the variants to run here (the others come from --prior / --prior-sync)",
+    )
     ap.add_argument("--device", default="", help="the card of the --prior runs, for a summary made elsewhere")
     ap.add_argument("--_one", nargs=2, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
@@ -213,13 +238,27 @@ def main() -> None:
         one_run(a.config, a.overrides, out, a._one[0], int(a._one[1]), a.staleness)
         return
     common = [f"run.steps={a.steps}", "run.time_limit_s=0", *(GPU_TASK if gpu else []), *a.overrides]
-    jobs = [(name, seed) for seed in a.seeds for name in VARIANTS]
-    if a.gpus:
-        run_on_gpus(a.config, common, out, jobs, a.gpus, a.staleness)
-    prior = prior_runs(a.prior, exclude=a.seeds)
-    seeds = sorted({*a.seeds, *(seed for _, seed in prior)})
+    jobs = [(name, seed) for seed in a.seeds for name in a.variants]
+    sources = [(Path(f), tuple(VARIANTS)) for f in a.prior] + [(Path(f), ("sync",)) for f in a.prior_sync]
+    prior = prior_runs(sources, exclude=set(jobs))
+    have = {*jobs, *prior}
+    # a seed counts when every variant ran, here or before; one of this invocation's seeds that lacks one
+    # is a mistake in the command, a prior seed that lacks one is left out (and said so)
+    missing = {
+        seed: [name for name in VARIANTS if (name, seed) not in have] for seed in sorted({s for _, s in have})
+    }
+    for seed, names in missing.items():
+        if names and seed in a.seeds:
+            raise SystemExit(
+                f"seed {seed}: no {', '.join(names)} run, here (--variants) or in --prior/--prior-sync"
+            )
+        if names:
+            print(f"seed {seed} left out: no {', '.join(names)} run in --prior/--prior-sync", file=sys.stderr)
+    seeds = [seed for seed, names in missing.items() if not names]
     if not seeds:
         raise SystemExit(f"no seeds to run and no complete seed (all three variants) in --prior {a.prior}")
+    if a.gpus:  # after the checks above: a command that cannot be summarised spends no GPU time
+        run_on_gpus(a.config, common, out, jobs, a.gpus, a.staleness)
     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
     for name, seed in [(name, seed) for seed in seeds for name in VARIANTS]:
@@ -264,7 +303,7 @@ def main() -> None:
         "steps": a.steps,
         "seeds": seeds,
         "staleness_bound": a.staleness,
-        "prior": {f"{name}-seed{seed}": str(folder) for (name, seed), folder in prior.items()},
+        "prior": {f"{name}-seed{seed}": str(folder) for (name, seed), folder in sorted(prior.items())},
         "final_reward_sync": final("sync"),
         "final_reward_async_tis": final("async_tis"),
         "final_reward_async_no_tis": final("async_no_tis"),

@@ -30,6 +30,8 @@
 #   13 stall  the colocated config with the servers' GC frozen (first GPU) and not (second), at once
 #   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~9 min,
 #             not yet run)
+#   15 x4     phase 13 then 8 on GPUs 0,1; the async learning variants at staleness 8 (seeds 0 1, lr 1e-5,
+#             earlier sessions' sync runs) on GPUs 2,3; then phase 14 on all four (~24 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -78,9 +80,10 @@ phase5() {
   # the overrides before --prior, which takes every word after it (session 5 lost them there: its seeds
   # ran at the config's lr)
   python bench/gpu_learning.py --config configs/gpu-1x-colocated.yaml --gpus 2 --seeds ${LEARN_SEEDS:-0 1 2} \
-    --steps "${LEARN_STEPS:-100}" --out $S/learning --results $R/gpu_learning.jsonl \
-    --staleness ${LEARN_STALENESS:-4} rollout.sglang.disable_cuda_graph=true trainer.lr=${LEARN_LR:-1.0e-5} \
-    ${LEARN_PRIOR:+--prior $LEARN_PRIOR} >$S/5-learning.out 2>&1
+    ${LEARN_VARIANTS:+--variants $LEARN_VARIANTS} --steps "${LEARN_STEPS:-100}" --out $S/learning \
+    --results $R/gpu_learning.jsonl --staleness ${LEARN_STALENESS:-4} rollout.sglang.disable_cuda_graph=true \
+    trainer.lr=${LEARN_LR:-1.0e-5} ${LEARN_PRIOR:+--prior $LEARN_PRIOR} \
+    ${LEARN_PRIOR_SYNC:+--prior-sync $LEARN_PRIOR_SYNC} >$S/5-learning.out 2>&1
 }
 
 phase6() {
@@ -145,6 +148,21 @@ phase12() {
   AVS_STALENESS= AVS_STEPS=30 AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" lane 0-31 0,1 8 3 &
   LEARN_SEEDS=0 LEARN_STALENESS=8 LEARN_LR=3.0e-5 lane 32-63 2,3 13 5 &
   wait
+}
+
+phase15() {
+  # a 4-GPU machine, what session 6 (phase 11) left open, in ~24 min: on GPUs 0,1 the colocated config's
+  # push stall with the servers' GC frozen and not (phase 13), then the two-GPU kill test on the code of
+  # the relaunch fixes (phase 8); beside them the async variants at staleness bound 8 (lr 1e-5, seeds 0
+  # and 1: more lag for the correction to undo than at 4), counted against sessions 4 and 6's sync runs
+  # at that rate (a sync run has no bound, so none is run again); then the 7B stall (phase 14) on all four
+  lane 0-31 0,1 13 8 &
+  LEARN_SEEDS="0 1" LEARN_STALENESS=8 LEARN_VARIANTS="async_tis async_no_tis" \
+    LEARN_PRIOR_SYNC="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-27/session-6/learning" \
+    lane 32-63 2,3 5 &
+  wait
+  echo "lanes end $(date -u +%T)"
+  phase14
 }
 
 phase13() {

@@ -180,11 +180,17 @@ def test_the_generator_only_baseline_runs_the_generator_of_the_run_without_a_tra
     assert (tmp_path / "gen.log").exists()
 
 
-def _learning_runs(folder: Path, seed: int, lr: float, bound: int | None = None) -> None:
-    """The three variants' metrics files of one seed, as bench/gpu_learning.py writes them (`bound`: the
-    async runs' recorded staleness bound; None: runs from before it was recorded)."""
+def _learning_runs(
+    folder: Path,
+    seed: int,
+    lr: float,
+    bound: int | None = None,
+    variants=("sync", "async_tis", "async_no_tis"),
+) -> None:
+    """The variants' metrics files of one seed, as bench/gpu_learning.py writes them (`bound`: the async
+    runs' recorded staleness bound; None: runs from before it was recorded)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("sync", "async_tis", "async_no_tis"):
+    for name in variants:
         push = {} if name == "sync" else {"push/prev_seconds": 0.05}  # one a second: a 5 % stall
         if bound is not None and name != "sync":
             push["bench/staleness_bound"] = bound
@@ -232,6 +238,26 @@ def test_the_learning_summary_refuses_seeds_of_another_comparison_and_overrides_
     # the push stall the issue bounds at 5 % in every config, which the learning runs are the colocated one of
     assert line["stall_share"] == {"sync": None, "async_tis": 0.05, "async_no_tis": 0.05}
     assert line["mean_reward"]["sync"] == pytest.approx(0.1 * 9.5 / 20, abs=1e-4)  # rewards 0 .. 0.095
+    # a study at another bound runs only the async variants and counts an earlier study's sync runs
+    _learning_runs(tmp_path / "s8", seed=0, lr=1e-5, bound=8, variants=("async_tis", "async_no_tis"))
+    no_sync = summary("--staleness", "8", "--prior", str(tmp_path / "s8"))
+    assert no_sync.returncode != 0 and "no complete seed" in no_sync.stderr
+    assert "seed 0 left out: no sync run" in no_sync.stderr
+    s8 = summary("--staleness", "8", "--prior", str(tmp_path / "s8"), "--prior-sync", str(tmp_path / "a"))
+    assert s8.returncode == 0, s8.stderr[-2000:]
+    prior = json.loads(s8.stdout.strip().splitlines()[-1])["prior"]
+    assert prior == {
+        "async_no_tis-seed0": str(tmp_path / "s8"),
+        "async_tis-seed0": str(tmp_path / "s8"),
+        "sync-seed0": str(tmp_path / "a"),  # its async runs (bound 4) are not taken
+    }
+    twice = summary("--prior", str(tmp_path / "a"), "--prior-sync", str(tmp_path / "a"))
+    assert twice.returncode != 0 and "sync seed 0 is in both" in twice.stderr
+    # a seed to run whose sync run is nowhere: refused before any run starts
+    lacking = summary(
+        "--seeds", "3", "--variants", "async_tis", "async_no_tis", "--prior-sync", str(tmp_path / "a")
+    )
+    assert lacking.returncode != 0 and "seed 3: no sync run" in lacking.stderr
 
 
 def test_the_learning_bench_bounds_only_the_async_runs_at_its_staleness(tmp_path, monkeypatch):
