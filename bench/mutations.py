@@ -235,6 +235,22 @@ MUTATIONS = [
         ("tests/test_rendezvous_port.py",),
     ),
     Mutation(
+        "push_fails_on_server_killed_mid_push",
+        "a server killed while a push loads into it fails the push (and the trainer) instead of being left out",
+        "stages/weights/sglang_transport.py",
+        "            if not self._all_lost(e, live):\n",
+        "            if True:\n",
+        ("tests/test_weights_group_processes.py",),
+    ),
+    Mutation(
+        "broadcast_waits_for_dead_server",
+        "the push waits out a broadcast to a dead server (NCCL's watchdog then ends the trainer)",
+        "stages/weights/sglang_transport.py",
+        "        dead = unreachable(calls)\n        if dead:\n            return dead\n",
+        "        dead = []\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

@@ -76,6 +76,8 @@ class _Handler(JsonHandler):
                 init, body["world_size"], body["rank_offset"], body["group_name"], 30
             )
         elif self.path == "/update_weights_from_distributed":
+            if os.environ.get("STANDIN_DIE_ON_LOAD"):  # killed mid-push, before its receive
+                os.kill(os.getpid(), signal.SIGKILL)
             dtypes = [getattr(torch, d) for d in body["dtypes"]]
             sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -108,8 +110,9 @@ def _serve(port: int) -> None:
 # -- the test ---------------------------------------------------------------------------------------
 
 
-def _launch(port: int, procs: list) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=REPO, start_new_session=True)
+def _launch(port: int, procs: list, *, die_on_load: bool = False) -> subprocess.Popen:
+    env = {**os.environ, **({"STANDIN_DIE_ON_LOAD": "1"} if die_on_load else {})}
+    proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=REPO, start_new_session=True, env=env)
     procs.append(proc)  # the test kills whatever is left of these at its end
     deadline = time.monotonic() + 60
     while True:
@@ -141,8 +144,8 @@ def _sums(named) -> dict[str, float]:
     return {n: fingerprint(t) for n, t in named}
 
 
-def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(monkeypatch):
-    from pipeline.net import free_port
+def _gloo_sender_class(monkeypatch):
+    """The NCCL sender on a gloo group and CPU buckets (its sequence, groups and layout are the real ones)."""
     from stages.weights.sglang_transport import NcclSGLangSender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
@@ -154,6 +157,13 @@ def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(m
         def _bucket_device(self):
             return torch.device("cpu")
 
+    return GlooSender
+
+
+def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(monkeypatch):
+    from pipeline.net import free_port
+
+    GlooSender = _gloo_sender_class(monkeypatch)  # noqa: N806 - a class
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
@@ -185,6 +195,45 @@ def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(m
         third = _named(3.0)
         sender.push(3, third).result(timeout=60)  # the new group carries the next pushes
         assert _info(url)["weights"] == pytest.approx(_sums(third), rel=1e-6)
+    finally:
+        if sender is not None:
+            sender.close()
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def test_a_server_killed_during_a_push_is_left_out_and_the_trainer_goes_on(monkeypatch):
+    """The 2-GPU kill test of 2026-11-27 killed the server while rank 0 broadcast a bucket to it: NCCL
+    waited for the dead peer until its watchdog ended the trainer's process, and the run failed. Now
+    the push sees the server's load call fail, gives up the group and leaves the server out, as if it
+    had been down at the pause; its relaunch gets the weights by catch_up in a new group."""
+    from pipeline.net import free_port
+
+    GlooSender = _gloo_sender_class(monkeypatch)  # noqa: N806 - a class
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen] = []
+    sender = None
+    try:
+        server = _launch(port, procs, die_on_load=True)
+        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
+        sender.bucket_bytes = 4096
+        first = _named(1.0)
+        t0 = time.monotonic()
+        out = sender.push(1, first).result(timeout=60)  # no WeightPushError: the trainer goes on
+        assert (out["engines"], out["engines_skipped"]) == (0, 1)
+        assert time.monotonic() - t0 < 25, "the push waited for the dead server instead of leaving it out"
+        assert server.wait(timeout=30) == -signal.SIGKILL
+        assert sender.needs_push() == []  # it is known to be behind: catch_up, not a regular push, serves it
+
+        _launch(port, procs)
+        caught = sender.catch_up().result(timeout=60)
+        assert (caught["version"], caught["engines"]) == (1, 1)
+        got = _info(url)
+        assert got["weight_version"] == "1" and got["groups"] == sender.group_names[1:2]
+        assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
     finally:
         if sender is not None:
             sender.close()

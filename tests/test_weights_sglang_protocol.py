@@ -382,7 +382,7 @@ class GroupSender(NcclSGLangSender):
     def _bucket_device(self):
         return torch.device("cpu")
 
-    def _broadcast(self, flat):
+    def _broadcast(self, flat, calls):
         self.broadcasts = getattr(self, "broadcasts", []) + [(self._group, flat.clone())]
         return 0.0
 
@@ -638,3 +638,44 @@ def test_weight_buckets_default_by_transport_and_an_explicit_size_wins():
     sender.close()
     with pytest.raises(ConfigError, match="bucket_mb >= 0"):
         load_config(None, ["weights.bucket_mb=-1"])
+
+
+def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or_at_the_timeout():
+    """NCCL's broadcast to a server that died never completes (the GPU kernel waits for the peer), so
+    the push watches it beside the servers' load calls: a call that finds its server gone ends the
+    wait at once with that server's name, and without such news the wait ends at weights.timeout_s
+    naming the servers still receiving, never in NCCL's watchdog ending the trainer."""
+    import concurrent.futures as cf
+    import threading
+    import time
+
+    from stages.weights.base import WeightPushError
+    from stages.weights.sglang_transport import await_broadcast
+
+    class Stuck:  # a broadcast whose peer is gone
+        def is_completed(self):
+            return False
+
+    gone = WeightPushError("SGLang server http://b/update_weights_from_distributed unreachable: reset")
+    gone.unreachable = True
+    release = threading.Event()  # ends the calls still "receiving" when the test is done
+    with cf.ThreadPoolExecutor(3) as pool:
+        alive = pool.submit(release.wait, 30)  # still in its receive
+        dead = pool.submit(lambda: (time.sleep(0.2), (_ for _ in ()).throw(gone)))
+        t0 = time.monotonic()
+        assert await_broadcast(Stuck(), {"http://a": alive, "http://b": dead}, t0 + 20) == ["http://b"]
+        assert time.monotonic() - t0 < 2
+        slow = pool.submit(release.wait, 30)
+        t0 = time.monotonic()
+        with pytest.raises(
+            WeightPushError, match=r"within weights.timeout_s .*still receiving: \['http://a'\]"
+        ):
+            await_broadcast(Stuck(), {"http://a": slow}, t0 + 0.5)
+        assert time.monotonic() - t0 < 2
+        release.set()
+
+    class Done:
+        def is_completed(self):
+            return True
+
+    assert await_broadcast(Done(), {}, 0.0) == []  # a finished broadcast is never a failure

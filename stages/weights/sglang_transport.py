@@ -44,7 +44,9 @@ Neither can run on a CPU-only machine; they are exercised by the GPU session (te
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -267,10 +269,12 @@ class _SGLangSender(WeightSender):
             for i, group in enumerate(groups):
                 t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None, live)
         except WeightPushError as e:
-            raise WeightPushError(
-                f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
-                "restart them (or the run) before generating again"
-            ) from e
+            if not self._all_lost(e, live):
+                raise WeightPushError(
+                    f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
+                    "restart them (or the run) before generating again"
+                ) from e
+            live = []  # nobody holds partly loaded weights: nothing to resume
         t["load_s"] = time.monotonic() - t1
         t3 = time.monotonic()
         failed = []
@@ -313,6 +317,26 @@ class _SGLangSender(WeightSender):
             ) from err
         log.warning("weights: %s unreachable for %.0fs (restarting?): left out of this push", url, down)
 
+    def _all_lost(self, err: WeightPushError, live: list[str]) -> bool:
+        """Whether `err` is the death of every server of this push during its load (killed mid-push;
+        within restart_grace_s its engine watch relaunches it). They are then left out as if found
+        down at the pause, and catch_up() gives each the weights once it is back. A server that lived
+        through it would hold partly loaded weights, and that stays an error."""
+        lost = getattr(err, "lost", [])
+        if not (lost and self.restart_grace_s > 0 and set(lost) == set(live)):
+            return False
+        now = time.monotonic()
+        for url in lost:
+            self._down_since.setdefault(url, now)
+        log.warning(
+            "weights: %s died during the push of this version (%s): left out until it is back", lost, err
+        )
+        self._forget_group()
+        return True
+
+    def _forget_group(self) -> None:
+        """A transport whose delivery spans a fixed set of servers drops it here (a member died)."""
+
     def _resume_all(self) -> None:
         for url in self.urls:
             try:
@@ -354,6 +378,53 @@ def _within(fut: cf.Future, timeout_s: float, url: str):
         return fut.result(timeout=timeout_s)
     except cf.TimeoutError:
         raise WeightPushError(f"SGLang server {url} did not answer within {timeout_s:.0f}s") from None
+
+
+def _lost(urls: list[str], cause: BaseException | None) -> WeightPushError:
+    """The error of a push during which `urls` died (`.lost`: see _SGLangSender._all_lost)."""
+    err = WeightPushError(f"SGLang server(s) {urls} went away during the push: {cause}")
+    err.lost = list(urls)
+    return err
+
+
+def unreachable(calls: dict[str, cf.Future]) -> list[str]:
+    """The servers whose finished call failed because the server could not be reached (it died)."""
+    return [url for url, c in calls.items() if c.done() and getattr(c.exception(), "unreachable", False)]
+
+
+def await_broadcast(work, calls: dict[str, cf.Future], deadline: float) -> list[str]:
+    """Wait for a broadcast `work` while the servers' `calls` run beside it: [] once it completed, the
+    servers found gone as soon as one call finds its server so (their receive will never finish),
+    WeightPushError at `deadline` (monotonic) naming the servers still receiving."""
+    t0 = time.monotonic()
+    while not work.is_completed():
+        dead = unreachable(calls)
+        if dead:
+            return dead
+        if time.monotonic() > deadline:
+            waiting = [url for url, c in calls.items() if not c.done()]
+            raise WeightPushError(
+                f"weights: the broadcast of a bucket did not finish within weights.timeout_s "
+                f"({deadline - t0:.0f}s); servers still receiving: {waiting}"
+            )
+        # a bucket takes milliseconds to a tenth of a second: poll finely at first
+        time.sleep(0.0005 if time.monotonic() - t0 < 1.0 else 0.01)
+    return []
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """These environment variables set for the block, then as they were."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def flat_bucket(group, device) -> torch.Tensor:
@@ -441,14 +512,18 @@ class NcclSGLangSender(_SGLangSender):
 
         from sglang.srt.utils import init_custom_process_group
 
-        return init_custom_process_group(
-            backend="nccl",
-            init_method=init_method,
-            world_size=world,
-            rank=0,
-            group_name=name,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
+        # the watchdog of this group only reports: by default it ends the whole trainer process when a
+        # collective times out, and a server killed mid-push makes one; the push aborts the group
+        # itself instead (_broadcast). Read when the group is made, so set only around that
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):
+            return init_custom_process_group(
+                backend="nccl",
+                init_method=init_method,
+                world_size=world,
+                rank=0,
+                group_name=name,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
 
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
         # every server: the group is re-formed once with all of them, not once for the server that
@@ -491,12 +566,18 @@ class NcclSGLangSender(_SGLangSender):
         # built before any server is asked to receive: a failure here leaves them paused, not waiting
         # in a receive that never comes
         flat = flat_bucket(group, self._bucket_device())
-        calls = [
-            self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s) for url in urls
-        ]
-        moved = self._broadcast(flat)  # the servers wait in their receive meanwhile
-        for url, c in zip(urls, calls):
-            _within(c, self.timeout_s, url)
+        calls = {
+            url: self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
+            for url in urls
+        }
+        moved = self._broadcast(flat, calls)  # the servers wait in their receive meanwhile
+        for url, c in calls.items():
+            try:
+                _within(c, self.timeout_s, url)
+            except WeightPushError as e:  # received, then died in its load
+                if getattr(e, "unreachable", False):
+                    raise _lost([url], e) from e
+                raise
         if version is not None:
             self._version_at.update({url: str(version) for url in urls})
         return moved
@@ -504,16 +585,53 @@ class NcclSGLangSender(_SGLangSender):
     def _bucket_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _broadcast(self, flat: torch.Tensor) -> float:
-        """Rank 0's broadcast of one flat bucket; returns its seconds (the floor of any push)."""
+    def _broadcast(self, flat: torch.Tensor, calls: dict[str, cf.Future]) -> float:
+        """Rank 0's broadcast of one flat bucket while the servers' load `calls` run; returns its
+        seconds (the floor of any push). A server that dies meanwhile would leave NCCL waiting for it
+        until its watchdog ends the trainer's process (a 2-GPU kill test did): the broadcast is watched
+        beside the calls, and the group aborted when one of them finds its server gone, or at
+        weights.timeout_s."""
         # this stream only (the push thread's): the bucket is written; NCCL's stream waits on it, and
         # after the call this stream waits on NCCL's. (A CPU group in the tests has no stream.)
         sync = torch.cuda.current_stream().synchronize if flat.is_cuda else (lambda: None)
         sync()
         t0 = time.monotonic()
-        torch.distributed.broadcast(flat, src=0, group=self._group)
+        try:
+            work = torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
+            dead = await_broadcast(work, calls, t0 + self.timeout_s)
+            if not dead:
+                work.wait()  # raises what the backend saw (gloo: a peer that closed its socket)
+        except Exception as e:
+            # the calls say whether a server died (gloo fails the broadcast itself when one does)
+            cf.wait(list(calls.values()), timeout=5.0)
+            dead = unreachable(calls)
+            if not dead:
+                self._abort_group()
+                if isinstance(e, WeightPushError):
+                    raise
+                raise WeightPushError(f"weights: the broadcast to {list(calls)} failed: {e}") from e
+        if dead:
+            self._abort_group()
+            raise _lost(dead, calls[dead[0]].exception())
         sync()
         return time.monotonic() - t0
+
+    def _abort_group(self) -> None:
+        """End the group's communicator, so that a broadcast no server will finish returns, and never use
+        the group again (the next push forms a new one)."""
+        group, name = self._group, getattr(self, "_group_name", None)
+        self._forget_group()
+        if group is None:
+            return
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(group)
+        except Exception as e:  # noqa: BLE001 - gloo (the CPU tests) cannot abort; its broadcast fails by itself
+            log.warning("weights: could not abort the weight group %s: %s", name, e)
+
+    def _forget_group(self) -> None:
+        self._group, self._members = None, []
 
     def close(self) -> None:
         super().close()
@@ -532,6 +650,11 @@ class CudaIpcSGLangSender(_SGLangSender):
             body, flat = proto.ipc_bucket_body(
                 tensors, self.tp_of[url], dev
             )  # alive until the server answered
-            self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
+            try:
+                self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
+            except WeightPushError as e:
+                if getattr(e, "unreachable", False):
+                    raise _lost([url], e) from e
+                raise
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
