@@ -672,6 +672,12 @@ def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or
         ):
             await_broadcast(Stuck(), {"http://a": slow}, t0 + 0.5)
         assert time.monotonic() - t0 < 2
+        refused = WeightPushError(
+            "SGLang server http://a/update_weights_from_distributed failed: no such group"
+        )
+        failing = pool.submit(lambda: (_ for _ in ()).throw(refused))
+        with pytest.raises(WeightPushError, match="no such group"):  # out of its receive: no wait
+            await_broadcast(Stuck(), {"http://a": failing}, time.monotonic() + 20)
         release.set()
 
     class Done:

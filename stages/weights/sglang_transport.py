@@ -21,7 +21,10 @@ none, and nothing is kept for it (a GPU snapshot held through a training step wo
 VERSION_PROBE_S, counted once /health answers; the trainer asks after a wait for data came back empty),
 and the trainer then pushes its current weights again. The next regular push reaches it too. Its
 tokens carry the versions that made them, so staleness stays exact. Past the grace a push fails naming
-the server.
+the server. A server killed during a push's load is treated as one found down at its pause when it was
+the push's only server (or every one died): nothing holds partly loaded weights, so the push ends
+without it and catch_up() serves its relaunch. A server that outlived another's death mid-push holds
+partly loaded weights: that push fails (named), as any failed load does.
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -32,6 +35,10 @@ rank 0 broadcasts the bucket as one flat byte tensor (SGLang's FlattenedTensorBu
 call per bucket instead of one per tensor. The group spans exactly the servers a push reaches: when
 one is left out (restarting) or comes back, the sender forms a new group (a new name) with the servers
 of this push before it loads anything (see `_regroup`); the old group is dropped, not destroyed.
+NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
+TORCH_NCCL_ASYNC_ERROR_HANDLING), so the group is made with the watchdog only reporting, and rank 0
+watches its broadcast beside the servers' load calls: when one finds its server gone (or fails, or
+weights.timeout_s passes) the group is aborted and the push goes on as above (`_broadcast`).
 NCCL cannot put two ranks on one GPU: this needs the engines on other GPUs (see notes/sglang-on-gpu.md).
 
 CudaIpcSGLangSender (colocated on one GPU): each bucket is serialized with SGLang's
@@ -394,13 +401,17 @@ def unreachable(calls: dict[str, cf.Future]) -> list[str]:
 
 def await_broadcast(work, calls: dict[str, cf.Future], deadline: float) -> list[str]:
     """Wait for a broadcast `work` while the servers' `calls` run beside it: [] once it completed, the
-    servers found gone as soon as one call finds its server so (their receive will never finish),
-    WeightPushError at `deadline` (monotonic) naming the servers still receiving."""
+    servers found gone as soon as one call finds its server so (their receive will never finish), a
+    call's own error as soon as one fails otherwise, and WeightPushError at `deadline` (monotonic)
+    naming the servers still receiving."""
     t0 = time.monotonic()
     while not work.is_completed():
         dead = unreachable(calls)
         if dead:
             return dead
+        failed = [c.exception() for c in calls.values() if c.done() and c.exception() is not None]
+        if failed:  # a server that answered an error is out of its receive: the broadcast cannot finish
+            raise failed[0]
         if time.monotonic() > deadline:
             waiting = [url for url, c in calls.items() if not c.done()]
             raise WeightPushError(
