@@ -303,7 +303,11 @@ def main() -> None:
         "steps": a.steps,
         "seeds": seeds,
         "staleness_bound": a.staleness,
-        "prior": {f"{name}-seed{seed}": str(folder) for (name, seed), folder in sorted(prior.items())},
+        "prior": {  # the earlier runs this comparison counts
+            f"{name}-seed{seed}": str(folder)
+            for (name, seed), folder in sorted(prior.items())
+            if seed in seeds
+        },
         "final_reward_sync": final("sync"),
         "final_reward_async_tis": final("async_tis"),
         "final_reward_async_no_tis": final("async_no_tis"),

@@ -38,7 +38,7 @@ of this push before it loads anything (see `_regroup`); the old group is dropped
 NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
 TORCH_NCCL_ASYNC_ERROR_HANDLING), so the group is made with the watchdog only reporting, and rank 0
 watches its broadcast beside the servers' load calls: when one finds its server gone (or fails, or
-weights.timeout_s passes) the group is aborted and the push goes on as above (`_broadcast`).
+weights.timeout_s passes) the group is aborted and the push ends as above: without the dead server, or failing (`_broadcast`).
 NCCL cannot put two ranks on one GPU: this needs the engines on other GPUs (see notes/sglang-on-gpu.md).
 
 CudaIpcSGLangSender (colocated on one GPU): each bucket is serialized with SGLang's
