@@ -685,3 +685,43 @@ def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or
             return True
 
     assert await_broadcast(Done(), {}, 0.0) == []  # a finished broadcast is never a failure
+
+
+def test_a_broadcast_to_a_server_that_died_aborts_the_weight_group_and_names_the_server(monkeypatch):
+    """Rank 0's side: the broadcast (which would never finish) is left, the group's communicator
+    aborted so that nothing waits in it, the group forgotten so the next push forms a new one, and the
+    error carries the dead server for the push to leave out."""
+    import concurrent.futures as cf
+
+    import torch
+
+    from stages.weights.base import WeightPushError
+    from stages.weights.sglang_transport import NcclSGLangSender
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
+
+    class Stuck:
+        def is_completed(self):
+            return False
+
+    class Group:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: Stuck())
+    sender = NcclSGLangSender(["http://a"], timeout_s=30, restart_grace_s=60)
+    group = sender._group = Group()
+    sender._members = ["http://a"]
+    gone = WeightPushError("SGLang server http://a/update_weights_from_distributed unreachable: reset")
+    gone.unreachable = True
+    call = cf.Future()
+    call.set_exception(gone)
+    try:
+        with pytest.raises(WeightPushError, match=r"went away during the push") as err:
+            sender._broadcast(torch.zeros(8, dtype=torch.uint8), {"http://a": call})
+        assert err.value.lost == ["http://a"]
+        assert group.aborted and sender._group is None and sender._members == []
+    finally:
+        sender.close()

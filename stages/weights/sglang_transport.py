@@ -634,11 +634,11 @@ class NcclSGLangSender(_SGLangSender):
         self._forget_group()
         if group is None:
             return
+        # the group's own abort (ncclCommAbort for NCCL), not torch's _abort_process_group: that one
+        # wants the group in torch's registry, where SGLang's init_custom_process_group leaves no entry
         try:
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group(group)
-        except Exception as e:  # noqa: BLE001 - gloo (the CPU tests) cannot abort; its broadcast fails by itself
+            group.abort()
+        except Exception as e:  # noqa: BLE001 - a group that cannot abort is left to its own timeout
             log.warning("weights: could not abort the weight group %s: %s", name, e)
 
     def _forget_group(self) -> None:
