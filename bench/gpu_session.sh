@@ -31,7 +31,9 @@
 #   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~9 min,
 #             not yet run)
 #   15 x4     phase 13 then 8 on GPUs 0,1; the async learning variants at staleness 8 (seeds 0 1, lr 1e-5,
-#             earlier sessions' sync runs) on GPUs 2,3; then phase 14 on all four (~24 min)
+#             earlier sessions' sync runs) on GPUs 2,3; then phase 14 on all four (~24 min, 2026-11-27)
+#   16 x4     phase 8, then phase 14 with SNAPSHOT_7B=direct (weights.snapshot; default auto) (~16 min,
+#             not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -190,12 +192,22 @@ phase14() {
   # 2026-11-26 (scale-4x) went out of memory at step 2 in the non-finite check since replaced
   model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/14-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
-  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml 7b-tp2 "${LIMIT_7B:-240}" \
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml 7b-tp2${SNAPSHOT_7B:+-$SNAPSHOT_7B} "${LIMIT_7B:-240}" \
+    weights.snapshot=${SNAPSHOT_7B:-auto} \
     rollout.sglang.disable_cuda_graph=true model.name="$model" trainer.tp=2 trainer.sequence_parallel=true \
     trainer.recompute=true trainer.batch_groups=4 trainer.micro_batch_tokens=8192 rollout.group_size=4 \
     rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64 rollout.sglang.mem_fraction_static=0.6 \
-    >$S/14-7b-pipeline.out 2>&1
-  rm -rf /tmp/models-7b /tmp/buffer-7b-tp2
+    >$S/14-7b-pipeline${SNAPSHOT_7B:+-$SNAPSHOT_7B}.out 2>&1
+  rm -rf /tmp/models-7b /tmp/buffer-7b-tp2*
+}
+
+phase16() {
+  # what session 7 (phase 15) left open: the two-GPU kill test on the fix for a server killed mid-push,
+  # then the 7B pipeline again with weights.snapshot=direct (no host copy; session 7's run with the
+  # host snapshot stalled generation 26 %), on all four GPUs (~16 min)
+  CUDA_VISIBLE_DEVICES=0,1 phase8
+  echo "phase 8 end $(date -u +%T)"
+  SNAPSHOT_7B=direct phase14
 }
 
 phase9() {

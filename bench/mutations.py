@@ -251,6 +251,22 @@ MUTATIONS = [
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
+        "direct_push_leaves_gathers_hanging",
+        "a direct push that fails stops taking the gathered tensors (the other trainer ranks wait in a gather)",
+        "stages/weights/sglang_transport.py",
+        "        finally:\n            for _ in it:\n                pass\n",
+        "        finally:\n            pass\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
+    Mutation(
+        "direct_push_left_out_server_forgotten",
+        "a server a direct push left out waits for a catch-up that has nothing kept to send",
+        "stages/weights/sglang_transport.py",
+        "        if self._pushed_version is None or (self._down_since and self._last is not None):\n",
+        "        if self._pushed_version is None or self._down_since:\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

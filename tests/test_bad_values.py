@@ -148,3 +148,14 @@ def test_a_port_in_use_names_the_key():
         port = s.getsockname()[1]
         with pytest.raises(ValueError, match=rf"weights.bind=tcp://127.0.0.1:{port}: cannot bind"):
             make_sender(WeightsConfig(transport="cpu", bind=f"tcp://127.0.0.1:{port}"))
+
+
+def test_a_direct_push_to_torch_engines_is_refused_at_start_naming_the_keys():
+    """weights.snapshot=direct hands the sender a lazy source; the CPU transport (torch engines) keeps
+    every push for engines that join later, so the pair is refused when the sender is made, before
+    any training, not at the first push."""
+    from stages.weights.base import make_sender
+    from stages.weights.config import WeightsConfig
+
+    with pytest.raises(ValueError, match=r"weights.snapshot=direct .* use weights.snapshot=auto"):
+        make_sender(WeightsConfig(snapshot="direct"))  # auto without SGLang servers: the cpu transport

@@ -147,3 +147,62 @@ def test_sdpa_attention_gradients_match_unfused(tmp_path, dist1):
     for n, g in grads["sdpa"].items():
         ref = grads["unfused"][n]
         assert (g - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), n
+
+
+def test_a_direct_push_sends_the_live_weights_as_gathered_and_refuses_a_sender_that_keeps_pushes(
+    tmp_path, dist1
+):
+    """weights.snapshot=direct: no copy is taken; the sender is handed the HF tensors as they are
+    gathered (the same names and values as a snapshot), pushes them before push_weights returns, and its
+    figures come out under the names a background push reports them at the next step (the run's stall
+    is summed from those). The CPU transport keeps every push for engines that join later, which a lazy
+    source cannot give it: refused, naming the fix."""
+    from types import SimpleNamespace
+
+    from stages.trainer.export import export_hf_state, iter_hf_state
+    from stages.trainer.model import build_policy
+    from stages.trainer.trainer import Trainer
+
+    policy = build_policy(make_tiny_hf(str(tmp_path / "q"), "qwen2"), ddp=False)
+    plain = export_hf_state(policy)
+
+    class Direct:
+        def push_now(self, version, named):
+            self.got = {n: t.clone() for n, t in named}
+            return {"version": version, "seconds": 0.25, "engines": 1, "bytes": 10}
+
+    t = SimpleNamespace(
+        policy=policy, rank=0, sender=Direct(), version=4, _direct_result=None, pending_push=None
+    )
+    out = Trainer._push_direct(t)
+    assert out == {"push/prev_seconds": 0.25, "push/prev_engines": 1, "push/prev_bytes": 10}
+    assert set(t.sender.got) == set(plain) and all(torch.equal(t.sender.got[k], plain[k]) for k in plain)
+    assert dict(iter_hf_state(policy)).keys() == plain.keys()
+    assert Trainer.wait_push(t)["seconds"] == 0.25  # sync mode waits for it: it is already done
+    assert Trainer.wait_push(t) is None
+
+    class Keeps:  # the CPU transport's sender: push() only
+        def push(self, version, named):
+            raise AssertionError("not called")
+
+    keeps = SimpleNamespace(policy=policy, rank=0, sender=Keeps(), version=4, _direct_result=None)
+    with pytest.raises(ValueError, match="weights.snapshot=direct pushes into SGLang servers"):
+        Trainer._push_direct(keeps)
+
+
+def test_a_direct_push_under_tensor_parallelism_gathers_in_step_and_sends_the_trained_weights(tmp_path):
+    """weights.snapshot=direct on two ranks (TP=2, real gloo gathers in two processes): rank 0's sender
+    takes the tensors while rank 1 only gathers, a push after every step, none stuck in a gather, and
+    the last push holds exactly the weights training ended with."""
+    from safetensors.torch import load_file
+
+    from stages.trainer.testing import run_parallel_check
+
+    path = make_tiny_hf(str(tmp_path / "q"), "qwen2")
+    _, trained = run_parallel_check(
+        path, str(tmp_path / "tp2"), 2, "--tp", "2", "--direct-push", timeout_s=240
+    )
+    pushed = load_file(str(tmp_path / "tp2" / "pushed.safetensors"))
+    assert set(pushed) == set(trained)
+    for k in trained:
+        assert torch.equal(pushed[k], trained[k]), k

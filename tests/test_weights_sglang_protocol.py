@@ -725,3 +725,67 @@ def test_a_broadcast_to_a_server_that_died_aborts_the_weight_group_and_names_the
         assert group.aborted and sender._group is None and sender._members == []
     finally:
         sender.close()
+
+
+def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gathers_when_it_fails(
+    server_factory,
+):
+    """weights.snapshot=direct: the tensors come from a lazy source whose every step is a gather all
+    trainer ranks make in step. The push takes them bucket by bucket, looking one tensor ahead (the
+    last bucket carries the version), with the servers paused for only that; it keeps nothing; and
+    when a load fails, the rest of the source is still consumed, or the other ranks would wait in
+    their gathers for good."""
+    srv, url = server_factory()
+    sender = GroupSender([url], timeout_s=10, restart_grace_s=30)
+    sender.bucket_bytes = 8192  # two 4 KB tensors a bucket
+    pulled: list[str] = []
+    sent_after: list[int] = []  # how many tensors had been gathered at each broadcast
+
+    def gathered(n):
+        for i in range(n):
+            pulled.append(f"w{i}")
+            yield f"w{i}", torch.full((1024,), float(i))
+
+    record = GroupSender._broadcast
+
+    def broadcast(self, flat, calls):
+        sent_after.append(len(pulled))
+        return record(self, flat, calls)
+
+    sender._broadcast = broadcast.__get__(sender)
+    out = sender.push_now(7, gathered(5))
+    assert (out["engines"], out["bytes"]) == (1, 5 * 4096)
+    assert sent_after == [3, 5, 5]  # buckets [w0 w1] [w2 w3] [w4], each sent one tensor ahead
+    loads = _loads(srv)
+    assert [len(b["names"]) for b in loads] == [2, 2, 1]
+    assert ["weight_version" in b for b in loads] == [False, False, True] and loads[-1][
+        "weight_version"
+    ] == "7"
+    assert sender._last is None  # nothing kept
+
+    srv.fail.add(LOAD)  # the server refuses a load: the push fails, the gathers go on
+    pulled.clear()
+    with pytest.raises(WeightPushError):
+        sender.push_now(8, gathered(5))
+    assert pulled == [f"w{i}" for i in range(5)]
+    sender.close()
+
+
+def test_after_a_direct_push_that_left_a_server_out_the_trainer_is_asked_to_push_again(server_factory):
+    """A direct push keeps nothing for catch_up(): the server it left out (restarting) is named by
+    needs_push() once it answers with older weights, and the trainer pushes its current weights again."""
+    from pipeline.net import free_port
+
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    sender = GroupSender([url], timeout_s=10, restart_grace_s=30)
+    down = sender.push_now(3, iter(_named()))  # nothing listens on the port yet
+    assert (down["engines"], down["engines_skipped"]) == (0, 1)
+    assert sender.catch_up() is None  # no tensors kept to catch it up with
+    back = _serve(port)  # relaunched: the base model, version 0
+    sender._probed_at = float("-inf")
+    assert sender.needs_push() == [url]
+    again = sender.push_now(3, iter(_named()))
+    assert again["engines"] == 1 and _loads(back)[-1]["weight_version"] == "3"
+    back.shutdown()
+    sender.close()

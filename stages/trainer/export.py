@@ -83,6 +83,30 @@ class HostSnapshot:
         return buf
 
 
+def iter_hf_state(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of export_hf_state, lazily and without copies: each full HF tensor on global rank 0
+    where it was gathered (the trainer's GPU), one at a time, possibly a view of a live parameter;
+    nothing on the other ranks. Collective: every rank consumes it to the end, in step, before any other
+    collective. For weights.snapshot=direct, which pushes while training waits, so that no rank holds a
+    copy of the model. Pipeline stages send rank 0 their tensors ahead of a push (export_hf_state), so
+    this takes one stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(
+            "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead "
+            "of a push): use weights.snapshot=auto"
+        )
+    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # the expert gathers only
+        for _ in _local_hf(policy, dense=False):
+            pass
+        return
+    rank0 = dist.get_rank() == 0
+    for name, t in _local_hf(policy):
+        if rank0:
+            yield name, t
+
+
 def export_hf_state(
     policy: Policy, dtype: torch.dtype | None = None, device: str = "cpu", host: HostSnapshot | None = None
 ) -> dict[str, torch.Tensor] | None:

@@ -27,6 +27,25 @@ def with_recorded_experts(batch, hc: dict, seed: int):
     return samples_to_batch(samples)
 
 
+class RecordingSender:
+    """Rank 0's sender for weights.snapshot=direct with no engines: takes each push's tensors as every
+    rank gathers them (the lockstep a real push needs) and keeps the last push's."""
+
+    def __init__(self):
+        self.pushes, self.last = 0, {}
+
+    def push_now(self, version: int, named) -> dict:
+        self.last = {n: t.detach().clone().contiguous() for n, t in named}
+        self.pushes += 1
+        return {"version": version, "seconds": 0.0, "engines": 0}
+
+    def catch_up(self):
+        return None
+
+    def needs_push(self) -> list:
+        return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
@@ -45,6 +64,11 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=48)
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--push", action="store_true", help="attach a CPU weight sender (no engines) on rank 0")
+    ap.add_argument(
+        "--direct-push",
+        action="store_true",
+        help="weights.snapshot=direct into a recording sender on rank 0 (no engines); writes pushed.safetensors",
+    )
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument(
         "--routing-replay", action="store_true", help="MoE: samples carry recorded experts, replayed"
@@ -90,12 +114,19 @@ def main() -> None:
         from stages.weights.zmq_transport import ZmqWeightSender
 
         tr.attach_sender(ZmqWeightSender(timeout_s=30))
+    recorder = RecordingSender() if a.direct_push and tr.rank == 0 else None
+    if a.direct_push:
+        cfg.weights.snapshot = "direct"
+        tr.attach_sender(recorder)  # None on the other ranks, which gather in step
     losses = [tr.step() for _ in range(a.steps)]
     tr.close()
     state = export_hf_state(tr.policy)
     if state is not None:
         os.makedirs(a.out, exist_ok=True)
         save_file(state, a.out + "/weights.safetensors")
+        if recorder is not None:
+            assert recorder.pushes == a.steps, f"{recorder.pushes} direct pushes in {a.steps} steps"
+            save_file(recorder.last, a.out + "/pushed.safetensors")
         with open(a.out + "/metrics.json", "w") as f:
             json.dump(losses, f)
 

@@ -141,6 +141,7 @@ class Trainer:
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
         self.pending_push = None
         self._host_snapshot = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
+        self._direct_result = None  # the last direct push's figures, until wait_push() takes them
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self._params: int | None = None  # the whole model's parameters (perf/tflops)
         self.last_checkpoint = -1
@@ -757,11 +758,38 @@ class Trainer:
             )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
+        if self.cfg.weights.snapshot == "direct":
+            out.update(self._push_direct())
+            out["push/direct_s"] = time.perf_counter() - t1
+            return out
         state = export_hf_state(self.policy, **self._snapshot_target())  # collective; full tensors on rank 0
         if self.rank == 0 and self.sender is not None:
             self.pending_push = self.sender.push(self.version, list(state.items()))
         out["push/snapshot_s"] = time.perf_counter() - t1
         return out
+
+    def _push_direct(self) -> dict:
+        """weights.snapshot=direct: no copy; rank 0 pushes the tensors as every rank gathers them from the
+        live weights, and training waits for it (collective). Its figures go under the names a
+        background push reports them at the next step (`push/prev_*`): it is done now."""
+        from stages.trainer.export import iter_hf_state
+
+        named = iter_hf_state(self.policy)
+        if self.rank == 0 and self.sender is not None:
+            if not hasattr(self.sender, "push_now"):
+                for _ in named:  # the other ranks are gathering: finish in step, then refuse
+                    pass
+                raise ValueError(
+                    f"weights.snapshot=direct pushes into SGLang servers (weights.transport nccl or cuda_ipc); "
+                    f"{type(self.sender).__name__} keeps each push for late joiners: use weights.snapshot=auto"
+                )
+            res = self._direct_result = self.sender.push_now(self.version, named)
+            return {
+                f"push/prev_{k}": v for k, v in res.items() if isinstance(v, int | float) and k != "version"
+            }
+        for _ in named:  # take part in every gather
+            pass
+        return {}
 
     def _snapshot_target(self) -> dict:
         """Where rank 0 keeps the pushed copy (weights.snapshot): on its GPU for the SGLang transports
@@ -788,8 +816,11 @@ class Trainer:
         return {"device": "cuda" if choice == "gpu" and self.device.type == "cuda" else device}
 
     def wait_push(self) -> dict | None:
-        if self.pending_push is None or self.rank != 0:
+        if self.rank != 0:
             return None
+        if self.pending_push is None:  # a direct push is done when push_weights returns
+            res, self._direct_result = self._direct_result, None
+            return res
         res, self.pending_push = self.pending_push.result(), None
         return res
 

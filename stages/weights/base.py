@@ -94,17 +94,30 @@ def buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors into buckets of about `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    for group, _ in buckets_marking_last(named, bucket_bytes):
+        yield group
+
+
+def buckets_marking_last(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """buckets(), each with whether it is the last. Found by looking one tensor ahead, not one bucket:
+    a lazy source (weights.snapshot=direct) gathers each tensor when asked, and a bucket of lookahead
+    would hold two buckets of gathered tensors at once."""
+    it = iter(named)
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in named:
-        nb = t.numel() * t.element_size()
+    item = next(it, None)
+    while item is not None:
+        nb = item[1].numel() * item[1].element_size()
         if cur and size + nb > bucket_bytes:
-            yield cur
+            yield cur, False
             cur, size = [], 0
-        cur.append((name, t))
+        cur.append(item)
         size += nb
+        item = next(it, None)
     if cur:
-        yield cur
+        yield cur, True
 
 
 def make_sender(
@@ -139,6 +152,13 @@ def make_sender(
             kind = "nccl" if torch.cuda.device_count() > 1 else "cuda_ipc"
     if kind == "cpu":
         import zmq
+
+        if cfg.snapshot == "direct":  # before any process starts pushing: a clear error at start-up
+            raise ValueError(
+                "weights.snapshot=direct pushes from the trainer's GPUs into SGLang servers (weights.transport "
+                "nccl or cuda_ipc); the cpu transport keeps each push for engines that join later: use "
+                "weights.snapshot=auto"
+            )
 
         from stages.weights.zmq_transport import ZmqWeightSender
 

@@ -20,8 +20,12 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # where the trainer keeps the copy of the weights a push sends while training goes on. gpu: on
     # trainer rank 0's GPU (fastest; costs the model's bf16 size there, 15 GB at 7B); cpu: pinned host
     # memory, filled one gathered tensor at a time, so no GPU ever holds a whole-model copy. auto: gpu
-    # for the SGLang transports unless the model is over 10 % of the GPU's memory, else cpu
-    snapshot: Literal["auto", "gpu", "cpu"] = "auto"
+    # for the SGLang transports unless the model is over 10 % of the GPU's memory, else cpu. direct (the
+    # SGLang transports, trainer.pp 1): no copy; rank 0 pushes each bucket as the ranks gather it from
+    # the live weights and training waits for the push. At 7B the cpu copy is filled in ~0.35 s a step
+    # and copied back to the GPU while the engines stand paused (~0.39 s a push on H100s, most of it
+    # that copy); direct spends only the gather and the broadcast (not yet measured on a GPU)
+    snapshot: Literal["auto", "gpu", "cpu", "direct"] = "auto"
 
     def __post_init__(self):
         if self.push_every < 0 or self.bucket_mb < 0 or self.timeout_s <= 0:

@@ -61,7 +61,13 @@ import time
 import torch
 
 from stages.weights import sglang_protocol as proto
-from stages.weights.base import PushHandle, WeightPushError, WeightSender, align_nccl_env, buckets
+from stages.weights.base import (
+    PushHandle,
+    WeightPushError,
+    WeightSender,
+    align_nccl_env,
+    buckets_marking_last,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +164,29 @@ class _SGLangSender(WeightSender):
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def needs_push(self) -> list[str]:
-        """Servers relaunched since the last push with older weights (no push missed them, so nothing is
-        kept for them). Call it with no push in flight; [] while a left-out server waits for catch_up."""
-        if self._pushed_version is None or self._down_since:
+        """Servers relaunched since the last push with older weights, which nothing kept is waiting for
+        (no push missed them; or one did, but it was a lazy push, push_now, which keeps nothing). Call
+        it with no push in flight; [] while a left-out server waits for catch_up."""
+        if self._pushed_version is None or (self._down_since and self._last is not None):
             return []
         return self._relaunched_behind(self._pushed_version)
+
+    def push_now(self, version: int, named) -> dict:
+        """A push on the calling thread, returned when done (weights.snapshot=direct): `named` is a
+        lazy iterator of tensors gathered from the trainer's live weights one at a time, each step of
+        which may be a collective of every trainer rank. It is consumed to the end even when the push
+        fails or loads nothing, so that the other ranks, gathering in step, are not left in a gather.
+        Nothing is kept for catch_up(): a server left out is found by needs_push() once it answers."""
+        it = iter(named)
+        ready = None
+        if self._stream is not None:  # the optimizer's writes, queued on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        try:
+            return self._push_on_stream(ready, version, it, None, None, keep=False)
+        finally:
+            for _ in it:
+                pass
 
     def catch_up(self) -> PushHandle | None:
         """The last push again, to the servers it left out; None when none is behind."""
@@ -221,24 +245,31 @@ class _SGLangSender(WeightSender):
         """Called with the servers of this push, all paused, before anything is loaded: a transport
         whose delivery spans a fixed set of servers makes that set `live` here."""
 
-    def _push_on_stream(self, ready, *args) -> dict:
+    def _push_on_stream(self, ready, *args, **kw) -> dict:
         """_push on the push thread's stream, after the snapshot (`ready`, a CUDA event) is written."""
         if self._stream is None:
-            return self._push(*args)
+            return self._push(*args, **kw)
         with torch.cuda.stream(self._stream):
             if ready is not None:
                 self._stream.wait_event(ready)
-            return self._push(*args)
+            return self._push(*args, **kw)
 
     def _push(
-        self, version: int, named, targets: list[str] | None = None, behind: list[str] | None = None
+        self,
+        version: int,
+        named,
+        targets: list[str] | None = None,
+        behind: list[str] | None = None,
+        *,
+        keep: bool = True,
     ) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
         also the pause. Only the last bucket's load carries `weight_version` (SGLang records it after
         each successful load): a push that fails part-way never labels mixed weights as `version`.
         After such a failure the servers stay paused (generating from partly loaded weights would
         produce samples of no version) and the error says to restart them. `behind`: a catch-up for
-        these servers, which loads nothing while none of them answers."""
+        these servers, which loads nothing while none of them answers. `keep`: `named` is a list that
+        may be kept for catch_up() (not a lazy iterator)."""
         if self.device is not None:
             torch.cuda.set_device(self.device)
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
@@ -271,10 +302,12 @@ class _SGLangSender(WeightSender):
             raise
         t["pause_s"] = time.monotonic() - t0
         t1 = time.monotonic()
-        groups = list(buckets(named, self.bucket_bytes)) if live else []  # nobody to load into
+        nbytes = 0
         try:
-            for i, group in enumerate(groups):
-                t["transfer_s"] += self._send_bucket(group, version if i == len(groups) - 1 else None, live)
+            # nobody to load into: a lazy `named` is left to its caller to drain (push_now)
+            for group, last in buckets_marking_last(named, self.bucket_bytes) if live else ():
+                nbytes += sum(x.numel() * x.element_size() for _, x in group)
+                t["transfer_s"] += self._send_bucket(group, version if last else None, live)
         except WeightPushError as e:
             if not self._all_lost(e, live):
                 raise WeightPushError(
@@ -293,10 +326,10 @@ class _SGLangSender(WeightSender):
         if failed:
             raise failed[0]
         t["continue_s"] = time.monotonic() - t3
-        # while a server is behind, keep these tensors for catch_up(); let them go once none is
-        self._last = (version, named) if self._down_since else None
+        # while a server is behind, keep these tensors for catch_up(); let them go once none is. A
+        # lazy push (push_now) has none to keep: needs_push() finds such a server once it is back
+        self._last = (version, named) if self._down_since and keep else None
         self._pushed_version = version
-        nbytes = sum(x.numel() * x.element_size() for _, x in named)
         return {
             "version": version,
             "engines": len(live),
