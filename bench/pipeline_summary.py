@@ -82,6 +82,8 @@ def summarise(run_dir: Path) -> dict:
         "push_bytes": _med(rows, "push/prev_bytes"),
         # the trainer's side of a push: gather the shards, copy the weights (weights.snapshot); blocks training
         "push_snapshot_s_median": _med(rows[2:], "push/snapshot_s"),
+        # weights.snapshot=direct: no snapshot; training waits for the whole push (gathers included)
+        "push_direct_s_median": _med(rows[2:], "push/direct_s"),
         # token-weighted over the steps that had any tokens made by exactly the trainer's weights
         "logp_abs_diff_same_version": _same_version_gap(rows),
         "same_version_tokens": int(sum(r.get("logp/same_version_tokens", 0) for r in rows)),
