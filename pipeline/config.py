@@ -158,6 +158,14 @@ class RunConfig(Base):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
+    def __post_init__(self):
+        # across sections, at load: a direct push would otherwise fail at the first push, mid-run
+        if self.weights.snapshot == "direct" and self.trainer.pp > 1:
+            raise ValueError(
+                "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead "
+                "of a push): use weights.snapshot=auto"
+            )
+
 
 # ---------------------------------------------------------------------------------------------------
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -159,3 +159,7 @@ def test_a_direct_push_to_torch_engines_is_refused_at_start_naming_the_keys():
 
     with pytest.raises(ValueError, match=r"weights.snapshot=direct .* use weights.snapshot=auto"):
         make_sender(WeightsConfig(snapshot="direct"))  # auto without SGLang servers: the cpu transport
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"weights.snapshot=direct needs trainer.pp=1"):  # at load
+        load_config("configs/gpu-4x-dp2.yaml", ["weights.snapshot=direct", "trainer.pp=2"])

@@ -656,6 +656,11 @@ def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or
         def is_completed(self):
             return False
 
+    def started(work):  # the broadcast call returned this work
+        f = cf.Future()
+        f.set_result(work)
+        return f
+
     gone = WeightPushError("SGLang server http://b/update_weights_from_distributed unreachable: reset")
     gone.unreachable = True
     release = threading.Event()  # ends the calls still "receiving" when the test is done
@@ -663,28 +668,34 @@ def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or
         alive = pool.submit(release.wait, 30)  # still in its receive
         dead = pool.submit(lambda: (time.sleep(0.2), (_ for _ in ()).throw(gone)))
         t0 = time.monotonic()
-        assert await_broadcast(Stuck(), {"http://a": alive, "http://b": dead}, t0 + 20) == ["http://b"]
+        assert await_broadcast(started(Stuck()), {"http://a": alive, "http://b": dead}, t0 + 20) == [
+            "http://b"
+        ]
         assert time.monotonic() - t0 < 2
         slow = pool.submit(release.wait, 30)
         t0 = time.monotonic()
         with pytest.raises(
             WeightPushError, match=r"within weights.timeout_s .*still receiving: \['http://a'\]"
         ):
-            await_broadcast(Stuck(), {"http://a": slow}, t0 + 0.5)
+            await_broadcast(started(Stuck()), {"http://a": slow}, t0 + 0.5)
         assert time.monotonic() - t0 < 2
         refused = WeightPushError(
             "SGLang server http://a/update_weights_from_distributed failed: no such group"
         )
         failing = pool.submit(lambda: (_ for _ in ()).throw(refused))
         with pytest.raises(WeightPushError, match="no such group"):  # out of its receive: no wait
-            await_broadcast(Stuck(), {"http://a": failing}, time.monotonic() + 20)
+            await_broadcast(started(Stuck()), {"http://a": failing}, time.monotonic() + 20)
         release.set()
 
     class Done:
         def is_completed(self):
             return True
 
-    assert await_broadcast(Done(), {}, 0.0) == []  # a finished broadcast is never a failure
+    assert await_broadcast(started(Done()), {}, 0.0) == []  # a finished broadcast is never a failure
+    # a broadcast call that never returns (NCCL setting up a new group's communicator with a dead
+    # server) is waited for the same way: the dead server's call ends the wait
+    never = cf.Future()
+    assert await_broadcast(never, {"http://b": dead}, time.monotonic() + 20) == ["http://b"]
 
 
 def test_a_broadcast_to_a_server_that_died_aborts_the_weight_group_and_names_the_server(monkeypatch):
@@ -779,8 +790,16 @@ def test_after_a_direct_push_that_left_a_server_out_the_trainer_is_asked_to_push
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     sender = GroupSender([url], timeout_s=10, restart_grace_s=30)
-    down = sender.push_now(3, iter(_named()))  # nothing listens on the port yet
+    taken = []
+
+    def gathered():  # the other ranks gather in step: taken to the end even with nobody to load into
+        for item in _named():
+            taken.append(item[0])
+            yield item
+
+    down = sender.push_now(3, gathered())  # nothing listens on the port yet
     assert (down["engines"], down["engines_skipped"]) == (0, 1)
+    assert taken == ["w0", "w1", "w2"]
     assert sender.catch_up() is None  # no tensors kept to catch it up with
     back = _serve(port)  # relaunched: the base model, version 0
     sender._probed_at = float("-inf")

@@ -183,7 +183,10 @@ class _SGLangSender(WeightSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         try:
-            return self._push_on_stream(ready, version, it, None, None, keep=False)
+            res = self._push_on_stream(ready, version, it, None, None, keep=False)
+            if self._stream is not None:  # training writes the weights next: after the push read them
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            return res
         finally:
             for _ in it:
                 pass
@@ -308,6 +311,7 @@ class _SGLangSender(WeightSender):
             for group, last in buckets_marking_last(named, self.bucket_bytes) if live else ():
                 nbytes += sum(x.numel() * x.element_size() for _, x in group)
                 t["transfer_s"] += self._send_bucket(group, version if last else None, live)
+                del group  # a lazy source gathers the next bucket now: one bucket of tensors at a time
         except WeightPushError as e:
             if not self._all_lost(e, live):
                 raise WeightPushError(
@@ -315,6 +319,13 @@ class _SGLangSender(WeightSender):
                     "restart them (or the run) before generating again"
                 ) from e
             live = []  # nobody holds partly loaded weights: nothing to resume
+        except (
+            Exception
+        ) as e:  # not the servers': a lazy source's gather, the bucket's memory; say what is left
+            raise WeightPushError(
+                f"weights: the push of version {version} failed mid-way ({type(e).__name__}: {e}); the SGLang "
+                f"servers {self.urls} are left paused with partly loaded weights: restart them (or the run)"
+            ) from e
         t["load_s"] = time.monotonic() - t1
         t3 = time.monotonic()
         failed = []
@@ -371,11 +382,11 @@ class _SGLangSender(WeightSender):
         log.warning(
             "weights: %s died during the push of this version (%s): left out until it is back", lost, err
         )
-        self._forget_group()
+        self._abort_group()
         return True
 
-    def _forget_group(self) -> None:
-        """A transport whose delivery spans a fixed set of servers drops it here (a member died)."""
+    def _abort_group(self) -> None:
+        """A transport whose delivery spans a fixed set of servers ends it here (a member died)."""
 
     def _resume_all(self) -> None:
         for url in self.urls:
@@ -432,13 +443,29 @@ def unreachable(calls: dict[str, cf.Future]) -> list[str]:
     return [url for url, c in calls.items() if c.done() and getattr(c.exception(), "unreachable", False)]
 
 
-def await_broadcast(work, calls: dict[str, cf.Future], deadline: float) -> list[str]:
-    """Wait for a broadcast `work` while the servers' `calls` run beside it: [] once it completed, the
-    servers found gone as soon as one call finds its server so (their receive will never finish), a
-    call's own error as soon as one fails otherwise, and WeightPushError at `deadline` (monotonic)
-    naming the servers still receiving."""
+def _in_thread(fn, *args) -> cf.Future:
+    """fn(*args) on a daemon thread of its own, as a future: a call that may never return is waited for
+    with a timeout, and left behind if it must be (a pool's worker would be lost with it)."""
+    fut: cf.Future = cf.Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="weights-broadcast", daemon=True).start()
+    return fut
+
+
+def await_broadcast(started: cf.Future, calls: dict[str, cf.Future], deadline: float) -> list[str]:
+    """Wait for a broadcast (`started`: the future of its call, whose result is its work) while the
+    servers' `calls` run beside it: [] once it completed, the servers found gone as soon as one call
+    finds its server so (their receive will never finish), a call's own error (or the broadcast
+    call's) as soon as one fails otherwise, and WeightPushError at `deadline` (monotonic) naming the
+    servers still receiving."""
     t0 = time.monotonic()
-    while not work.is_completed():
+    while not (started.done() and started.result().is_completed()):
         dead = unreachable(calls)
         if dead:
             return dead
@@ -566,7 +593,8 @@ class NcclSGLangSender(_SGLangSender):
                 world_size=world,
                 rank=0,
                 group_name=name,
-                timeout=timedelta(seconds=self.timeout_s),
+                # past the push's own deadline (weights.timeout_s), at which it aborts the group itself
+                timeout=timedelta(seconds=2 * self.timeout_s),
             )
 
     def _catch_up_targets(self, behind: list[str]) -> list[str] | None:
@@ -641,10 +669,14 @@ class NcclSGLangSender(_SGLangSender):
         sync()
         t0 = time.monotonic()
         try:
-            work = torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
-            dead = await_broadcast(work, calls, t0 + self.timeout_s)
+            # NCCL sets up a new group's communicator in its first collective, blocking until every rank
+            # does: a server that died after joining would hold this thread there for good. Started on
+            # a thread of its own, the call is waited for like the broadcast, and left behind if it must
+            stream = torch.cuda.current_stream() if flat.is_cuda else None
+            started = _in_thread(self._start_broadcast, flat, stream)
+            dead = await_broadcast(started, calls, t0 + self.timeout_s)
             if not dead:
-                work.wait()  # raises what the backend saw (gloo: a peer that closed its socket)
+                started.result().wait()  # raises what the backend saw (gloo: a peer that closed its socket)
         except Exception as e:
             # the calls say whether a server died (gloo fails the broadcast itself when one does)
             cf.wait(list(calls.values()), timeout=5.0)
@@ -660,22 +692,25 @@ class NcclSGLangSender(_SGLangSender):
         sync()
         return time.monotonic() - t0
 
+    def _start_broadcast(self, flat: torch.Tensor, stream):
+        """Rank 0's broadcast call (async: its work is returned), on the push's stream and device."""
+        if stream is None:
+            return torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
+        torch.cuda.set_device(flat.device)
+        with torch.cuda.stream(stream):
+            return torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
+
     def _abort_group(self) -> None:
         """End the group's communicator, so that a broadcast no server will finish returns, and never use
         the group again (the next push forms a new one)."""
         group, name = self._group, getattr(self, "_group_name", None)
-        self._forget_group()
+        self._group, self._members = None, []
         if group is None:
             return
-        # the group's own abort (ncclCommAbort for NCCL), not torch's _abort_process_group: that one
-        # wants the group in torch's registry, where SGLang's init_custom_process_group leaves no entry
-        try:
+        try:  # the group's own abort: ncclCommAbort, which does not wait for the dead peer
             group.abort()
         except Exception as e:  # noqa: BLE001 - a group that cannot abort is left to its own timeout
             log.warning("weights: could not abort the weight group %s: %s", name, e)
-
-    def _forget_group(self) -> None:
-        self._group, self._members = None, []
 
     def close(self) -> None:
         super().close()
