@@ -1,6 +1,8 @@
 """GPU weight transports into SGLang HTTP servers (`python -m sglang.launch_server`), SGLang 0.5.17.
 
-Both follow the same push sequence per server, on a background thread:
+Both follow the same push sequence per server, on a background thread (push), or on the caller's for
+a lazy source of tensors gathered from the trainer's live weights while training waits (push_now,
+weights.snapshot=direct: nothing is copied, and nothing kept for catch_up):
   POST /pause_generation {mode}            in_place keeps running requests (then flush_cache=false)
   per bucket: the transport-specific update (below); the last one carries weight_version, which
               the server sets once that load succeeded, so outputs report the trainer's version (no
@@ -38,7 +40,9 @@ of this push before it loads anything (see `_regroup`); the old group is dropped
 NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
 TORCH_NCCL_ASYNC_ERROR_HANDLING), so the group is made with the watchdog only reporting, and rank 0
 watches its broadcast beside the servers' load calls: when one finds its server gone (or fails, or
-weights.timeout_s passes) the group is aborted and the push ends as above: without the dead server, or failing (`_broadcast`).
+weights.timeout_s passes) the group is aborted and the push ends as above: without the dead server, or
+failing (`_broadcast`). The broadcast call runs on a thread of its own, since NCCL's first collective
+on a new group sets up the communicator and blocks until every rank does.
 NCCL cannot put two ranks on one GPU: this needs the engines on other GPUs (see notes/sglang-on-gpu.md).
 
 CudaIpcSGLangSender (colocated on one GPU): each bucket is serialized with SGLang's
