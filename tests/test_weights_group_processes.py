@@ -144,8 +144,14 @@ def _sums(named) -> dict[str, float]:
     return {n: fingerprint(t) for n, t in named}
 
 
-def _gloo_sender_class(monkeypatch):
-    """The NCCL sender on a gloo group and CPU buckets (its sequence, groups and layout are the real ones)."""
+@pytest.fixture
+def weight_group(monkeypatch):
+    """The NCCL sender on a gloo group and CPU buckets (its sequence, groups and layout are the real
+    ones), to a stand-in server's port: `launch(...)` starts a server there; the sender and every server
+    launched are ended whatever the test does."""
+    from types import SimpleNamespace
+
+    from pipeline.net import free_port
     from stages.weights.sglang_transport import NcclSGLangSender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
@@ -157,90 +163,70 @@ def _gloo_sender_class(monkeypatch):
         def _bucket_device(self):
             return torch.device("cpu")
 
-    return GlooSender
-
-
-def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(monkeypatch):
-    from pipeline.net import free_port
-
-    GlooSender = _gloo_sender_class(monkeypatch)  # noqa: N806 - a class
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
-    sender = None
+    sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
+    sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
     try:
-        server = _launch(port, procs)
-        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
-        sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
-        first = _named(1.0)
-        out = sender.push(1, first).result(timeout=60)
-        assert out["engines"] == 1
-        got = _info(url)
-        assert got["weight_version"] == "1" and got["groups"] == sender.group_names[:1]
-        assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
-
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
-        second = _named(2.0)
-        down = sender.push(2, second).result(timeout=60)
-        assert (down["engines"], down["engines_skipped"]) == (0, 1)
-
-        _launch(port, procs)  # relaunched on its port: base weights, no groups
-        assert _info(url)["weight_version"] == "0"
-        caught = sender.catch_up().result(timeout=60)
-        assert (caught["version"], caught["engines"]) == (2, 1)
-        got = _info(url)
-        assert got["weight_version"] == "2" and got["groups"] == sender.group_names[1:2]
-        assert got["weights"] == pytest.approx(_sums(second), rel=1e-6)
-        third = _named(3.0)
-        sender.push(3, third).result(timeout=60)  # the new group carries the next pushes
-        assert _info(url)["weights"] == pytest.approx(_sums(third), rel=1e-6)
+        yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
     finally:
-        if sender is not None:
-            sender.close()
+        sender.close()
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
 
 
-def test_a_server_killed_during_a_push_is_left_out_and_the_trainer_goes_on(monkeypatch):
+def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(weight_group):
+    url, sender = weight_group.url, weight_group.sender
+    server = weight_group.launch()
+    first = _named(1.0)
+    out = sender.push(1, first).result(timeout=60)
+    assert out["engines"] == 1
+    got = _info(url)
+    assert got["weight_version"] == "1" and got["groups"] == sender.group_names[:1]
+    assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
+
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=30)
+    second = _named(2.0)
+    down = sender.push(2, second).result(timeout=60)
+    assert (down["engines"], down["engines_skipped"]) == (0, 1)
+
+    weight_group.launch()  # relaunched on its port: base weights, no groups
+    assert _info(url)["weight_version"] == "0"
+    caught = sender.catch_up().result(timeout=60)
+    assert (caught["version"], caught["engines"]) == (2, 1)
+    got = _info(url)
+    assert got["weight_version"] == "2" and got["groups"] == sender.group_names[1:2]
+    assert got["weights"] == pytest.approx(_sums(second), rel=1e-6)
+    third = _named(3.0)
+    sender.push(3, third).result(timeout=60)  # the new group carries the next pushes
+    assert _info(url)["weights"] == pytest.approx(_sums(third), rel=1e-6)
+
+
+def test_a_server_killed_during_a_push_is_left_out_and_the_trainer_goes_on(weight_group):
     """The 2-GPU kill test of 2026-11-27 killed the server while rank 0 broadcast a bucket to it: NCCL
     waited for the dead peer until its watchdog ended the trainer's process, and the run failed. Now
     the push sees the server's load call fail, gives up the group and leaves the server out, as if it
     had been down at the pause; its relaunch gets the weights by catch_up in a new group."""
-    from pipeline.net import free_port
+    url, sender = weight_group.url, weight_group.sender
+    server = weight_group.launch(die_on_load=True)
+    first = _named(1.0)
+    t0 = time.monotonic()
+    out = sender.push(1, first).result(timeout=60)  # no WeightPushError: the trainer goes on
+    assert (out["engines"], out["engines_skipped"]) == (0, 1)
+    assert time.monotonic() - t0 < 25, "the push waited for the dead server instead of leaving it out"
+    assert server.wait(timeout=30) == -signal.SIGKILL
+    assert sender.needs_push() == []  # it is known to be behind: catch_up, not a regular push, serves it
 
-    GlooSender = _gloo_sender_class(monkeypatch)  # noqa: N806 - a class
-    port = free_port("127.0.0.1")
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen] = []
-    sender = None
-    try:
-        server = _launch(port, procs, die_on_load=True)
-        sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
-        sender.bucket_bytes = 4096
-        first = _named(1.0)
-        t0 = time.monotonic()
-        out = sender.push(1, first).result(timeout=60)  # no WeightPushError: the trainer goes on
-        assert (out["engines"], out["engines_skipped"]) == (0, 1)
-        assert time.monotonic() - t0 < 25, "the push waited for the dead server instead of leaving it out"
-        assert server.wait(timeout=30) == -signal.SIGKILL
-        assert sender.needs_push() == []  # it is known to be behind: catch_up, not a regular push, serves it
-
-        _launch(port, procs)
-        caught = sender.catch_up().result(timeout=60)
-        assert (caught["version"], caught["engines"]) == (1, 1)
-        got = _info(url)
-        assert got["weight_version"] == "1" and got["groups"] == sender.group_names[1:2]
-        assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
-    finally:
-        if sender is not None:
-            sender.close()
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+    weight_group.launch()
+    caught = sender.catch_up().result(timeout=60)
+    assert (caught["version"], caught["engines"]) == (1, 1)
+    got = _info(url)
+    assert got["weight_version"] == "1" and got["groups"] == sender.group_names[1:2]
+    assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
 
 
 if __name__ == "__main__":
