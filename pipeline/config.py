@@ -20,7 +20,7 @@ import yaml
 from buffer.config import BufferConfig
 from stages.rollout.config import RolloutConfig
 from stages.trainer.config import TrainerConfig
-from stages.weights.config import WeightsConfig
+from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -161,10 +161,7 @@ class RunConfig(Base):
     def __post_init__(self):
         # across sections, at load: a direct push would otherwise fail at the first push, mid-run
         if self.weights.snapshot == "direct" and self.trainer.pp > 1:
-            raise ValueError(
-                "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead "
-                "of a push): use weights.snapshot=auto"
-            )
+            raise ValueError(DIRECT_NEEDS_ONE_STAGE)
 
 
 # ---------------------------------------------------------------------------------------------------

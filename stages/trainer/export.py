@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from stages.trainer import hf_mapping, moe
 from stages.trainer.model import Policy, unwrap
+from stages.weights.config import DIRECT_NEEDS_ONE_STAGE
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -93,10 +94,7 @@ def iter_hf_state(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError(
-            "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead "
-            "of a push): use weights.snapshot=auto"
-        )
+        raise ValueError(DIRECT_NEEDS_ONE_STAGE)
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # the expert gathers only
         for _ in _local_hf(policy, dense=False):
             pass

@@ -38,6 +38,12 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.bucket_mb or BUCKET_MB[transport]
 
 
+# a direct push reads the weights as each rank gathers them; pipeline stages send rank 0 theirs ahead
+DIRECT_NEEDS_ONE_STAGE = (
+    "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead of a push): "
+    "use weights.snapshot=auto"
+)
+
 # 0 = by transport. cpu: buckets stream over ZeroMQ while the next is packed; cuda_ipc: the flat copy
 # sits on the GPU that trainer and engine share; nccl: every TP rank of a server receives a whole bucket
 # and unpacks it, needing about twice its size outside its static memory (mem_fraction_static), and

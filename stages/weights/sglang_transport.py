@@ -145,6 +145,7 @@ class _SGLangSender(WeightSender):
         except requests.RequestException as e:
             err = WeightPushError(f"SGLang server {url}{route} unreachable: {e}")
             err.unreachable = isinstance(e, requests.ConnectionError)
+            err.url = url  # a load that finds its server gone: see _gone
             raise err from e
         if r.status_code != 200:
             err = WeightPushError(f"SGLang server {url}{route} answered {r.status_code}: {r.text[:300]}")
@@ -160,11 +161,7 @@ class _SGLangSender(WeightSender):
 
     def push(self, version: int, named_tensors) -> PushHandle:
         named = list(named_tensors)
-        ready = None
-        if self._stream is not None:  # the snapshot's copies, queued on the caller's stream until now
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        fut = self._pool.submit(self._push_on_stream, ready, version, named)
+        fut = self._pool.submit(self._push_on_stream, self._written(), version, named)
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def needs_push(self) -> list[str]:
@@ -182,12 +179,8 @@ class _SGLangSender(WeightSender):
         fails or loads nothing, so that the other ranks, gathering in step, are not left in a gather.
         Nothing is kept for catch_up(): a server left out is found by needs_push() once it answers."""
         it = iter(named)
-        ready = None
-        if self._stream is not None:  # the optimizer's writes, queued on the caller's stream
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
         try:
-            res = self._push_on_stream(ready, version, it, None, None, keep=False)
+            res = self._push_on_stream(self._written(), version, it, None, None, keep=False)
             if self._stream is not None:  # training writes the weights next: after the push read them
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             return res
@@ -251,6 +244,15 @@ class _SGLangSender(WeightSender):
     def _regroup(self, live: list[str]) -> None:
         """Called with the servers of this push, all paused, before anything is loaded: a transport
         whose delivery spans a fixed set of servers makes that set `live` here."""
+
+    def _written(self):
+        """A CUDA event after what the caller's stream has queued so far (the snapshot's copies, or the
+        optimizer's writes that a direct push reads), for the push's stream to wait on; None without one."""
+        if self._stream is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return ready
 
     def _push_on_stream(self, ready, *args, **kw) -> dict:
         """_push on the push thread's stream, after the snapshot (`ready`, a CUDA event) is written."""
@@ -323,9 +325,8 @@ class _SGLangSender(WeightSender):
                     "restart them (or the run) before generating again"
                 ) from e
             live = []  # nobody holds partly loaded weights: nothing to resume
-        except (
-            Exception
-        ) as e:  # not the servers': a lazy source's gather, the bucket's memory; say what is left
+        except Exception as e:
+            # not the servers': a lazy source's gather, the bucket's memory; say what is left
             raise WeightPushError(
                 f"weights: the push of version {version} failed mid-way ({type(e).__name__}: {e}); the SGLang "
                 f"servers {self.urls} are left paused with partly loaded weights: restart them (or the run)"
@@ -377,7 +378,7 @@ class _SGLangSender(WeightSender):
         within restart_grace_s its engine watch relaunches it). They are then left out as if found
         down at the pause, and catch_up() gives each the weights once it is back. A server that lived
         through it would hold partly loaded weights, and that stays an error."""
-        lost = getattr(err, "lost", [])
+        lost = _gone(err)
         if not (lost and self.restart_grace_s > 0 and set(lost) == set(live)):
             return False
         now = time.monotonic()
@@ -436,10 +437,18 @@ def _within(fut: cf.Future, timeout_s: float, url: str):
 
 
 def _lost(urls: list[str], cause: BaseException | None) -> WeightPushError:
-    """The error of a push during which `urls` died (`.lost`: see _SGLangSender._all_lost)."""
+    """The error of a push during which `urls` died (`.lost`: see _gone)."""
     err = WeightPushError(f"SGLang server(s) {urls} went away during the push: {cause}")
     err.lost = list(urls)
     return err
+
+
+def _gone(err: BaseException | None) -> list[str]:
+    """The servers `err` says died: those of a broadcast's `_lost`, or the one a call (`_post`) could
+    not reach."""
+    if getattr(err, "unreachable", False):
+        return [err.url]
+    return list(getattr(err, "lost", []))
 
 
 def unreachable(calls: dict[str, cf.Future]) -> list[str]:
@@ -648,12 +657,7 @@ class NcclSGLangSender(_SGLangSender):
         }
         moved = self._broadcast(flat, calls)  # the servers wait in their receive meanwhile
         for url, c in calls.items():
-            try:
-                _within(c, self.timeout_s, url)
-            except WeightPushError as e:  # received, then died in its load
-                if getattr(e, "unreachable", False):
-                    raise _lost([url], e) from e
-                raise
+            _within(c, self.timeout_s, url)  # one that received, then died in its load: _gone
         if version is not None:
             self._version_at.update({url: str(version) for url in urls})
         return moved
@@ -733,11 +737,6 @@ class CudaIpcSGLangSender(_SGLangSender):
             body, flat = proto.ipc_bucket_body(
                 tensors, self.tp_of[url], dev
             )  # alive until the server answered
-            try:
-                self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
-            except WeightPushError as e:
-                if getattr(e, "unreachable", False):
-                    raise _lost([url], e) from e
-                raise
+            self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
