@@ -32,6 +32,9 @@ class Handler(JsonHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         self.server.calls.append((self.path, body))
+        if self.path in getattr(self.server, "die", ()):  # the server dies here: no answer, connection gone
+            self.close_connection = True
+            return
         ok = self.path not in self.server.fail
         if ok and "weight_version" in body:
             self.server.weight_version = body["weight_version"]
@@ -808,3 +811,21 @@ def test_after_a_direct_push_that_left_a_server_out_the_trainer_is_asked_to_push
     assert again["engines"] == 1 and _loads(back)[-1]["weight_version"] == "3"
     back.shutdown()
     sender.close()
+
+
+def test_a_lone_server_that_dies_in_its_load_is_left_out_and_caught_up_later(server_factory):
+    """The shared push sequence, as the CUDA IPC sender runs it (one POST per bucket): the push's only
+    server goes away while it loads. Nothing holds partly loaded weights, so the push ends without it,
+    as if it had been down at its pause, and keeps the tensors for catch_up(); without an engine watch
+    (no restart grace) that is an error naming the paused servers."""
+    srv, url = server_factory()
+    srv.die = {"/load"}
+    sender = PostSender([url], timeout_s=10, restart_grace_s=30)
+    out = sender.push(4, _named()).result(timeout=10)
+    assert (out["engines"], out["engines_skipped"]) == (0, 1)
+    assert sender._last is not None and sender._last[0] == 4  # for the relaunch's catch_up
+    sender.close()
+    strict = PostSender([url], timeout_s=10)  # no engine watch: nobody relaunches it
+    with pytest.raises(WeightPushError, match="left paused with partly loaded weights"):
+        strict.push(5, _named()).result(timeout=10)
+    strict.close()
