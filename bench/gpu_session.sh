@@ -34,6 +34,8 @@
 #             earlier sessions' sync runs) on GPUs 2,3; then phase 14 on all four (~24 min, 2026-11-27)
 #   16 x4     phase 8, then phase 14 with SNAPSHOT_7B=direct (weights.snapshot; default auto) (~16 min,
 #             not yet run)
+#   17 x4     phase 8 on GPUs 0,1 beside a third async seed at staleness 8 (phase 5) on GPUs 2,3; then
+#             phase 14 with SNAPSHOT_7B=direct STEP_7B=config (the config's own batch) (~18 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -192,12 +194,15 @@ phase14() {
   # 2026-11-26 (scale-4x) went out of memory at step 2 in the non-finite check since replaced
   model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/14-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
-  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml 7b-tp2${SNAPSHOT_7B:+-$SNAPSHOT_7B} "${LIMIT_7B:-240}" \
+  # STEP_7B=config: the config's own batch (16 groups of 8, 128 new tokens) instead of the small step
+  local step=(trainer.batch_groups=4 rollout.group_size=4 rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64)
+  [ "${STEP_7B:-small}" = config ] && step=()
+  local tag=7b-tp2${SNAPSHOT_7B:+-$SNAPSHOT_7B}${STEP_7B:+-$STEP_7B}
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml $tag "${LIMIT_7B:-240}" \
     weights.snapshot=${SNAPSHOT_7B:-auto} \
     rollout.sglang.disable_cuda_graph=true model.name="$model" trainer.tp=2 trainer.sequence_parallel=true \
-    trainer.recompute=true trainer.batch_groups=4 trainer.micro_batch_tokens=8192 rollout.group_size=4 \
-    rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64 rollout.sglang.mem_fraction_static=0.6 \
-    >$S/14-7b-pipeline${SNAPSHOT_7B:+-$SNAPSHOT_7B}.out 2>&1
+    trainer.recompute=true trainer.micro_batch_tokens=8192 "${step[@]}" rollout.sglang.mem_fraction_static=0.6 \
+    >$S/14-$tag.out 2>&1
   rm -rf /tmp/models-7b /tmp/buffer-7b-tp2*
 }
 
@@ -208,6 +213,21 @@ phase16() {
   CUDA_VISIBLE_DEVICES=0,1 phase8
   echo "phase 8 end $(date -u +%T)"
   SNAPSHOT_7B=direct phase14
+}
+
+phase17() {
+  # what session 7 (phase 15) left open, in ~18 min on a 4-GPU machine: on GPUs 0,1 the two-GPU kill
+  # test on the fix for a server killed mid-push (phase 8); beside it a third seed (2) of the async
+  # variants at staleness bound 8, counted with session 7's seeds 0 and 1 and the sync runs of sessions 4
+  # and 6; then the 7B pipeline (phase 14) with weights.snapshot=direct at the config's own step
+  lane 0-31 0,1 8 &
+  LEARN_SEEDS=2 LEARN_STALENESS=8 LEARN_VARIANTS="async_tis async_no_tis" \
+    LEARN_PRIOR=bench/gpu_results/2026-11-27/session-7/learning \
+    LEARN_PRIOR_SYNC="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-27/session-6/learning" \
+    lane 32-63 2,3 5 &
+  wait
+  echo "lanes end $(date -u +%T)"
+  SNAPSHOT_7B=direct STEP_7B=config phase14
 }
 
 phase9() {
