@@ -35,7 +35,8 @@
 #   16 x4     phase 8, then phase 14 with SNAPSHOT_7B=direct (weights.snapshot; default auto) (~16 min,
 #             not yet run)
 #   17 x4     phase 8 on GPUs 0,1 beside a third async seed at staleness 8 (phase 5) on GPUs 2,3; then
-#             phase 14 with SNAPSHOT_7B=direct STEP_7B=config (the config's own batch) (~18 min)
+#             phase 14 with SNAPSHOT_7B=direct STEP_7B=config (the config's own batch), then 18 (~22 min)
+#   18 dp2    the 135M gpu-4x-dp2 config's push stall with the servers' GC frozen (~4 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -228,6 +229,15 @@ phase17() {
   wait
   echo "lanes end $(date -u +%T)"
   SNAPSHOT_7B=direct STEP_7B=config phase14
+  echo "phase 14 end $(date -u +%T)"
+  phase18
+}
+
+phase18() {
+  # the 135M gpu-4x-dp2 config's push stall (5.5 % in the scale-4x run, before rollout.sglang.freeze_gc),
+  # as shipped but for CUDA graphs, 150 s of training on all four GPUs (~4 min)
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml dp2-135m 150 rollout.sglang.disable_cuda_graph=true \
+    >$S/18-dp2-135m.out 2>&1
 }
 
 phase9() {
