@@ -227,3 +227,50 @@ def test_forgetting_an_engine_frees_a_push_waiting_for_it():
         stuck.close(), sender.close()
         if fresh is not None:
             fresh.close()
+
+
+def test_packed_buckets_hold_one_buffer_and_let_each_gathered_tensor_go():
+    """weights.snapshot=direct: each tensor comes from a gather made for this push alone. Packed, it is
+    copied into its bucket's byte buffer at once and let go, the buffer is reused by the next bucket,
+    and the bucket's tensors are views of it, byte for byte the tensors, back to back (what SGLang's
+    flattened bucket is). A 7B push that held a bucket of gathered tensors and then their flat copy
+    ran out of memory beside the training state."""
+    import weakref
+
+    from stages.weights.base import buckets_marking_last
+
+    alive = []
+
+    def gathered():
+        for i, n in enumerate([256, 256, 256, 1024, 128]):  # 1 KiB each but the 4 KiB 4th one
+            t = torch.arange(n, dtype=torch.float32) + 1000 * i
+            alive.append(weakref.ref(t))
+            yield f"w{i}", t
+
+    seen, buffers = [], []
+    for group, last in buckets_marking_last(gathered(), 2048, pack_on=torch.device("cpu")):
+        # only the tensor looked ahead at may still live; every one packed was let go
+        assert sum(r() is not None for r in alive) <= 1
+        flat = group.flat
+        buffers.append(flat.untyped_storage().data_ptr())
+        assert flat.numel() == sum(t.numel() * t.element_size() for _, t in group)
+        offset = 0
+        for name, t in group:
+            i = int(name[1:])
+            assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32) + 1000 * i)
+            assert t.data_ptr() == flat.data_ptr() + offset
+            offset += t.numel() * 4
+        seen.append(([n for n, _ in group], last))
+    assert seen == [(["w0", "w1"], False), (["w2"], False), (["w3"], False), (["w4"], True)]
+    # one buffer for the 2 KiB buckets, a larger one for the tensor larger than a bucket, kept after it
+    assert buffers[0] == buffers[1] and buffers[2] == buffers[3] != buffers[0]
+
+
+def test_a_packed_bucket_refuses_a_tensor_its_dtype_cannot_view():
+    """A bf16 tensor of odd size followed by an fp32 one: the fp32 bytes would start at an offset that
+    is no multiple of 4, which no view (and no SGLang server) can read as fp32: refused, naming it."""
+    from stages.weights.base import buckets_marking_last
+
+    named = [("odd", torch.zeros(3, dtype=torch.bfloat16)), ("f32", torch.zeros(2))]
+    with pytest.raises(WeightPushError, match=r"f32 \(torch.float32\) would start at byte 6"):
+        list(buckets_marking_last(iter(named), 1 << 20, pack_on=torch.device("cpu")))

@@ -762,14 +762,25 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
 
     record = GroupSender._broadcast
 
+    buffers = []  # the storage each broadcast sent from
+
     def broadcast(self, flat, calls):
         sent_after.append(len(pulled))
+        buffers.append(flat.untyped_storage().data_ptr())
         return record(self, flat, calls)
 
     sender._broadcast = broadcast.__get__(sender)
     out = sender.push_now(7, gathered(5))
     assert (out["engines"], out["bytes"]) == (1, 5 * 4096)
     assert sent_after == [3, 5, 5]  # buckets [w0 w1] [w2 w3] [w4], each sent one tensor ahead
+    # each tensor was packed into one reused buffer as it came, which is what went out (no flat copy)
+    assert len(set(buffers)) == 1
+    sent = [flat.view(torch.float32) for _, flat in sender.broadcasts]
+    assert [t.tolist() for t in sent] == [
+        [0.0] * 1024 + [1.0] * 1024,
+        [2.0] * 1024 + [3.0] * 1024,
+        [4.0] * 1024,
+    ]
     loads = _loads(srv)
     assert [len(b["names"]) for b in loads] == [2, 2, 1]
     assert ["weight_version" in b for b in loads] == [False, False, True] and loads[-1][

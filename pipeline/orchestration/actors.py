@@ -262,9 +262,11 @@ class TrainerActor(_Located):
             MASTER_PORT=port,
         )
         from buffer.client import BufferClient
+        from stages.trainer.cuda_memory import choose_allocator
         from stages.trainer.trainer import Trainer
         from stages.weights.base import make_sender
 
+        choose_allocator(cfg)  # before anything allocates CUDA memory in this process
         if gpus:  # before the sender: an NCCL sender forms its group on the current device
             import torch
 

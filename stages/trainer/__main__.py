@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         write_resolved(cfg, run_dir)
 
+    from stages.trainer.cuda_memory import choose_allocator
     from stages.trainer.loop import run
     from stages.trainer.trainer import Trainer
+
+    choose_allocator(cfg)  # before anything allocates CUDA memory in this process
 
     model_path = args.model_path
     if not model_path:

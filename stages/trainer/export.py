@@ -58,13 +58,21 @@ def _local_hf(policy: Policy, dense: bool = True) -> Iterator[tuple[str, torch.T
         if not dense:
             continue
         t = p.detach()
-        if tp > 1 and hf_mapping.tp_layout(key) != "replicated":
+        layout = hf_mapping.tp_layout(key) if tp > 1 else "replicated"
+        if layout in ("col", "qkv"):
+            # the shards' rows concatenate (merge_tp): gathered straight into the full tensor, without
+            # shard copies beside it (at 7B the embedding's are another 1 GiB)
+            full = t.new_empty((tp * t.shape[0], *t.shape[1:]))
+            dist.all_gather_into_tensor(full, t.contiguous(), group=group)
+        elif layout != "replicated":
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=group)
+            full = hf_mapping.merge_tp(key, shards, hc)
+            del shards
         else:
-            shards = [t]
-        full = hf_mapping.merge_tp(key, shards, hc)
+            full = t
         yield from hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
+        del full  # before the next parameter's gather: one gathered tensor at a time
 
 
 class HostSnapshot:

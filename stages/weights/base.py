@@ -98,26 +98,71 @@ def buckets(
         yield group
 
 
+class PackedBucket(list):
+    """A bucket of (name, tensor). When packed (`flat` set), its tensors are views, back to back, of
+    the byte tensor `flat`, which a transport that sends a bucket as one byte tensor sends as it is."""
+
+    flat: torch.Tensor | None = None
+
+
 def buckets_marking_last(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, pack_on: torch.device | None = None
+) -> Iterator[tuple[PackedBucket, bool]]:
     """buckets(), each with whether it is the last. Found by looking one tensor ahead, not one bucket:
     a lazy source (weights.snapshot=direct) gathers each tensor when asked, and a bucket of lookahead
-    would hold two buckets of gathered tensors at once."""
+    would hold two buckets of gathered tensors at once.
+
+    `pack_on` (a device): each tensor is copied into its bucket's byte buffer there as it comes, and
+    let go. A lazy source's push then holds one buffer and the tensor ahead, where a bucket of gathered
+    tensors and then their flat copy held two buckets (a 7B push ran out of memory so, beside the
+    training state). The next bucket reuses the buffer: a bucket's views hold until the next is asked for."""
     it = iter(named)
-    cur: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    cur, size, buf = PackedBucket(), 0, None
     item = next(it, None)
     while item is not None:
-        nb = item[1].numel() * item[1].element_size()
+        name, t = item
+        item = None  # the source's tensor lives on as `t` only, until it is packed
+        nb = t.numel() * t.element_size()
         if cur and size + nb > bucket_bytes:
-            yield cur, False
-            cur, size = [], 0
-        cur.append(item)
+            yield _sealed(cur, buf, size), False
+            cur, size = PackedBucket(), 0
+        if pack_on is not None:
+            if buf is None or size + nb > buf.numel():  # the first bucket, or a tensor larger than one
+                buf = None  # the old buffer goes before the new one comes
+                buf = torch.empty(max(bucket_bytes, nb), dtype=torch.uint8, device=pack_on)
+            t = _pack(buf, size, name, t)
+        cur.append((name, t))
         size += nb
+        del t
         item = next(it, None)
     if cur:
-        yield cur, True
+        yield _sealed(cur, buf, size), True
+
+
+def _sealed(bucket: PackedBucket, buf: torch.Tensor | None, size: int) -> PackedBucket:
+    if buf is not None:
+        bucket.flat = buf[:size]
+    return bucket
+
+
+def _pack(buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into buf at byte `offset`; the copy, as a view of buf with t's dtype and shape."""
+    check_offset(name, t, offset)
+    nb = t.numel() * t.element_size()
+    dest = buf[offset : offset + nb]
+    dest.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+    return dest.view(t.dtype).view(t.shape)
+
+
+def check_offset(name: str, t: torch.Tensor, offset: int) -> None:
+    """A tensor laid at byte `offset` of a flat byte bucket is read back as a view of its dtype, which
+    needs the offset to be a multiple of the element size: a bf16 tensor of odd size followed by an
+    fp32 one would fail there (on an SGLang server: after a partial load)."""
+    if offset % t.element_size():
+        raise WeightPushError(
+            f"weights: {name} ({t.dtype}) would start at byte {offset} of its bucket, not a multiple of "
+            f"{t.element_size()}: push tensors of one dtype per bucket"
+        )
 
 
 def make_sender(

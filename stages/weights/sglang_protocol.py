@@ -88,6 +88,22 @@ def join_group_body(
     }
 
 
+def flat_metadata(bucket: list[tuple[str, torch.Tensor]]) -> list:
+    """SGLang's per-tensor metadata of a flattened bucket: each tensor's bytes back to back, in order."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    out, start = [], 0
+    for name, t in bucket:
+        n = t.numel() * t.element_size()
+        out.append(
+            FlattenedTensorMetadata(
+                name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + n, numel=n
+            )
+        )
+        start += n
+    return out
+
+
 def ipc_bucket_body(
     bucket: list[tuple[str, torch.Tensor]], tp_size: int, device
 ) -> tuple[dict, torch.Tensor]:
@@ -98,7 +114,11 @@ def ipc_bucket_body(
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     monkey_patch_torch_reductions()  # IPC handles name the device by UUID: right GPU whatever each sees
-    flat = FlattenedTensorBucket(named_tensors=bucket)  # one IPC handle per bucket, not per tensor
+    packed = getattr(bucket, "flat", None)  # a PackedBucket's tensors already lie back to back in it
+    if packed is not None:
+        flat = FlattenedTensorBucket(flattened_tensor=packed, metadata=flat_metadata(bucket))
+    else:
+        flat = FlattenedTensorBucket(named_tensors=bucket)  # one IPC handle per bucket, not per tensor
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     ser = MultiprocessingSerializer.serialize(data, output_str=True)
     torch.cuda.current_stream(device).synchronize()  # the bucket is written before the server maps it

@@ -71,6 +71,7 @@ from stages.weights.base import (
     WeightSender,
     align_nccl_env,
     buckets_marking_last,
+    check_offset,
 )
 
 log = logging.getLogger(__name__)
@@ -313,8 +314,12 @@ class _SGLangSender(WeightSender):
         t1 = time.monotonic()
         nbytes = 0
         try:
-            # nobody to load into: a lazy `named` is left to its caller to drain (push_now)
-            for group, last in buckets_marking_last(named, self.bucket_bytes) if live else ():
+            # nobody to load into: a lazy `named` is left to its caller to drain (push_now). Its tensors
+            # are packed into the bucket's buffer as they come (they are gathered for this push alone)
+            pack_on = None if keep else self._bucket_device()
+            for group, last in (
+                buckets_marking_last(named, self.bucket_bytes, pack_on=pack_on) if live else ()
+            ):
                 nbytes += sum(x.numel() * x.element_size() for _, x in group)
                 t["transfer_s"] += self._send_bucket(group, version if last else None, live)
                 del group  # a lazy source gathers the next bucket now: one bucket of tensors at a time
@@ -404,6 +409,10 @@ class _SGLangSender(WeightSender):
     def flush_cache(self) -> bool:
         return self.pause_mode != "in_place"  # flushing with requests kept in place asserts in SGLang
 
+    def _bucket_device(self) -> torch.device:
+        """Where a bucket is assembled to be sent: the trainer's GPU."""
+        return torch.device("cuda", self.device) if self.device is not None else torch.device("cpu")
+
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         """Deliver one bucket to `urls` (`version`: set it on the servers once loaded, or None); returns
         the seconds spent moving the bytes themselves."""
@@ -415,15 +424,10 @@ class _SGLangSender(WeightSender):
 
 def check_flat_layout(group) -> None:
     """SGLang's FlattenedTensorBucket lays tensors back to back as bytes and the server views each
-    slice as its dtype, which needs the slice's offset to be a multiple of the element size: a bf16
-    tensor of odd size followed by an fp32 one would fail on the server, after a partial load."""
+    slice as its dtype (see check_offset): checked before anything is sent."""
     offset = 0
     for name, x in group:
-        if offset % x.element_size():
-            raise WeightPushError(
-                f"weights: {name} ({x.dtype}) would start at byte {offset} of its bucket, not a multiple of "
-                f"{x.element_size()}: push tensors of one dtype per bucket"
-            )
+        check_offset(name, x, offset)
         offset += x.numel() * x.element_size()
 
 
@@ -513,8 +517,12 @@ def _env(**values: str):
 
 def flat_bucket(group, device) -> torch.Tensor:
     """The bucket as one uint8 tensor on `device` in SGLang's flattened_bucket layout (each tensor's
-    bytes back to back, in order), filled tensor by tensor: one buffer of the bucket's size, where
-    building it from per-tensor device copies would take two (host snapshots at 7B)."""
+    bytes back to back, in order): a packed bucket's own (buckets_marking_last), else filled tensor by
+    tensor: one buffer of the bucket's size, where building it from per-tensor device copies would
+    take two (host snapshots at 7B)."""
+    packed = getattr(group, "flat", None)
+    if packed is not None and packed.device == torch.device(device):
+        return packed
     sizes = [x.numel() * x.element_size() for _, x in group]
     flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     offset = 0
@@ -662,9 +670,6 @@ class NcclSGLangSender(_SGLangSender):
             self._version_at.update({url: str(version) for url in urls})
         return moved
 
-    def _bucket_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
-
     def _broadcast(self, flat: torch.Tensor, calls: dict[str, cf.Future]) -> float:
         """Rank 0's broadcast of one flat bucket while the servers' load `calls` run; returns its
         seconds (the floor of any push). A server that dies meanwhile would leave NCCL waiting for it
@@ -732,7 +737,12 @@ class CudaIpcSGLangSender(_SGLangSender):
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
-        tensors = [(n, t.to(dev).contiguous()) for n, t in group]
+        # a packed bucket (a direct push) is on this GPU, back to back in its flat buffer already
+        tensors = (
+            group
+            if getattr(group, "flat", None) is not None
+            else [(n, t.to(dev).contiguous()) for n, t in group]
+        )
         for url in urls:
             body, flat = proto.ipc_bucket_body(
                 tensors, self.tp_of[url], dev

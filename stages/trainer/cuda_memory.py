@@ -1,0 +1,44 @@
+"""The trainer process's CUDA caching-allocator setting, made before its first CUDA allocation.
+
+Training frees and allocates activation chunks of varying size every micro-batch. The default
+allocator keeps freed memory reserved in pieces, and a later large request may find none big enough:
+the 7B pipeline at TP=2 (bench/RESULTS.md, GPU session of 2026-11-27, 05:10 UTC) ran out of memory on a
+1 GiB request in its first weight push with 5 GiB reserved but unallocated. Expandable segments grow
+one mapped segment page by page, so freed memory serves a request of any size; bench/trainer_gpu.py
+measured 7B at TP=2 with them (73 GB per GPU).
+
+Not under weights.transport=cuda_ipc (nor auto, which may pick it): the trainer then shares its push
+buffers with the SGLang server by CUDA IPC, which for expandable segments goes through pidfd_getfd,
+refused in unprivileged containers (pytorch/pytorch#165685). A PYTORCH_CUDA_ALLOC_CONF the user set is
+kept as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+EXPANDABLE = "expandable_segments:True"
+# the weight transports that never hand the trainer's CUDA memory to another process
+WITHOUT_CUDA_IPC = ("cpu", "nccl")
+
+
+def choose_allocator(cfg, env=None) -> str | None:
+    """Set PYTORCH_CUDA_ALLOC_CONF in `env` (default os.environ) for a CUDA trainer whose weights leave
+    without CUDA IPC, before the process's first CUDA allocation; returns what it set (None: nothing)."""
+    env = os.environ if env is None else env
+    if (
+        cfg.trainer.device != "cuda"
+        or cfg.weights.transport not in WITHOUT_CUDA_IPC
+        or "PYTORCH_CUDA_ALLOC_CONF" in env
+    ):
+        return None
+    import torch
+
+    if torch.cuda.is_initialized():  # the allocator has read its settings already
+        log.warning("trainer: CUDA is in use already; %s not set (call choose_allocator first)", EXPANDABLE)
+        return None
+    env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+    return EXPANDABLE

@@ -1,0 +1,37 @@
+"""The trainer process's allocator setting (stages/trainer/cuda_memory.py): expandable segments for a
+CUDA trainer whose weights leave without CUDA IPC, and nothing otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import RunConfig
+from stages.trainer.cuda_memory import EXPANDABLE, choose_allocator
+
+
+def _cfg(device: str, transport: str) -> RunConfig:
+    cfg = RunConfig()
+    cfg.trainer.device, cfg.weights.transport = device, transport
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("device", "transport", "expected"),
+    [
+        ("cuda", "nccl", EXPANDABLE),  # the 7B trainer: fragmentation ran its push out of memory
+        ("cuda", "cpu", EXPANDABLE),
+        ("cuda", "cuda_ipc", None),  # the push buffers go to the server by CUDA IPC
+        ("cuda", "auto", None),  # may become cuda_ipc
+        ("cpu", "nccl", None),
+    ],
+)
+def test_expandable_segments_only_where_no_cuda_ipc_reads_the_trainers_memory(device, transport, expected):
+    env: dict[str, str] = {}
+    assert choose_allocator(_cfg(device, transport), env) == expected
+    assert env.get("PYTORCH_CUDA_ALLOC_CONF") == expected
+
+
+def test_the_users_allocator_setting_is_kept():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert choose_allocator(_cfg("cuda", "nccl"), env) is None
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
