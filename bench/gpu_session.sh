@@ -37,6 +37,8 @@
 #   17 x4     phase 8 on GPUs 0,1 beside a third async seed at staleness 8 (phase 5) on GPUs 2,3; then
 #             phase 14 with SNAPSHOT_7B=direct STEP_7B=config (the config's own batch), then 18 (~22 min)
 #   18 dp2    the 135M gpu-4x-dp2 config's push stall with the servers' GC frozen (~4 min)
+#   19 x4     the NCCL abort test (tests/test_gpu_weights_abort.py) on GPUs 0,1, then phase 14 at the
+#             config's own batch with SNAPSHOT_7B=direct and then auto, 180 s each (~24 min, not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -193,8 +195,12 @@ phase14() {
   # training. Each push gathers the TP shards into pinned host memory (weights.snapshot=auto at this
   # size) and broadcasts 15 GB to both engines in 4 GB buckets (the NCCL default). The run of
   # 2026-11-26 (scale-4x) went out of memory at step 2 in the non-finite check since replaced
-  model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/14-build.err | tail -n 1)
+  # built once a session: a second run (KEEP_7B=1 before it) reuses the folder the first one built
+  local model
+  model=$(cat $S/7b-model.path 2>/dev/null)
+  [ -d "$model" ] || model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/14-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
+  echo "$model" >$S/7b-model.path
   # STEP_7B=config: the config's own batch (16 groups of 8, 128 new tokens) instead of the small step
   local step=(trainer.batch_groups=4 rollout.group_size=4 rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64)
   [ "${STEP_7B:-small}" = config ] && step=()
@@ -204,7 +210,8 @@ phase14() {
     rollout.sglang.disable_cuda_graph=true model.name="$model" trainer.tp=2 trainer.sequence_parallel=true \
     trainer.recompute=true trainer.micro_batch_tokens=8192 "${step[@]}" rollout.sglang.mem_fraction_static=0.6 \
     >$S/14-$tag.out 2>&1
-  rm -rf /tmp/models-7b /tmp/buffer-7b-tp2*
+  rm -rf /tmp/buffer-7b-tp2*
+  [ "${KEEP_7B:-0}" = 1 ] || rm -rf /tmp/models-7b $S/7b-model.path
 }
 
 phase16() {
@@ -231,6 +238,19 @@ phase17() {
   SNAPSHOT_7B=direct STEP_7B=config phase14
   echo "phase 14 end $(date -u +%T)"
   phase18
+}
+
+phase19() {
+  # what session 8 (phase 17) left open, ~24 min on a 4-GPU machine: the abort of a broadcast to a
+  # server killed mid-push, over real NCCL (GPUs 0,1, ~1 min); then the 7B pipeline at the config's own
+  # batch with weights.snapshot=direct (after its memory fixes) and with the host snapshot (auto), 180 s
+  # of training each, so that the two stalls compare at one step size
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python -m pytest -m gpu tests/test_gpu_weights_abort.py -s -q \
+    -p no:cacheprovider >$S/19-abort.out 2>&1
+  echo "abort test end $(date -u +%T)"
+  KEEP_7B=1 SNAPSHOT_7B=direct STEP_7B=config LIMIT_7B=${LIMIT_7B:-180} phase14
+  echo "7b direct end $(date -u +%T)"
+  SNAPSHOT_7B=auto STEP_7B=config LIMIT_7B=${LIMIT_7B:-180} phase14
 }
 
 phase18() {

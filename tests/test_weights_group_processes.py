@@ -50,9 +50,25 @@ def gloo_group(init_method: str, world: int, rank: int, name: str, timeout_s: fl
     return pg
 
 
+def nccl_group(init_method: str, world: int, rank: int, name: str, timeout_s: float):
+    """The weight-update group as an SGLang server joins it: SGLang's own helper, NCCL, on this
+    process's GPU (tests/test_gpu_weights_abort.py)."""
+    from sglang.srt.utils import init_custom_process_group
+
+    torch.cuda.set_device(0)
+    return init_custom_process_group(
+        backend="nccl",
+        init_method=init_method,
+        world_size=world,
+        rank=rank,
+        group_name=name,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def fingerprint(t: torch.Tensor) -> float:
     """A number that changes when values move (a plain sum would miss a transposed layout)."""
-    flat = t.float().reshape(-1)
+    flat = t.float().reshape(-1).cpu()
     return (flat * torch.arange(1, flat.numel() + 1)).sum().item()
 
 
@@ -64,23 +80,27 @@ class _Server(ThreadingHTTPServer):
     groups: dict = {}
     weights: dict = {}
     version = "0"
+    loads = 0
 
 
 class _Handler(JsonHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         srv = self.server
+        nccl = os.environ.get("STANDIN_BACKEND") == "nccl"  # on its one visible GPU, as SGLang joins
         if self.path == "/init_weights_update_group":
             init = f"tcp://{body['master_address']}:{body['master_port']}"
-            srv.groups[body["group_name"]] = gloo_group(
-                init, body["world_size"], body["rank_offset"], body["group_name"], 30
-            )
+            args = (init, body["world_size"], body["rank_offset"], body["group_name"], 30)
+            srv.groups[body["group_name"]] = nccl_group(*args) if nccl else gloo_group(*args)
         elif self.path == "/update_weights_from_distributed":
-            if os.environ.get("STANDIN_DIE_ON_LOAD"):  # killed mid-push, before its receive
+            srv.loads += 1
+            # killed mid-push, before its receive: at its first load, or a later one (the broadcasts
+            # before it have set up the group's communicator, as in a run)
+            if srv.loads == int(os.environ.get("STANDIN_DIE_ON_LOAD", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
             dtypes = [getattr(torch, d) for d in body["dtypes"]]
             sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda" if nccl else "cpu")
             torch.distributed.broadcast(flat, src=0, group=srv.groups[body["group_name"]])
             offset = 0
             for name, dtype, shape, n in zip(body["names"], dtypes, body["shapes"], sizes):
@@ -110,8 +130,10 @@ def _serve(port: int) -> None:
 # -- the test ---------------------------------------------------------------------------------------
 
 
-def _launch(port: int, procs: list, *, die_on_load: bool = False) -> subprocess.Popen:
-    env = {**os.environ, **({"STANDIN_DIE_ON_LOAD": "1"} if die_on_load else {})}
+def _launch(port: int, procs: list, *, die_on_load: int = 0, env: dict | None = None) -> subprocess.Popen:
+    """A stand-in server on `port`, which kills itself at its `die_on_load`-th load request (0: never);
+    `env`: more of its environment (STANDIN_BACKEND=nccl, its GPU)."""
+    env = {**os.environ, "STANDIN_DIE_ON_LOAD": str(die_on_load), **(env or {})}
     proc = subprocess.Popen([sys.executable, __file__, str(port)], cwd=REPO, start_new_session=True, env=env)
     procs.append(proc)  # the test kills whatever is left of these at its end
     deadline = time.monotonic() + 60
@@ -212,7 +234,7 @@ def test_a_server_killed_during_a_push_is_left_out_and_the_trainer_goes_on(weigh
     the push sees the server's load call fail, gives up the group and leaves the server out, as if it
     had been down at the pause; its relaunch gets the weights by catch_up in a new group."""
     url, sender = weight_group.url, weight_group.sender
-    server = weight_group.launch(die_on_load=True)
+    server = weight_group.launch(die_on_load=1)
     first = _named(1.0)
     t0 = time.monotonic()
     out = sender.push(1, first).result(timeout=60)  # no WeightPushError: the trainer goes on
