@@ -117,6 +117,10 @@ class _Handler(JsonHandler):
 
 def _serve(port: int) -> None:
     parent = os.getppid()
+    if os.environ.get("STANDIN_BACKEND") == "nccl":
+        # SGLang's import takes 10-20 s: made inside the join, it outlasted the sender's rendezvous wait
+        # (weights.timeout_s) in the first GPU run of the abort test
+        import sglang.srt.utils  # noqa: F401
 
     def exit_with_parent():  # a test run that is killed leaves no server behind
         while os.getppid() == parent:
