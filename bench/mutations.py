@@ -298,6 +298,32 @@ MUTATIONS = [
         "            if f.generating and not f.aborting and now - f.start_version >= self.max_staleness:\n",
         ("tests/test_stale_abort.py",),
     ),
+    Mutation(
+        "direct_push_unpacked",
+        "a direct push holds a bucket of gathered tensors, then their flat copy (the 7B run's out of memory)",
+        "stages/weights/sglang_transport.py",
+        "            pack_on = None if keep else self._bucket_device()\n",
+        "            pack_on = None\n",
+        (
+            "tests/test_weights_sglang_protocol.py::test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gathers_when_it_fails",
+        ),
+    ),
+    Mutation(
+        "row_shards_gathered_as_rows",
+        "row-parallel TP shards (columns) gathered as if their rows concatenated: wrong weights pushed",
+        "stages/trainer/export.py",
+        '        if layout in ("col", "qkv"):\n',
+        '        if layout in ("col", "qkv", "row"):\n',
+        ("tests/test_trainer_parallel.py",),
+    ),
+    Mutation(
+        "expandable_segments_under_ipc",
+        "the trainer's memory in expandable segments under CUDA IPC pushes (pidfd_getfd refused in containers)",
+        "stages/trainer/cuda_memory.py",
+        'WITHOUT_CUDA_IPC = ("cpu", "nccl")\n',
+        'WITHOUT_CUDA_IPC = ("cpu", "nccl", "cuda_ipc")\n',
+        ("tests/test_trainer_cuda_memory.py",),
+    ),
 ]
 
 

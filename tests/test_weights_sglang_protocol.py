@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from http.server import ThreadingHTTPServer
 
 import pytest
@@ -754,11 +755,16 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
     sender.bucket_bytes = 8192  # two 4 KB tensors a bucket
     pulled: list[str] = []
     sent_after: list[int] = []  # how many tensors had been gathered at each broadcast
+    gathers = []  # weak references to what the source gathered
+    alive_at_send = []  # how many gathered tensors still lived at each broadcast
 
     def gathered(n):
         for i in range(n):
             pulled.append(f"w{i}")
-            yield f"w{i}", torch.full((1024,), float(i))
+            t = torch.full((1024,), float(i))
+            gathers.append(weakref.ref(t))
+            yield f"w{i}", t
+            del t
 
     record = GroupSender._broadcast
 
@@ -766,6 +772,7 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
 
     def broadcast(self, flat, calls):
         sent_after.append(len(pulled))
+        alive_at_send.append(sum(r() is not None for r in gathers))
         buffers.append(flat.untyped_storage().data_ptr())
         return record(self, flat, calls)
 
@@ -773,8 +780,9 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
     out = sender.push_now(7, gathered(5))
     assert (out["engines"], out["bytes"]) == (1, 5 * 4096)
     assert sent_after == [3, 5, 5]  # buckets [w0 w1] [w2 w3] [w4], each sent one tensor ahead
-    # each tensor was packed into one reused buffer as it came, which is what went out (no flat copy)
-    assert len(set(buffers)) == 1
+    # each tensor was packed into one reused buffer as it came and let go (only the one looked ahead at
+    # lives at a send), and that buffer is what went out (no flat copy)
+    assert alive_at_send == [1, 1, 0] and len(set(buffers)) == 1
     sent = [flat.view(torch.float32) for _, flat in sender.broadcasts]
     assert [t.tolist() for t in sent] == [
         [0.0] * 1024 + [1.0] * 1024,
