@@ -7,7 +7,9 @@ when the call finds the server gone (stages/weights/sglang_transport.py). The CP
 (tests/test_weights_group_processes.py) runs it on gloo, which fails the broadcast by itself; this one
 runs the real NcclSGLangSender on GPU 0 against the same stand-in server joined by SGLang's own NCCL
 helper on GPU 1, which kills itself at the load of the second push: the group's communicator is set
-up by then and rank 0's broadcast is in flight, as in that run. Needs 2 GPUs and SGLang.
+up by then and rank 0's broadcast is in flight, as in that run (its bucket holds 256 MB, more than
+NCCL's buffers take without the peer). Then a direct push (push_now) in several buckets, packed on
+the GPU as they come, lands in the relaunched server. Needs 2 GPUs and SGLang.
 """
 
 from __future__ import annotations
@@ -42,16 +44,24 @@ def test_a_server_killed_mid_broadcast_over_nccl_is_left_out_and_the_trainer_liv
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     timeout_s = 10.0  # the group's own timeout is twice this: the test outlives it below
-    server_env = align_nccl_env({"STANDIN_BACKEND": "nccl", "CUDA_VISIBLE_DEVICES": two_gpus})
+    # the server's NCCL cuMem setting must be this process's (align_nccl_env keeps a user's value)
+    cumem = align_nccl_env()["NCCL_CUMEM_ENABLE"]
+    server_env = {"STANDIN_BACKEND": "nccl", "CUDA_VISIBLE_DEVICES": two_gpus, "NCCL_CUMEM_ENABLE": cumem}
     procs: list[subprocess.Popen] = []
     sender = NcclSGLangSender([url], timeout_s=timeout_s, restart_grace_s=120, group_name=f"abort-{port}")
     try:
         server = _launch(port, procs, die_on_load=2, env=server_env)  # one bucket a push: dies in push 2
-        first = [(n, t.cuda()) for n, t in _named(1.0)]
+
+        def named(scale: float) -> list:
+            g = torch.Generator(device="cuda").manual_seed(int(scale))
+            big = torch.randn(8192, 16384, device="cuda", generator=g, dtype=torch.bfloat16)  # 256 MB
+            return [(n, t.cuda()) for n, t in _named(scale)] + [("big.weight", big)]
+
+        first = named(1.0)
         out = sender.push(1, first).result(timeout=60)
         assert out["engines"] == 1 and _info(url)["weights"] == pytest.approx(_sums(first), rel=1e-6)
 
-        second = [(n, t.cuda()) for n, t in _named(2.0)]
+        second = named(2.0)
         t0 = time.monotonic()
         down = sender.push(2, second).result(timeout=60)  # no WeightPushError: left out, the trainer goes on
         assert (down["engines"], down["engines_skipped"]) == (0, 1)
@@ -67,6 +77,15 @@ def test_a_server_killed_mid_broadcast_over_nccl_is_left_out_and_the_trainer_liv
         got = _info(url)
         assert got["weight_version"] == "2" and got["groups"] == sender.group_names[1:2]
         assert got["weights"] == pytest.approx(_sums(second), rel=1e-6)
+
+        sender.bucket_bytes = 64 << 20  # the small tensors in one bucket, the 256 MB one alone
+        third = named(3.0)
+        direct = sender.push_now(3, iter(third), expect_bytes=300 << 20)
+        assert direct["engines"] == 1 and direct["bytes"] == sum(
+            t.numel() * t.element_size() for _, t in third
+        )
+        got = _info(url)
+        assert got["weight_version"] == "3" and got["weights"] == pytest.approx(_sums(third), rel=1e-6)
     finally:
         sender.close()
         for proc in procs:

@@ -31,7 +31,8 @@ def test_expandable_segments_only_where_no_cuda_ipc_reads_the_trainers_memory(de
     assert env.get("PYTORCH_CUDA_ALLOC_CONF") == expected
 
 
-def test_the_users_allocator_setting_is_kept():
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+@pytest.mark.parametrize("key", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_users_allocator_setting_is_kept(key):
+    env = {key: "max_split_size_mb:512"}
     assert choose_allocator(_cfg("cuda", "nccl"), env) is None
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert env == {key: "max_split_size_mb:512"}

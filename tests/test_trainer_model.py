@@ -167,16 +167,19 @@ def test_a_direct_push_sends_the_live_weights_as_gathered_and_refuses_a_sender_t
     plain = export_hf_state(policy)
 
     class Direct:
-        def push_now(self, version, named):
-            self.got = {n: t.clone() for n, t in named}
+        def push_now(self, version, named, expect_bytes=None):
+            self.got, self.expect = {n: t.clone() for n, t in named}, expect_bytes
             return {"version": version, "seconds": 0.25, "engines": 1, "bytes": 10}
 
     t = SimpleNamespace(
         policy=policy, rank=0, sender=Direct(), version=4, _direct_result=None, pending_push=None
     )
+    t._model_bytes = lambda: Trainer._model_bytes(t)
     out = Trainer._push_direct(t)
     assert out == {"push/prev_seconds": 0.25, "push/prev_engines": 1, "push/prev_bytes": 10}
     assert set(t.sender.got) == set(plain) and all(torch.equal(t.sender.got[k], plain[k]) for k in plain)
+    # the size hint for the push's bucket buffer covers what was pushed
+    assert t.sender.expect >= sum(x.numel() * x.element_size() for x in plain.values())
     assert dict(iter_hf_state(policy)).keys() == plain.keys()
     assert Trainer.wait_push(t)["seconds"] == 0.25  # sync mode waits for it: it is already done
     assert Trainer.wait_push(t) is None

@@ -266,6 +266,32 @@ def test_packed_buckets_hold_one_buffer_and_let_each_gathered_tensor_go():
     assert buffers[0] == buffers[1] and buffers[2] == buffers[3] != buffers[0]
 
 
+def test_packed_buckets_stay_whole_when_the_size_hint_is_short_and_take_any_strides():
+    """A direct push sizes its bucket buffer by the model's bytes when that is under a bucket. Should the
+    hint fall short, a bucket ends where the buffer does (its tensors must all lie in the one buffer it
+    sends), and a tensor larger than the buffer gets one of its own. Transposed and strided views are
+    packed as they are."""
+    from stages.weights.base import buckets_marking_last
+
+    base = torch.arange(512, dtype=torch.float32)
+    named = [
+        ("t", base[:256].reshape(16, 16).t()),  # transposed: 1 KiB
+        ("s", base[::2]),  # strided: 1 KiB
+        ("a", base[:256] + 1),  # 1 KiB
+        ("big", base.repeat(2)),  # 4 KiB
+    ]
+    want, names = dict(named), []
+    # checked as each comes: the next bucket refills the buffer
+    for group, _ in buckets_marking_last(
+        iter(named), 1 << 20, pack_on=torch.device("cpu"), expect_bytes=2048
+    ):
+        names.append([n for n, _ in group])
+        assert all(torch.equal(t, want[n]) for n, t in group)
+        expected = torch.cat([want[n].reshape(-1) for n, _ in group])
+        assert torch.equal(group.flat.view(torch.float32), expected)
+    assert names == [["t", "s"], ["a"], ["big"]]
+
+
 def test_a_packed_bucket_refuses_a_tensor_its_dtype_cannot_view():
     """A bf16 tensor of odd size followed by an fp32 one: the fp32 bytes would start at an offset that
     is no multiple of 4, which no view (and no SGLang server) can read as fp32: refused, naming it."""

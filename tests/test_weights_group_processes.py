@@ -68,8 +68,8 @@ def nccl_group(init_method: str, world: int, rank: int, name: str, timeout_s: fl
 
 def fingerprint(t: torch.Tensor) -> float:
     """A number that changes when values move (a plain sum would miss a transposed layout)."""
-    flat = t.float().reshape(-1).cpu()
-    return (flat * torch.arange(1, flat.numel() + 1)).sum().item()
+    flat = t.double().reshape(-1).cpu()  # double: the same number whatever order the sum runs in
+    return (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum().item()
 
 
 # -- the server process ------------------------------------------------------------------------------

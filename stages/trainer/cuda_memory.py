@@ -23,22 +23,29 @@ log = logging.getLogger(__name__)
 EXPANDABLE = "expandable_segments:True"
 # the weight transports that never hand the trainer's CUDA memory to another process
 WITHOUT_CUDA_IPC = ("cpu", "nccl")
+# the allocator settings a user may have made (PYTORCH_ALLOC_CONF: the newer name): kept as they are
+USER_KEYS = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}
 
 
 def choose_allocator(cfg, env=None) -> str | None:
     """Set PYTORCH_CUDA_ALLOC_CONF in `env` (default os.environ) for a CUDA trainer whose weights leave
     without CUDA IPC, before the process's first CUDA allocation; returns what it set (None: nothing)."""
     env = os.environ if env is None else env
-    if (
-        cfg.trainer.device != "cuda"
-        or cfg.weights.transport not in WITHOUT_CUDA_IPC
-        or "PYTORCH_CUDA_ALLOC_CONF" in env
-    ):
+    if cfg.trainer.device != "cuda" or cfg.weights.transport not in WITHOUT_CUDA_IPC or USER_KEYS & set(env):
         return None
     import torch
 
-    if torch.cuda.is_initialized():  # the allocator has read its settings already
+    if torch.cuda.is_initialized():  # the allocator has made segments already
         log.warning("trainer: CUDA is in use already; %s not set (call choose_allocator first)", EXPANDABLE)
         return None
     env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+    if env is os.environ and torch.cuda.is_available():
+        # newer torch may read the variable when it is imported, as the Ray worker did before this:
+        # tell the allocator too
+        try:
+            torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+        except (AttributeError, RuntimeError) as e:
+            log.warning(
+                "trainer: could not set %s on the allocator (%s); the environment has it", EXPANDABLE, e
+            )
     return EXPANDABLE

@@ -111,6 +111,7 @@ def iter_hf_state(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in _local_hf(policy):
         if rank0:
             yield name, t
+        del t  # let it go before the next gather (the consumer packs it and drops its own reference)
 
 
 def export_hf_state(

@@ -34,7 +34,7 @@ class RecordingSender:
     def __init__(self):
         self.pushes, self.last = 0, {}
 
-    def push_now(self, version: int, named) -> dict:
+    def push_now(self, version: int, named, expect_bytes: int | None = None) -> dict:
         self.last = {n: t.detach().clone().contiguous() for n, t in named}
         self.pushes += 1
         return {"version": version, "seconds": 0.0, "engines": 0}

@@ -783,13 +783,21 @@ class Trainer:
                     f"weights.snapshot=direct pushes into SGLang servers (weights.transport nccl or cuda_ipc); "
                     f"{type(self.sender).__name__} keeps each push for late joiners: use weights.snapshot=auto"
                 )
-            res = self._direct_result = self.sender.push_now(self.version, named)
+            res = self._direct_result = self.sender.push_now(self.version, named, self._model_bytes())
             return {
                 f"push/prev_{k}": v for k, v in res.items() if isinstance(v, int | float) and k != "version"
             }
         for _ in named:  # take part in every gather
             pass
         return {}
+
+    def _model_bytes(self) -> int:
+        """The whole model's bytes, about what a push sends (at most: megatron pads the vocabulary):
+        this rank's share times the TP and PP ranks that hold the others."""
+        from megatron.core import parallel_state as ps
+
+        share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+        return sum(p.numel() * p.element_size() for p in unwrap(self.policy.model).parameters()) * share
 
     def _snapshot_target(self) -> dict:
         """Where rank 0 keeps the pushed copy (weights.snapshot): on its GPU for the SGLang transports
@@ -800,13 +808,8 @@ class Trainer:
         choice = self.cfg.weights.snapshot
         device = getattr(self.sender, "snapshot_device", "cpu")
         if choice == "auto" and device == "cuda":
-            from megatron.core import parallel_state as ps
-
-            share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-            nbytes = sum(p.numel() * p.element_size() for p in unwrap(self.policy.model).parameters()) * share
-            choice = (
-                "gpu" if nbytes <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory else "cpu"
-            )
+            fits = self._model_bytes() <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory
+            choice = "gpu" if fits else "cpu"
         # pinned buffers are refilled at the next push, so only for senders that keep nothing of a push
         # once it is done: the SGLang ones; the CPU transport keeps its last snapshot for late joiners
         if choice == "cpu" and self.device.type == "cuda" and device == "cuda":

@@ -106,7 +106,11 @@ class PackedBucket(list):
 
 
 def buckets_marking_last(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, pack_on: torch.device | None = None
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    pack_on: torch.device | None = None,
+    expect_bytes: int | None = None,
 ) -> Iterator[tuple[PackedBucket, bool]]:
     """buckets(), each with whether it is the last. Found by looking one tensor ahead, not one bucket:
     a lazy source (weights.snapshot=direct) gathers each tensor when asked, and a bucket of lookahead
@@ -115,21 +119,26 @@ def buckets_marking_last(
     `pack_on` (a device): each tensor is copied into its bucket's byte buffer there as it comes, and
     let go. A lazy source's push then holds one buffer and the tensor ahead, where a bucket of gathered
     tensors and then their flat copy held two buckets (a 7B push ran out of memory so, beside the
-    training state). The next bucket reuses the buffer: a bucket's views hold until the next is asked for."""
+    training state). The next bucket reuses the buffer: a bucket's views hold until the next is asked for.
+    `expect_bytes` (about what the source holds in all, an upper bound) keeps the buffer that small when
+    it is less than a bucket: a 135M model's push needs no 4 GB buffer."""
     it = iter(named)
     cur, size, buf = PackedBucket(), 0, None
+    want = bucket_bytes if expect_bytes is None else max(1, min(bucket_bytes, expect_bytes))
     item = next(it, None)
     while item is not None:
         name, t = item
         item = None  # the source's tensor lives on as `t` only, until it is packed
         nb = t.numel() * t.element_size()
-        if cur and size + nb > bucket_bytes:
+        # packed, a bucket also ends where its buffer does (smaller than a bucket by `expect_bytes`)
+        limit = bucket_bytes if buf is None else min(bucket_bytes, buf.numel())
+        if cur and size + nb > limit:
             yield _sealed(cur, buf, size), False
             cur, size = PackedBucket(), 0
         if pack_on is not None:
-            if buf is None or size + nb > buf.numel():  # the first bucket, or a tensor larger than one
+            if buf is None or nb > buf.numel():  # the first bucket, or (alone in its bucket) a larger tensor
                 buf = None  # the old buffer goes before the new one comes
-                buf = torch.empty(max(bucket_bytes, nb), dtype=torch.uint8, device=pack_on)
+                buf = torch.empty(max(want, nb), dtype=torch.uint8, device=pack_on)
             t = _pack(buf, size, name, t)
         cur.append((name, t))
         size += nb
@@ -148,10 +157,9 @@ def _sealed(bucket: PackedBucket, buf: torch.Tensor | None, size: int) -> Packed
 def _pack(buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> torch.Tensor:
     """`t` copied into buf at byte `offset`; the copy, as a view of buf with t's dtype and shape."""
     check_offset(name, t, offset)
-    nb = t.numel() * t.element_size()
-    dest = buf[offset : offset + nb]
-    dest.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
-    return dest.view(t.dtype).view(t.shape)
+    dest = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    dest.copy_(t, non_blocking=True)  # any strides: a transposed or strided view copies as it is
+    return dest
 
 
 def check_offset(name: str, t: torch.Tensor, offset: int) -> None:

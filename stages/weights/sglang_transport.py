@@ -173,15 +173,18 @@ class _SGLangSender(WeightSender):
             return []
         return self._relaunched_behind(self._pushed_version)
 
-    def push_now(self, version: int, named) -> dict:
+    def push_now(self, version: int, named, expect_bytes: int | None = None) -> dict:
         """A push on the calling thread, returned when done (weights.snapshot=direct): `named` is a
         lazy iterator of tensors gathered from the trainer's live weights one at a time, each step of
         which may be a collective of every trainer rank. It is consumed to the end even when the push
         fails or loads nothing, so that the other ranks, gathering in step, are not left in a gather.
-        Nothing is kept for catch_up(): a server left out is found by needs_push() once it answers."""
+        Nothing is kept for catch_up(): a server left out is found by needs_push() once it answers.
+        `expect_bytes`: about how many bytes `named` holds in all, at most (sizes the bucket buffer)."""
         it = iter(named)
         try:
-            res = self._push_on_stream(self._written(), version, it, None, None, keep=False)
+            res = self._push_on_stream(
+                self._written(), version, it, None, None, keep=False, expect_bytes=expect_bytes
+            )
             if self._stream is not None:  # training writes the weights next: after the push read them
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             return res
@@ -272,6 +275,7 @@ class _SGLangSender(WeightSender):
         behind: list[str] | None = None,
         *,
         keep: bool = True,
+        expect_bytes: int | None = None,
     ) -> dict:
         """One push; returns its phase times (s). Generation stands still for all of it: `seconds` is
         also the pause. Only the last bucket's load carries `weight_version` (SGLang records it after
@@ -279,7 +283,8 @@ class _SGLangSender(WeightSender):
         After such a failure the servers stay paused (generating from partly loaded weights would
         produce samples of no version) and the error says to restart them. `behind`: a catch-up for
         these servers, which loads nothing while none of them answers. `keep`: `named` is a list that
-        may be kept for catch_up() (not a lazy iterator)."""
+        may be kept for catch_up() (not a lazy iterator); else its tensors are packed into a bucket buffer
+        as they come, of about `expect_bytes` when that is less than a bucket."""
         if self.device is not None:
             torch.cuda.set_device(self.device)
         t = {"pause_s": 0.0, "load_s": 0.0, "transfer_s": 0.0, "continue_s": 0.0}
@@ -317,9 +322,10 @@ class _SGLangSender(WeightSender):
             # nobody to load into: a lazy `named` is left to its caller to drain (push_now). Its tensors
             # are packed into the bucket's buffer as they come (they are gathered for this push alone)
             pack_on = None if keep else self._bucket_device()
-            for group, last in (
-                buckets_marking_last(named, self.bucket_bytes, pack_on=pack_on) if live else ()
-            ):
+            buckets = buckets_marking_last(
+                named, self.bucket_bytes, pack_on=pack_on, expect_bytes=expect_bytes
+            )
+            for group, last in buckets if live else ():
                 nbytes += sum(x.numel() * x.element_size() for _, x in group)
                 t["transfer_s"] += self._send_bucket(group, version if last else None, live)
                 del group  # a lazy source gathers the next bucket now: one bucket of tensors at a time
@@ -737,7 +743,9 @@ class CudaIpcSGLangSender(_SGLangSender):
 
         t0 = time.monotonic()
         dev = torch.device("cuda", torch.cuda.current_device())
-        # a packed bucket (a direct push) is on this GPU, back to back in its flat buffer already
+        # a packed bucket (a direct push) is on this GPU, back to back in its flat buffer already. The
+        # buffer is refilled by the next bucket once the server answered: SGLang copies the weights out
+        # of the mapped memory in its load, before it answers
         tensors = (
             group
             if getattr(group, "flat", None) is not None
