@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from test_weights_group_processes import _info, _launch, _named, _sums  # tests/ is on sys.path
+from test_weights_group_processes import _end, _info, _launch, _named, _sums  # tests/ is on sys.path
 
 pytestmark = pytest.mark.gpu
 
@@ -87,8 +87,4 @@ def test_a_server_killed_mid_broadcast_over_nccl_is_left_out_and_the_trainer_liv
         got = _info(url)
         assert got["weight_version"] == "3" and got["weights"] == pytest.approx(_sums(third), rel=1e-6)
     finally:
-        sender.close()
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        _end(sender, procs)

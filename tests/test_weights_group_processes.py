@@ -197,11 +197,16 @@ def weight_group(monkeypatch):
     try:
         yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
     finally:
-        sender.close()
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        _end(sender, procs)
+
+
+def _end(sender, procs: list[subprocess.Popen]) -> None:
+    """Close the sender and kill every stand-in server a test launched that still runs."""
+    sender.close()
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def test_a_killed_server_rejoins_a_real_weight_group_and_gets_the_last_weights(weight_group):
