@@ -3,6 +3,8 @@ CUDA trainer whose weights leave without CUDA IPC, and nothing otherwise."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pipeline.config import RunConfig
@@ -36,3 +38,17 @@ def test_the_users_allocator_setting_is_kept(key):
     env = {key: "max_split_size_mb:512"}
     assert choose_allocator(_cfg("cuda", "nccl"), env) is None
     assert env == {key: "max_split_size_mb:512"}
+
+
+def test_the_processs_allocator_is_told_too(monkeypatch):
+    """Newer torch may read PYTORCH_CUDA_ALLOC_CONF when it is imported (a Ray worker imports it before
+    the trainer is set up): for this process the setting also goes to the allocator itself."""
+    import torch
+
+    told = []
+    monkeypatch.setattr(os, "environ", {})  # this process's environment, as the function sees it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
+    assert choose_allocator(_cfg("cuda", "nccl")) == EXPANDABLE
+    assert told == [EXPANDABLE] and os.environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}

@@ -42,9 +42,13 @@ def choose_allocator(cfg, env=None) -> str | None:
     if env is os.environ and torch.cuda.is_available():
         # newer torch may read the variable when it is imported, as the Ray worker did before this:
         # tell the allocator too
+        # (torch >= 2.9's name; torch.cuda.memory._set_allocator_settings before, deprecated since)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            setter = torch.cuda.memory._set_allocator_settings
         try:
-            torch.cuda.memory._set_allocator_settings(EXPANDABLE)
-        except (AttributeError, RuntimeError) as e:
+            setter(EXPANDABLE)
+        except RuntimeError as e:
             log.warning(
                 "trainer: could not set %s on the allocator (%s); the environment has it", EXPANDABLE, e
             )

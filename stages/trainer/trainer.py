@@ -793,11 +793,17 @@ class Trainer:
 
     def _model_bytes(self) -> int:
         """The whole model's bytes, about what a push sends (at most: megatron pads the vocabulary):
-        this rank's share times the TP and PP ranks that hold the others."""
+        this rank's share times the ranks that hold the others (TP and PP; for expert parameters EP,
+        expert-TP and PP)."""
         from megatron.core import parallel_state as ps
 
-        share = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-        return sum(p.numel() * p.element_size() for p in unwrap(self.policy.model).parameters()) * share
+        pp = ps.get_pipeline_model_parallel_world_size()
+        dense = ps.get_tensor_model_parallel_world_size() * pp
+        experts = ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size() * pp
+        return sum(
+            p.numel() * p.element_size() * (experts if moe.is_expert_param(key) else dense)
+            for key, p in unwrap(self.policy.model).named_parameters()
+        )
 
     def _snapshot_target(self) -> dict:
         """Where rank 0 keeps the pushed copy (weights.snapshot): on its GPU for the SGLang transports
