@@ -2,6 +2,8 @@
 
 import json
 import platform
+import re
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +84,12 @@ def test_failing_stage_stops_the_run_with_its_error(tmp_path, ray_session):
     res = run_pipeline(_cfg(tmp_path, "rollout.data.max_prompt_tokens=1"), stop_ray=False)
     assert res.status == "failed"
     assert res.error.startswith("generator gen-0 failed") and "max_prompt_tokens" in res.error
+    # where it raised is kept beside the run, named in the error (the message has the last line only)
+    where = re.search(r"\(traceback: (\S+)\)$", res.error)
+    assert where, res.error
+    report = Path(where.group(1)).read_text()
+    assert Path(where.group(1)).parent == res.run_dir / "errors"
+    assert 'File "' in report and "stages/rollout/" in report and "max_prompt_tokens" in report
 
 
 def test_rerun_in_the_same_run_dir_resumes_and_is_not_starved_by_duplicates(tmp_path, ray_session):

@@ -357,6 +357,19 @@ class Pipeline:
         }
         (self.run_dir / "placement.json").write_text(json.dumps(record, indent=1))
 
+    def _failed(self, what: str, e: BaseException) -> StageFailed:
+        """The error that ends the run when a stage failed: its innermost error in the message, and the
+        whole of Ray's report (the stage's own traceback: where it raised, which the message leaves
+        out) in run_dir/errors/<what>.txt, named in the message."""
+        path = self.run_dir / "errors" / f"{what.replace(' ', '-')}.txt"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(str(e) + "\n")
+            where = f" (traceback: {path})"
+        except OSError:  # a run directory that cannot be written: the message alone
+            where = ""
+        return StageFailed(f"{what} failed: {_root_error(e)}{where}")
+
     def _wait(self, ref, what: str, hint: str = "", on_death=None):
         """ray.get with the run's timeout and an error that names the stage. `on_death`: called
         instead when the actor's process died (the stage is healed), and the result is None."""
@@ -366,7 +379,7 @@ class Pipeline:
             return ray.get(ref, timeout=self.cfg.run.timeout_s)
         except ray.exceptions.RayActorError as e:
             if on_death is None:
-                raise StageFailed(f"{what} failed: {_root_error(e)}") from None
+                raise self._failed(what, e) from None
             on_death()
             return None
         except ray.exceptions.GetTimeoutError:
@@ -375,7 +388,7 @@ class Pipeline:
                 + (f": {hint}" if hint else "")
             ) from None
         except ray.exceptions.RayError as e:
-            raise StageFailed(f"{what} failed: {_root_error(e)}") from None
+            raise self._failed(what, e) from None
 
     # -- the loop ----------------------------------------------------------------------------------
     def train(self, metrics: MetricsWriter, progress: Progress) -> int:
@@ -458,7 +471,7 @@ class Pipeline:
                     dead = self._dead_rank(pending, rank_of)
                     if dead:
                         raise _TrainerDied(dead) from None
-                    raise StageFailed(f"{what} failed: {_root_error(e)}") from None
+                    raise self._failed(what, e) from None
                 if rank_of[ref] == 0:
                     m = out
                 continue
@@ -519,7 +532,7 @@ class Pipeline:
         except ray.exceptions.RayActorError as e:
             error = _root_error(e)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            raise StageFailed(f"buffer failed: {_root_error(e)}") from None
+            raise self._failed("buffer", e) from None
         if not self.cfg.buffer.durable:
             raise StageFailed(
                 f"buffer failed: {error} (buffer.durable=false: no segments to restart it from)"
@@ -560,7 +573,7 @@ class Pipeline:
         except ray.exceptions.RayActorError as e:  # the process died (killed, OOM, segfault): heal
             error = _root_error(e)
         except ray.exceptions.RayTaskError as e:  # it raised: a restart would raise the same again
-            raise StageFailed(f"{name} failed: {_root_error(e)}") from None
+            raise self._failed(name, e) from None
         if self.cfg.rollout.engine == "sglang":
             raise StageFailed(f"{name} died (SGLang generators are not restarted yet): {error}")
         self._count_death(name, error)
@@ -573,7 +586,7 @@ class Pipeline:
         except ray.exceptions.RayActorError:
             pass
         except ray.exceptions.RayError as e:
-            raise StageFailed(f"trainer failed: {_root_error(e)}") from None
+            raise self._failed("trainer", e) from None
         self.generators[i] = self._new_generator(i)
         self.gen_ids[i] = self._wait(self.generators[i].ident.remote(), name)
         self.gen_runs[self.generators[i].run.remote()] = name
