@@ -324,6 +324,14 @@ MUTATIONS = [
         'WITHOUT_CUDA_IPC = ("cpu", "nccl", "cuda_ipc")\n',
         ("tests/test_trainer_cuda_memory.py",),
     ),
+    Mutation(
+        "stage_traceback_dropped",
+        "a stage that raised stops the run with its last line only: where it raised is lost",
+        "pipeline/orchestration/launcher.py",
+        '            path.write_text(str(e) + "\\n")\n',
+        '            path.write_text("\\n")\n',
+        ("tests/test_pipeline_e2e.py::test_failing_stage_stops_the_run_with_its_error",),
+    ),
 ]
 
 
