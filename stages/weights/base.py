@@ -139,7 +139,7 @@ def buckets_marking_last(
             if buf is None or nb > buf.numel():  # the first bucket, or (alone in its bucket) a larger tensor
                 buf = None  # the old buffer goes before the new one comes
                 buf = torch.empty(max(want, nb), dtype=torch.uint8, device=pack_on)
-            t = _pack(buf, size, name, t)
+            t = pack_into(buf, size, name, t)
         cur.append((name, t))
         size += nb
         del t
@@ -154,7 +154,7 @@ def _sealed(bucket: PackedBucket, buf: torch.Tensor | None, size: int) -> Packed
     return bucket
 
 
-def _pack(buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> torch.Tensor:
+def pack_into(buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> torch.Tensor:
     """`t` copied into buf at byte `offset`; the copy, as a view of buf with t's dtype and shape."""
     check_offset(name, t, offset)
     dest = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

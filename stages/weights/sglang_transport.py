@@ -72,6 +72,7 @@ from stages.weights.base import (
     align_nccl_env,
     buckets_marking_last,
     check_offset,
+    pack_into,
 )
 
 log = logging.getLogger(__name__)
@@ -529,12 +530,11 @@ def flat_bucket(group, device) -> torch.Tensor:
     packed = getattr(group, "flat", None)
     if packed is not None and packed.device == torch.device(device):
         return packed
-    sizes = [x.numel() * x.element_size() for _, x in group]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    flat = torch.empty(sum(x.numel() * x.element_size() for _, x in group), dtype=torch.uint8, device=device)
     offset = 0
-    for (_, x), n in zip(group, sizes):
-        flat[offset : offset + n].copy_(x.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-        offset += n
+    for name, x in group:
+        pack_into(flat, offset, name, x)
+        offset += x.numel() * x.element_size()
     return flat
 
 
