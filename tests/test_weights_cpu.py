@@ -300,3 +300,16 @@ def test_a_packed_bucket_refuses_a_tensor_its_dtype_cannot_view():
     named = [("odd", torch.zeros(3, dtype=torch.bfloat16)), ("f32", torch.zeros(2))]
     with pytest.raises(WeightPushError, match=r"f32 \(torch.float32\) would start at byte 6"):
         list(buckets_marking_last(iter(named), 1 << 20, pack_on=torch.device("cpu")))
+
+
+def test_a_direct_push_bucket_is_cut_to_half_the_free_memory_beside_training():
+    """weights.snapshot=direct packs its bucket on the trainer's GPU beside the whole training state
+    (a 7B TP=2 trainer holds ~69 GiB of 80): the bucket is weights.bucket_mb while the GPU has twice
+    that free, else half of what it has, the other half left for the gathered tensor ahead."""
+    from stages.weights.base import bucket_that_fits
+
+    gib = 1 << 30
+    assert bucket_that_fits(4 * gib, 64 * gib) == 4 * gib
+    assert bucket_that_fits(4 * gib, 8 * gib) == 4 * gib
+    assert bucket_that_fits(4 * gib, 5 * gib) == 5 * gib // 2
+    assert bucket_that_fits(4 * gib, 0) == 1  # never a zero bucket: a tensor still gets a buffer its size

@@ -148,6 +148,13 @@ def buckets_marking_last(
         yield _sealed(cur, buf, size), True
 
 
+def bucket_that_fits(bucket_bytes: int, free_bytes: int) -> int:
+    """The bucket for a push packed beside a live model: at most half of the `free_bytes` its device
+    has, the other half left for the gathered tensor ahead of the buffer. A larger tensor still gets a
+    buffer its size (buckets_marking_last grows it), so a small cap slows a push but never fails it."""
+    return max(1, min(bucket_bytes, free_bytes // 2))
+
+
 def _sealed(bucket: PackedBucket, buf: torch.Tensor | None, size: int) -> PackedBucket:
     if buf is not None:
         bucket.flat = buf[:size]

@@ -70,6 +70,7 @@ from stages.weights.base import (
     WeightPushError,
     WeightSender,
     align_nccl_env,
+    bucket_that_fits,
     buckets_marking_last,
     check_offset,
     pack_into,
@@ -112,6 +113,7 @@ class _SGLangSender(WeightSender):
         self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
         self._pushed_version: int | None = None  # the version the last push set
         self._probed_at = float("-inf")  # when needs_push() last asked the servers their weight_version
+        self._warned_small_bucket = False  # _packed_bucket_bytes said so once
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
         # server paused
@@ -324,7 +326,7 @@ class _SGLangSender(WeightSender):
             # are packed into the bucket's buffer as they come (they are gathered for this push alone)
             pack_on = None if keep else self._bucket_device()
             buckets = buckets_marking_last(
-                named, self.bucket_bytes, pack_on=pack_on, expect_bytes=expect_bytes
+                named, self._packed_bucket_bytes(pack_on), pack_on=pack_on, expect_bytes=expect_bytes
             )
             for group, last in buckets if live else ():
                 nbytes += sum(x.numel() * x.element_size() for _, x in group)
@@ -419,6 +421,26 @@ class _SGLangSender(WeightSender):
     def _bucket_device(self) -> torch.device:
         """Where a bucket is assembled to be sent: the trainer's GPU."""
         return torch.device("cuda", self.device) if self.device is not None else torch.device("cpu")
+
+    def _packed_bucket_bytes(self, pack_on: torch.device | None) -> int:
+        """The bucket of a push packed on the trainer's GPU (weights.snapshot=direct), beside the whole
+        training state: weights.bucket_mb, or less where that GPU has not twice that free (memory the
+        caching allocator holds unused counts as free)."""
+        if pack_on is None or pack_on.type != "cuda":
+            return self.bucket_bytes
+        free, _ = torch.cuda.mem_get_info(pack_on)
+        free += torch.cuda.memory_reserved(pack_on) - torch.cuda.memory_allocated(pack_on)
+        fits = bucket_that_fits(self.bucket_bytes, free)
+        if fits < self.bucket_bytes and not self._warned_small_bucket:
+            self._warned_small_bucket = True
+            log.warning(
+                "weights: the direct push packs %d MB buckets, not weights.bucket_mb=%d: the trainer's GPU has "
+                "%.1f GiB free beside training (more buckets, more load calls per push)",
+                fits >> 20,
+                self.bucket_bytes >> 20,
+                free / 2**30,
+            )
+        return fits
 
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         """Deliver one bucket to `urls` (`version`: set it on the servers once loaded, or None); returns
