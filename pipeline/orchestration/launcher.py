@@ -677,9 +677,16 @@ class Pipeline:
         if self.gen_runs and not failed:
             ray.wait(list(self.gen_runs), num_returns=len(self.gen_runs), timeout=grace)
         if self.trainers and not failed:
+            finish_s = finish_limit_s(self.cfg)
             try:
                 refs = [t.finish.remote() for t in self.trainers]
-                out = ray.get(refs, timeout=max(grace, self.cfg.weights.timeout_s))[0]
+                out = ray.get(refs, timeout=finish_s)[0]
+            except ray.exceptions.GetTimeoutError:
+                out["finish_error"] = (
+                    f"the final checkpoint and HF export did not end within {finish_s:.0f} s (run.timeout_s): "
+                    "a large model's take longer on a slow disk; raise run.timeout_s (the checkpoint of the "
+                    "last completed save stays the one a resume loads)"
+                )
             except Exception as e:  # noqa: BLE001 - reported, the rest still shuts down
                 out["finish_error"] = _root_error(e)
         closers = [g.close.remote() for g in self.generators]
@@ -731,6 +738,14 @@ def preflight(cfg: RunConfig) -> None:
                 data.source,
                 counters["bad_lines"],
             )
+
+
+def finish_limit_s(cfg: RunConfig) -> float:
+    """How long the trainer's finish (last push, final checkpoint, HF export) may take at the end of a
+    run. The checkpoint writes the whole training state (a 7B model's with Adam: ~100 GB over its TP
+    ranks): a stage's own limit, run.timeout_s, not a push's (the 7B runs of 2026-11-27 all ended
+    "failed" at the 120 s of weights.timeout_s)."""
+    return max(cfg.run.timeout_s, cfg.weights.timeout_s)
 
 
 def _root_error(e: BaseException) -> str:
