@@ -238,8 +238,16 @@ MUTATIONS = [
         "push_fails_on_server_killed_mid_push",
         "a server killed while a push loads into it fails the push (and the trainer) instead of being left out",
         "stages/weights/sglang_transport.py",
-        "            if not self._all_lost(e, live):\n",
+        "            if not self._left_out(e, live):\n",
         "            if True:\n",
+        ("tests/test_weights_group_processes.py",),
+    ),
+    Mutation(
+        "partly_loaded_survivor_resumed",
+        "a server left partly loaded by another's death mid-push is resumed by the catch-up, not given whole weights",
+        "stages/weights/sglang_transport.py",
+        "        behind, last = [*self._down_since, *sorted(self._partly_loaded - set(self._down_since))], self._last\n",
+        "        behind, last = list(self._down_since), self._last\n",
         ("tests/test_weights_group_processes.py",),
     ),
     Mutation(

@@ -178,9 +178,22 @@ def weight_group(monkeypatch):
     from types import SimpleNamespace
 
     from pipeline.net import free_port
-    from stages.weights.sglang_transport import NcclSGLangSender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
+    port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen] = []
+    sender = _gloo_sender([url], group_name=f"test-{port}")
+    sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
+    try:
+        yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
+    finally:
+        _end(sender, procs)
+
+
+def _gloo_sender(urls: list[str], group_name: str):
+    """The NCCL sender with its weight group on gloo and its buckets on CPU."""
+    from stages.weights.sglang_transport import NcclSGLangSender
 
     class GlooSender(NcclSGLangSender):
         def _new_group(self, init_method, world, name):
@@ -189,15 +202,7 @@ def weight_group(monkeypatch):
         def _bucket_device(self):
             return torch.device("cpu")
 
-    port = free_port("127.0.0.1")
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen] = []
-    sender = GlooSender([url], timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=f"test-{port}")
-    sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
-    try:
-        yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
-    finally:
-        _end(sender, procs)
+    return GlooSender(urls, timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=group_name)
 
 
 def _end(sender, procs: list[subprocess.Popen]) -> None:
@@ -259,6 +264,64 @@ def test_a_server_killed_during_a_push_is_left_out_and_the_trainer_goes_on(weigh
     assert got["weight_version"] == "1" and got["groups"] == sender.group_names[1:2]
     assert got["weights"] == pytest.approx(_sums(first), rel=1e-6)
 
+
+@pytest.mark.parametrize("direct", [False, True], ids=["snapshot", "direct"])
+def test_a_server_that_outlives_another_killed_mid_push_gets_whole_weights_again(monkeypatch, direct):
+    """Two servers in one weight group; one is killed at its second load of a push, after the other
+    loaded the first bucket. Before, the push failed ("left paused with partly loaded weights") and took
+    the trainer with it: a 7B run of 2026-11-27, where one server hung in a load and its engine watch
+    relaunched it. Now the push ends without the dead one and the survivor stays paused (generating
+    from partly loaded weights would make samples of no version) until it has whole weights: at the
+    catch-up of a kept push, or (a direct push keeps nothing) by the push needs_push() asks for at once.
+    The dead one's relaunch is caught up as before."""
+    from pipeline.net import free_port
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]
+    dying, survivor = (f"http://127.0.0.1:{p}" for p in ports)
+    procs: list[subprocess.Popen] = []
+    sender = _gloo_sender([dying, survivor], group_name=f"test-{ports[0]}")
+    sender.bucket_bytes = 2048  # three buckets: [embed] [norm] [head]
+
+    def push(version, named):
+        if direct:
+            return sender.push_now(version, iter(named), expect_bytes=4096)
+        return sender.push(version, named).result(timeout=60)
+
+    try:
+        killed = _launch(ports[0], procs, die_on_load=2)
+        _launch(ports[1], procs)
+        first = _named(1.0)
+        t0 = time.monotonic()
+        out = push(1, first)  # no WeightPushError: the trainer goes on
+        assert out["engines"] == 0 and time.monotonic() - t0 < 25
+        assert killed.wait(timeout=30) == -signal.SIGKILL
+        partly = _info(survivor)
+        assert partly["weights"]["embed.weight"] == pytest.approx(_sums(first)["embed.weight"], rel=1e-6)
+        assert "head.weight" not in partly["weights"]  # nor the last bucket, which would label it
+        assert partly["weight_version"] == "0"
+        if direct:
+            assert sender.catch_up() is None and sender.needs_push() == [survivor]
+            healed = push(1, first)  # the trainer's push of its current weights
+        else:
+            assert sender.needs_push() == [survivor]
+            healed = sender.catch_up().result(timeout=60)  # before the trainer would ask needs_push()
+        assert (healed["engines"], healed["engines_skipped"]) == (1, 1)
+        got = _info(survivor)
+        assert got["weight_version"] == "1" and got["weights"] == pytest.approx(_sums(first), rel=1e-6)
+        assert sender.needs_push() == []  # whole again; the dead one is not back
+
+        _launch(ports[0], procs)
+        if direct:
+            sender._probed_at = float("-inf")  # the version probe's own interval
+            assert sender.needs_push() == [dying]
+            back = push(1, first)
+        else:
+            back = sender.catch_up().result(timeout=60)  # to both: the group re-forms once with all
+        assert back["engines"] == 2
+        assert _info(dying)["weights"] == pytest.approx(_sums(first), rel=1e-6)
+    finally:
+        _end(sender, procs)
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]))

@@ -216,8 +216,8 @@ class Trainer:
                 stale = self.sender.needs_push()
                 if stale:
                     log.warning(
-                        "trainer at version %d: %s run older weights (relaunched since the last push): "
-                        "pushing them the current ones",
+                        "trainer at version %d: %s run older weights (relaunched since the last push) or "
+                        "partly loaded ones (another server died mid-push): pushing them the current ones",
                         self.version,
                         stale,
                     )

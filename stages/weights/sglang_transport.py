@@ -23,10 +23,11 @@ none, and nothing is kept for it (a GPU snapshot held through a training step wo
 VERSION_PROBE_S, counted once /health answers; the trainer asks after a wait for data came back empty),
 and the trainer then pushes its current weights again. The next regular push reaches it too. Its
 tokens carry the versions that made them, so staleness stays exact. Past the grace a push fails naming
-the server. A server killed during a push's load is treated as one found down at its pause when it was
-the push's only server (or every one died): nothing holds partly loaded weights, so the push ends
-without it and catch_up() serves its relaunch. A server that outlived another's death mid-push holds
-partly loaded weights: that push fails (named), as any failed load does.
+the server. A server killed during a push's load is treated as one found down at its pause: the push
+ends without it and catch_up() serves its relaunch. A server that outlived another's death mid-push
+holds partly loaded weights: it stays paused, and needs_push() names it at once, so the trainer pushes
+it the current weights (without an engine watch, restart_grace_s 0, that push fails, named, as any
+failed load does).
 
 NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The trainer rank 0 is rank
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
@@ -113,6 +114,7 @@ class _SGLangSender(WeightSender):
         self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
         self._pushed_version: int | None = None  # the version the last push set
         self._probed_at = float("-inf")  # when needs_push() last asked the servers their weight_version
+        self._partly_loaded: set[str] = set()  # paused mid-load when another server of the push died
         self._warned_small_bucket = False  # _packed_bucket_bytes said so once
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
@@ -169,9 +171,13 @@ class _SGLangSender(WeightSender):
         return PushHandle(version, fut, self.timeout_s, f"SGLang servers {self.urls}")
 
     def needs_push(self) -> list[str]:
-        """Servers relaunched since the last push with older weights, which nothing kept is waiting for
-        (no push missed them; or one did, but it was a lazy push, push_now, which keeps nothing). Call
-        it with no push in flight; [] while a left-out server waits for catch_up."""
+        """Servers that need the current weights pushed: those left paused with partly loaded weights
+        when another server of a push died (see `_left_out`), at once; and servers relaunched since the
+        last push with older weights, which nothing kept is waiting for (no push missed them; or one
+        did, but it was a lazy push, push_now, which keeps nothing). Call it with no push in flight;
+        [] while a left-out server waits for catch_up (and none is partly loaded)."""
+        if self._partly_loaded:
+            return [url for url in self.urls if url in self._partly_loaded]
         if self._pushed_version is None or (self._down_since and self._last is not None):
             return []
         return self._relaunched_behind(self._pushed_version)
@@ -196,8 +202,9 @@ class _SGLangSender(WeightSender):
                 pass
 
     def catch_up(self) -> PushHandle | None:
-        """The last push again, to the servers it left out; None when none is behind."""
-        behind, last = list(self._down_since), self._last
+        """The last push again, to the servers it left out and those it left partly loaded; None when
+        none is behind (or nothing was kept: a lazy push's are named by needs_push())."""
+        behind, last = [*self._down_since, *sorted(self._partly_loaded - set(self._down_since))], self._last
         if not behind or last is None:
             return None
         fut = self._pool.submit(
@@ -333,7 +340,7 @@ class _SGLangSender(WeightSender):
                 t["transfer_s"] += self._send_bucket(group, version if last else None, live)
                 del group  # a lazy source gathers the next bucket now: one bucket of tensors at a time
         except WeightPushError as e:
-            if not self._all_lost(e, live):
+            if not self._left_out(e, live):
                 raise WeightPushError(
                     f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
                     "restart them (or the run) before generating again"
@@ -356,6 +363,7 @@ class _SGLangSender(WeightSender):
         if failed:
             raise failed[0]
         t["continue_s"] = time.monotonic() - t3
+        self._partly_loaded.difference_update(live)  # whole weights again
         # while a server is behind, keep these tensors for catch_up(); let them go once none is. A
         # lazy push (push_now) has none to keep: needs_push() finds such a server once it is back
         self._last = (version, named) if self._down_since and keep else None
@@ -387,19 +395,27 @@ class _SGLangSender(WeightSender):
             ) from err
         log.warning("weights: %s unreachable for %.0fs (restarting?): left out of this push", url, down)
 
-    def _all_lost(self, err: WeightPushError, live: list[str]) -> bool:
-        """Whether `err` is the death of every server of this push during its load (killed mid-push;
-        within restart_grace_s its engine watch relaunches it). They are then left out as if found
-        down at the pause, and catch_up() gives each the weights once it is back. A server that lived
-        through it would hold partly loaded weights, and that stays an error."""
+    def _left_out(self, err: WeightPushError, live: list[str]) -> bool:
+        """Whether `err` is the death of servers of this push during its load (killed mid-push, or hung
+        and relaunched by its engine watch, which does so within restart_grace_s). The dead are left
+        out as if found down at the pause, and catch_up() gives each the weights once it is back. The
+        ones that lived through it hold partly loaded weights: they stay paused (what they generated
+        would be of no version) and needs_push() names them, so the trainer pushes them its current
+        weights. A 7B run of 2026-11-27 failed here: one server hung in a load, the watch relaunched
+        it, and the other, partly loaded, ended the push and the trainer."""
         lost = _gone(err)
-        if not (lost and self.restart_grace_s > 0 and set(lost) == set(live)):
+        if not (lost and self.restart_grace_s > 0):
             return False
         now = time.monotonic()
         for url in lost:
             self._down_since.setdefault(url, now)
+        survivors = [url for url in live if url not in lost]
+        self._partly_loaded.update(survivors)
         log.warning(
-            "weights: %s died during the push of this version (%s): left out until it is back", lost, err
+            "weights: %s died during the push of this version (%s): left out until it is back%s",
+            lost,
+            err,
+            f"; {survivors} stay paused with partly loaded weights until the next push" if survivors else "",
         )
         self._abort_group()
         return True
