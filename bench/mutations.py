@@ -251,6 +251,14 @@ MUTATIONS = [
         ("tests/test_weights_group_processes.py",),
     ),
     Mutation(
+        "auto_keeps_host_copy_at_7b",
+        "weights.snapshot=auto copies a model too big for a GPU copy to host memory instead of pushing it direct",
+        "stages/trainer/trainer.py",
+        "                    and not self._copy_fits_gpu()\n",
+        "                    and False\n",
+        ("tests/test_trainer_model.py",),
+    ),
+    Mutation(
         "broadcast_waits_for_dead_server",
         "the push waits out a broadcast to a dead server (NCCL's watchdog then ends the trainer)",
         "stages/weights/sglang_transport.py",

@@ -323,5 +323,6 @@ def test_a_server_that_outlives_another_killed_mid_push_gets_whole_weights_again
     finally:
         _end(sender, procs)
 
+
 if __name__ == "__main__":
     _serve(int(sys.argv[1]))

@@ -142,6 +142,7 @@ class Trainer:
         self.pending_push = None
         self._host_snapshot = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
         self._direct_result = None  # the last direct push's figures, until wait_push() takes them
+        self._pushes_direct: bool | None = None  # decided at the first push (_goes_direct)
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self._params: int | None = None  # the whole model's parameters (perf/tflops)
         self.last_checkpoint = -1
@@ -758,7 +759,7 @@ class Trainer:
             )
         out["push/wait_prev_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        if self.cfg.weights.snapshot == "direct":
+        if self._goes_direct():
             out.update(self._push_direct())
             out["push/direct_s"] = time.perf_counter() - t1
             return out
@@ -791,6 +792,31 @@ class Trainer:
             pass
         return {}
 
+    def _goes_direct(self) -> bool:
+        """Whether pushes take no copy (_push_direct): weights.snapshot=direct; with auto, where the model
+        is over 10 % of the trainer's GPU (where the GPU copy does not go), rank 0's sender pushes into
+        SGLang servers and trainer.pp is 1. At 7B on H100s the host copy cost 0.34 s of each training
+        step and stood the engines still 0.35 s a push (copied back to the GPU meanwhile), where the
+        direct push took 0.16 s of both (bench/RESULTS.md, 2026-11-27). Rank 0 decides once, for every
+        rank: the ranks gather in step."""
+        if self._pushes_direct is None:
+            choice = self.cfg.weights.snapshot
+            if choice == "auto":
+                self._pushes_direct = self._rank0_says(
+                    self.rank == 0
+                    and self.tc.pp == 1
+                    and hasattr(self.sender, "push_now")
+                    and self.device.type == "cuda"
+                    and not self._copy_fits_gpu()
+                )
+            else:
+                self._pushes_direct = choice == "direct"
+        return self._pushes_direct
+
+    def _copy_fits_gpu(self) -> bool:
+        """The 10 % rule of weights.snapshot=auto: a model copy of at most a tenth of the GPU's memory."""
+        return self._model_bytes() <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory
+
     def _model_bytes(self) -> int:
         """The whole model's bytes, about what a push sends (at most: megatron pads the vocabulary):
         this rank's share times the ranks that hold the others (TP and PP; for expert parameters EP,
@@ -807,15 +833,14 @@ class Trainer:
 
     def _snapshot_target(self) -> dict:
         """Where rank 0 keeps the pushed copy (weights.snapshot): on its GPU for the SGLang transports
-        (the sender's `snapshot_device`) unless the model is over 10 % of that GPU, else in pinned host
-        buffers reused from push to push."""
+        (the sender's `snapshot_device`) unless the model is over 10 % of that GPU (then auto pushes
+        direct, but with pipeline stages), else in pinned host buffers reused from push to push."""
         from stages.trainer.export import HostSnapshot
 
         choice = self.cfg.weights.snapshot
         device = getattr(self.sender, "snapshot_device", "cpu")
         if choice == "auto" and device == "cuda":
-            fits = self._model_bytes() <= 0.1 * torch.cuda.get_device_properties(self.device).total_memory
-            choice = "gpu" if fits else "cpu"
+            choice = "gpu" if self._copy_fits_gpu() else "cpu"
         # pinned buffers are refilled at the next push, so only for senders that keep nothing of a push
         # once it is done: the SGLang ones; the CPU transport keeps its last snapshot for late joiners
         if choice == "cpu" and self.device.type == "cuda" and device == "cuda":

@@ -19,12 +19,12 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bind: str = "tcp://127.0.0.1:0"  # cpu transport: the trainer binds here (port 0 = free); engines connect
     # where the trainer keeps the copy of the weights a push sends while training goes on. gpu: on
     # trainer rank 0's GPU (fastest; costs the model's bf16 size there, 15 GB at 7B); cpu: pinned host
-    # memory, filled one gathered tensor at a time, so no GPU ever holds a whole-model copy. auto: gpu
-    # for the SGLang transports unless the model is over 10 % of the GPU's memory, else cpu. direct (the
+    # memory, filled one gathered tensor at a time, so no GPU ever holds a whole-model copy. direct (the
     # SGLang transports, trainer.pp 1): no copy; rank 0 pushes each bucket as the ranks gather it from
-    # the live weights and training waits for the push. At 7B the cpu copy is filled in ~0.35 s a step
-    # and copied back to the GPU while the engines stand paused (~0.39 s a push on H100s, most of it
-    # that copy); direct spends only the gather and the broadcast (not yet measured on a GPU)
+    # the live weights and training waits for the push. auto: gpu for the SGLang transports unless the
+    # model is over 10 % of the GPU's memory, then direct (cpu with pipeline stages). At 7B on H100s the
+    # cpu copy took ~0.34 s of each step and was copied back to the GPU while the engines stood paused
+    # (~0.35 s a push); direct took ~0.16 s of both (bench/RESULTS.md, 2026-11-27)
     snapshot: Literal["auto", "gpu", "cpu", "direct"] = "auto"
 
     def __post_init__(self):
