@@ -38,7 +38,10 @@
 #             phase 14 with SNAPSHOT_7B=direct STEP_7B=config (the config's own batch), then 18 (~22 min)
 #   18 dp2    the 135M gpu-4x-dp2 config's push stall with the servers' GC frozen (~4 min)
 #   19 x4     the NCCL abort test (tests/test_gpu_weights_abort.py) on GPUs 0,1, then phase 14 at the
-#             config's own batch with SNAPSHOT_7B=direct and then auto, 180 s each (~24 min, not yet run)
+#             config's own batch with SNAPSHOT_7B=direct and then auto, LIMIT_7B s each (~22 min with
+#             LIMIT_7B=150, 2026-11-27 06:50)
+#   20 x4     phase 14 with weights.snapshot=auto (direct at 7B since session 9) at the config's own batch,
+#             to the run's end, then at a 7B-sized step, STEP_7B=large (~22 min, not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -204,6 +207,9 @@ phase14() {
   # STEP_7B=config: the config's own batch (16 groups of 8, 128 new tokens) instead of the small step
   local step=(trainer.batch_groups=4 rollout.group_size=4 rollout.max_inflight_groups=8 rollout.sampling.max_new_tokens=64)
   [ "${STEP_7B:-small}" = config ] && step=()
+  # STEP_7B=large: a step of a 7B RL run's size, 64 groups of 8 and up to 256 new tokens (a random model
+  # always writes them all)
+  [ "${STEP_7B:-small}" = large ] && step=(trainer.batch_groups=64 rollout.sampling.max_new_tokens=256)
   local tag=7b-tp2${SNAPSHOT_7B:+-$SNAPSHOT_7B}${STEP_7B:+-$STEP_7B}
   bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-dp2.yaml $tag "${LIMIT_7B:-240}" \
     weights.snapshot=${SNAPSHOT_7B:-auto} \
@@ -251,6 +257,16 @@ phase19() {
   KEEP_7B=1 SNAPSHOT_7B=direct STEP_7B=config LIMIT_7B=${LIMIT_7B:-180} phase14
   echo "7b direct end $(date -u +%T)"
   SNAPSHOT_7B=auto STEP_7B=config LIMIT_7B=${LIMIT_7B:-180} phase14
+}
+
+phase20() {
+  # what session 9 (phase 19) left open, ~22 min on a 4-GPU machine: the 7B pipeline with
+  # weights.snapshot=auto, which pushes direct at this size since, at the config's own batch and to the
+  # run's end (the final save now has run.timeout_s); then at a 7B-sized step, whose longer steps put
+  # the ~0.16 s push against a realistic step (7.5 % of the config's 1.7 s steps)
+  KEEP_7B=1 SNAPSHOT_7B=auto STEP_7B=config LIMIT_7B=${LIMIT_7B:-150} phase14
+  echo "7b auto config end $(date -u +%T)"
+  SNAPSHOT_7B=auto STEP_7B=large LIMIT_7B=${LIMIT_7B_LARGE:-240} phase14
 }
 
 phase18() {
