@@ -1,7 +1,8 @@
 """The trainer's side of a weight push: gather the shards into full HF tensors and copy them somewhere
 the push can read while training goes on (weights.snapshot). Baseline in the same run: the copy on
 trainer rank 0's GPU (what every push did before); against it the pinned host copy, filled one
-gathered tensor at a time (weights.snapshot=cpu, the auto choice for models over 10 % of the GPU).
+gathered tensor at a time (weights.snapshot=cpu, the auto choice for models over 10 % of the GPU with
+pipeline stages; without, auto pushes such a model direct, with no copy).
 
     python bench/push_snapshot.py --shape 1.5b                       # one GPU
     torchrun --nproc-per-node 2 bench/push_snapshot.py --shape 7b --tp 2
