@@ -48,6 +48,6 @@ def test_a_final_save_longer_than_a_push_but_within_run_timeout_ends_the_run_com
 def test_a_final_save_past_run_timeout_is_named_with_the_setting_to_raise(tmp_path, ray_session):
     t0 = time.monotonic()
     out = _shutdown(tmp_path, _slow_trainer(60.0), "weights.timeout_s=1", "run.timeout_s=2")
-    assert "final checkpoint and HF export did not end within" in out["finish_error"]
+    assert "final checkpoint and HF export did not end within 2 s" in out["finish_error"]
     assert "raise run.timeout_s" in out["finish_error"]
     assert time.monotonic() - t0 < 30  # the limit holds: the shutdown does not wait for the save

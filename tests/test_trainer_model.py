@@ -208,16 +208,19 @@ def test_auto_pushes_direct_where_the_gpu_copy_does_not_go_and_a_direct_push_can
     class KeepsPushes:
         def push(self, version, named): ...
 
-    def goes_direct(snapshot="auto", *, fits=False, pp=1, sender=None, device="cuda", rank=0):
+    def goes_direct(
+        snapshot="auto", *, fits=False, pp=1, sender=SGLangLike(), device="cuda", rank=0, rank0_said=None
+    ):
         t = SimpleNamespace(
             cfg=SimpleNamespace(weights=SimpleNamespace(snapshot=snapshot)),
             tc=SimpleNamespace(pp=pp),
             rank=rank,
-            sender=SGLangLike() if sender is None else sender,
+            sender=sender,
             device=torch.device(device),
             _pushes_direct=None,
             _copy_fits_gpu=lambda: fits,
-            _rank0_says=lambda yes: yes,  # one rank here
+            # rank 0's answer on every rank (a broadcast); alone, a rank's own
+            _rank0_says=lambda yes: yes if rank0_said is None else rank0_said,
         )
         first = Trainer._goes_direct(t)
         t.cfg.weights.snapshot, t._copy_fits_gpu = "gpu", lambda: True  # decided once: not asked again
@@ -231,6 +234,9 @@ def test_auto_pushes_direct_where_the_gpu_copy_does_not_go_and_a_direct_push_can
     assert goes_direct(device="cpu") is False
     assert goes_direct("direct", fits=True) is True
     assert goes_direct("cpu") is False and goes_direct("gpu") is False
+    # rank 1 holds no sender (it cannot tell) and gathers in step with whatever rank 0 decided
+    assert goes_direct(rank=1, sender=None, rank0_said=True) is True
+    assert goes_direct(rank=1, sender=None, rank0_said=False) is False
 
 
 def test_a_direct_push_under_tensor_parallelism_gathers_in_step_and_sends_the_trained_weights(tmp_path):

@@ -313,3 +313,22 @@ def test_a_direct_push_bucket_is_cut_to_half_the_free_memory_beside_training():
     assert bucket_that_fits(4 * gib, 8 * gib) == 4 * gib
     assert bucket_that_fits(4 * gib, 5 * gib) == 5 * gib // 2
     assert bucket_that_fits(4 * gib, 0) == 1  # never a zero bucket: a tensor still gets a buffer its size
+
+
+def test_the_direct_push_reads_the_gpu_memory_free_beside_training_for_its_bucket(monkeypatch):
+    """What the sender counts as free: the device's free memory plus what the caching allocator holds
+    unused (it reuses that first); with 6 GiB so the 4 GiB bucket is cut to 3 GiB, warned once. On a
+    CPU bucket nothing is read."""
+    from types import SimpleNamespace
+
+    from stages.weights.sglang_transport import _SGLangSender
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 69 * gib)
+    sender = SimpleNamespace(bucket_bytes=4 * gib, _warned_small_bucket=False)
+    assert _SGLangSender._packed_bucket_bytes(sender, torch.device("cuda", 0)) == 3 * gib
+    assert sender._warned_small_bucket
+    assert _SGLangSender._packed_bucket_bytes(sender, torch.device("cpu")) == 4 * gib
+    assert _SGLangSender._packed_bucket_bytes(sender, None) == 4 * gib

@@ -848,3 +848,29 @@ def test_a_lone_server_that_dies_in_its_load_is_left_out_and_caught_up_later(ser
     with pytest.raises(WeightPushError, match="left paused with partly loaded weights"):
         strict.push(5, _named()).result(timeout=10)
     strict.close()
+
+
+def test_a_server_partly_loaded_when_another_died_stays_paused_until_pushed_and_is_forgotten_once_down(
+    server_factory,
+):
+    """Two servers; the first dies in its load (no answer, connection gone). The second, reached next,
+    is left paused (no continue: its weights are of no version) and named by needs_push() at once.
+    Should it then go down itself, its relaunch holds whole (base) weights: it waits for catch_up like
+    any server found down, and needs_push() stops asking for a push of it."""
+    dying, url_a = server_factory()
+    survivor, url_b = server_factory()
+    dying.die = {"/load"}
+    sender = PostSender([url_a, url_b], timeout_s=10, restart_grace_s=30)
+    out = sender.push(4, _named()).result(timeout=10)
+    assert out["engines"] == 0
+    assert [r for r, _ in survivor.calls] == ["/pause_generation"]
+    assert sender.needs_push() == [url_b]
+
+    for srv in (dying, survivor):  # both down now: their engine watches relaunch them
+        srv.shutdown()
+        srv.server_close()
+    down = sender.push(5, _named()).result(timeout=10)
+    assert (down["engines"], down["engines_skipped"]) == (0, 2)
+    assert sender.needs_push() == []  # left to catch_up, which keeps version 5 for them
+    assert sender._last is not None and sender._last[0] == 5
+    sender.close()

@@ -683,9 +683,10 @@ class Pipeline:
                 out = ray.get(refs, timeout=finish_s)[0]
             except ray.exceptions.GetTimeoutError:
                 out["finish_error"] = (
-                    f"the final checkpoint and HF export did not end within {finish_s:.0f} s (run.timeout_s): "
-                    "a large model's take longer on a slow disk; raise run.timeout_s (the checkpoint of the "
-                    "last completed save stays the one a resume loads)"
+                    f"the trainer's last push, final checkpoint and HF export did not end within {finish_s:.0f} s "
+                    "(run.timeout_s, or weights.timeout_s where larger): a large model's take longer on a slow "
+                    "disk; raise run.timeout_s (the last completed checkpoint stays the one a resume loads; "
+                    "the HF export may be partial)"
                 )
             except Exception as e:  # noqa: BLE001 - reported, the rest still shuts down
                 out["finish_error"] = _root_error(e)

@@ -176,8 +176,9 @@ class _SGLangSender(WeightSender):
         last push with older weights, which nothing kept is waiting for (no push missed them; or one
         did, but it was a lazy push, push_now, which keeps nothing). Call it with no push in flight;
         [] while a left-out server waits for catch_up (and none is partly loaded)."""
-        if self._partly_loaded:
-            return [url for url in self.urls if url in self._partly_loaded]
+        partly = [url for url in self.urls if url in self._partly_loaded and url not in self._down_since]
+        if partly:
+            return partly
         if self._pushed_version is None or (self._down_since and self._last is not None):
             return []
         return self._relaunched_behind(self._pushed_version)
@@ -388,6 +389,7 @@ class _SGLangSender(WeightSender):
             raise err
         now = time.monotonic()
         down = now - self._down_since.setdefault(url, now)
+        self._partly_loaded.discard(url)  # its relaunch holds whole weights (the base model's)
         if down > self.restart_grace_s:
             raise WeightPushError(
                 f"{err}; it has been unreachable for {down:.0f}s, longer than the {self.restart_grace_s:.0f}s "
@@ -409,6 +411,7 @@ class _SGLangSender(WeightSender):
         now = time.monotonic()
         for url in lost:
             self._down_since.setdefault(url, now)
+            self._partly_loaded.discard(url)
         survivors = [url for url in live if url not in lost]
         self._partly_loaded.update(survivors)
         log.warning(
@@ -424,7 +427,11 @@ class _SGLangSender(WeightSender):
         """A transport whose delivery spans a fixed set of servers ends it here (a member died)."""
 
     def _resume_all(self) -> None:
+        """Resume every server after a push that loaded nothing; one partly loaded by an earlier push
+        stays paused (its weights are of no version)."""
         for url in self.urls:
+            if url in self._partly_loaded:
+                continue
             try:
                 self._resume(url)
             except WeightPushError as e:
@@ -672,8 +679,12 @@ class NcclSGLangSender(_SGLangSender):
         was relaunched since the last push (it reports another weight version than that push set, the
         base model's: a new process holds none of our groups, and a load naming one would fail inside
         it). The servers are paused; a join is only asked of generating servers, so they go on
-        generating while the new group forms and are paused again. The old group is dropped, not
-        destroyed: destroying a communicator whose peer died can block, here and in the servers."""
+        generating while the new group forms and are paused again. That includes a server partly
+        loaded when another died mid-push (`_left_out`), healed by this push: for the seconds of the
+        join it generates from those weights, its tokens labeled with the older version it reports
+        and carrying the logprobs of the weights it ran, which TIS weighs them by. The old group is
+        dropped, not destroyed: destroying a communicator whose peer died can block, here and in the
+        servers."""
         if not live:  # every server is down: no group holds, the one that comes back forms a new one
             self._group, self._members = None, []
             return
