@@ -259,6 +259,14 @@ MUTATIONS = [
         ("tests/test_trainer_model.py",),
     ),
     Mutation(
+        "paused_server_relaunched_at_one_missed_check",
+        "a live SGLang server that misses one /health check (paused for a push) is relaunched",
+        "stages/rollout/sglang_engine.py",
+        "        return self._health_misses < 2\n",
+        "        return False\n",
+        ("tests/test_engine_health.py",),
+    ),
+    Mutation(
         "broadcast_waits_for_dead_server",
         "the push waits out a broadcast to a dead server (NCCL's watchdog then ends the trainer)",
         "stages/weights/sglang_transport.py",

@@ -89,8 +89,8 @@ class SGLangConfig(_Base):
     request_timeout_s: float = 3600.0  # one generate request that takes longer than this fails
     control_timeout_s: float = 300.0  # pause / weight load / version / NCCL group calls
     health_timeout_s: float = 5.0  # check_health(): /health must answer within this
-    # while generating, check every server this often and restart a dead or hung one (0 = never):
-    # stages/rollout/engine_watch.py
+    # while generating, check every server this often and restart a dead one, or a live one whose /health
+    # missed two checks in a row (0 = never): stages/rollout/engine_watch.py
     health_check_s: float = 30.0
     # keep a host copy of the last weights pushed from tensors, so that restart() can bring a relaunched
     # server back to the current version by itself (costs the model's size in host memory)

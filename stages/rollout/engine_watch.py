@@ -1,5 +1,7 @@
 """Engine health while a generator runs: every `rollout.sglang.health_check_s` seconds each SGLang server
-is asked for /health (in a worker thread, within `health_timeout_s`); a dead or hung one is restarted
+is asked for /health (in a worker thread, within `health_timeout_s`); a dead one, or a live one that
+missed two checks in a row (one miss may be a weight push: a paused SGLang server cannot answer
+/health, which generates a token), is restarted
 (`SGLangEngine.restart`: relaunch, then re-sync to the newest weights it can reach: the host copy of
 the last push, the last disk update, or the base model) and the run goes on.
 

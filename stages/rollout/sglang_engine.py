@@ -147,6 +147,7 @@ class SGLangEngine(Engine):
         self.restarting = False  # True while restart() relaunches the server
         # when a request last could not reach the server; cleared once it answers /health
         self._unreachable_at: float | None = None
+        self._health_misses = 0  # /health checks missed in a row (check_health)
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self._state_lock = threading.Lock()  # restart's (restarts, _version) are read as one
         self.last_update: dict[str, float] = {}
@@ -198,6 +199,7 @@ class SGLangEngine(Engine):
         if self.cfg.freeze_gc:
             self._freeze_gc()
         self._unreachable_at = None
+        self._health_misses = 0
         self._version = version
         threading.Thread(
             target=self._follow_version, args=(self._proc,), name=f"{self.name}-version", daemon=True
@@ -252,13 +254,19 @@ class SGLangEngine(Engine):
         self._stop()
 
     def check_health(self) -> bool:
-        """True when the server process is alive and /health answers 200 in time."""
+        """False when the server process is gone, or when /health has not answered 200 in time at two
+        checks in a row. SGLang answers /health by generating a token, which a server paused for a
+        weight push cannot do: one miss may be a long push (a 7B model's first push paused for 2.8 s;
+        a push held up by another server held a healthy one paused for 34 s, and the engine watch
+        relaunched it). A process that exited fails at once."""
         if self._proc is None or self._proc.poll() is not None:
             return False
-        healthy = self._get_status("/health", self.cfg.health_timeout_s) == 200
-        if healthy:
+        if self._get_status("/health", self.cfg.health_timeout_s) == 200:
             self._unreachable_at = None
-        return healthy
+            self._health_misses = 0
+            return True
+        self._health_misses += 1
+        return self._health_misses < 2
 
     def available(self) -> bool:
         """False while restart() relaunches the server, once its process has exited, and for
