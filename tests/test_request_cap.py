@@ -259,12 +259,17 @@ def test_the_torch_engine_drops_a_cancelled_request_and_counts_it_until_then(tmp
         params = SamplingParams(max_new_tokens=64, ignore_eos=True)
         reqs = [GenRequest(prompt_ids=[1, 2, 3], params=params, rid=str(i)) for i in range(4)]
         tokens_before = engine.stats()["tokens"]
+        # paused (as for a weight update), the engine cannot drop them before the count is read: on a
+        # busy box its thread did so at once and the count read 0, a race of the test, not the engine
+        engine.pause()
         task = asyncio.create_task(engine.generate(reqs))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await asyncio.sleep(0.05)
         still = engine.requests_in_flight()
+        engine.resume()
         for _ in range(500):
             if engine.requests_in_flight() == 0:
                 break
