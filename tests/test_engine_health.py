@@ -3,62 +3,27 @@ generating one token, which a server paused for a weight push cannot do until th
 run (2026-11-27) a push held up by one server kept the other paused for 34 s, and the watch relaunched
 that healthy server at its first missed check. Now a live server must miss two checks in a row; one
 whose process exited fails at once. The server is a real process on a real port, standing in for
-`python -m sglang.launch_server`: while a flag file exists it holds /health unanswered, as a paused
-SGLang does."""
+`python -m sglang.launch_server` (tests/sglang_standin.py): while a flag file exists it holds /health
+unanswered, as a paused SGLang does."""
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
-import textwrap
+
+from sglang_standin import command as standin_command  # tests/ is on sys.path
 
 from stages.rollout.config import SGLangConfig
 from stages.rollout.sglang_engine import SGLangEngine
-
-SERVER = textwrap.dedent(
-    """
-    import json, os, sys, time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    port, paused_flag = int(sys.argv[1]), sys.argv[2]
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _answer(self, code, body):
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                while os.path.exists(paused_flag):  # paused: no token is generated, no answer
-                    time.sleep(0.05)
-                self._answer(200, "")
-            else:
-                self._answer(200, json.dumps({"weight_version": "0"}))
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._answer(200, json.dumps({"success": True}))
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-    """
-)
 
 
 def test_a_paused_server_survives_one_missed_check_a_hung_one_fails_the_second_a_dead_one_the_first(
     tmp_path,
 ):
-    script, paused = tmp_path / "server.py", tmp_path / "paused"
-    script.write_text(SERVER)
+    paused = tmp_path / "paused"
     conf = SGLangConfig(log_dir=str(tmp_path / "logs"), startup_timeout_s=30, health_timeout_s=0.5)
     eng = SGLangEngine(str(tmp_path), conf, start=False)
-    eng._command = lambda path, version: [sys.executable, str(script), str(eng.port), str(paused)]
+    eng._command = lambda path, version: standin_command(eng.port, tmp_path / "calls.txt", paused_flag=paused)
     try:
         eng.start()
         assert eng.check_health()

@@ -1,68 +1,24 @@
 """SGLangEngine.start freezes the server's garbage collector once /health answers (SGLang's /freeze_gc):
 on an H100 the HTTP process otherwise stopped for a 0.5-0.67 s full collection every ~6 s, and a weight
 push whose pause met one stalled generation that long. The server here is a real process answering
-real HTTP on a real port, standing in for `python -m sglang.launch_server`."""
+real HTTP on a real port, standing in for `python -m sglang.launch_server` (tests/sglang_standin.py)."""
 
 from __future__ import annotations
 
 import logging
-import sys
-import textwrap
+
+from sglang_standin import command as standin_command  # tests/ is on sys.path
 
 from stages.rollout.config import SGLangConfig
 from stages.rollout.sglang_engine import SGLangEngine
 
-SERVER = textwrap.dedent(
-    """
-    import json, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    port, calls_file, has_freeze = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _answer(self, code, body):
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                self._answer(200, "")
-            else:  # /model_info, which the engine's version thread asks
-                self._answer(200, json.dumps({"weight_version": "0"}))
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            with open(calls_file, "a") as f:
-                f.write(self.path + "\\n")
-            if self.path == "/freeze_gc" and has_freeze:
-                self._answer(200, "Garbage collection frozen.\\n")  # SGLang 0.5.17 answers plain text
-            else:
-                self._answer(404, json.dumps({"detail": "Not Found"}))
-
-    HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-    """
-)
-
 
 def engine_on_fake_server(tmp_path, *, has_freeze: bool, **cfg) -> tuple[SGLangEngine, object]:
-    script, calls = tmp_path / "server.py", tmp_path / "calls.txt"
-    script.write_text(SERVER)
+    calls = tmp_path / "calls.txt"
     calls.write_text("")
     conf = SGLangConfig(log_dir=str(tmp_path / "logs"), startup_timeout_s=30, **cfg)
     eng = SGLangEngine(str(tmp_path), conf, start=False)
-    eng._command = lambda path, version: [
-        sys.executable,
-        str(script),
-        str(eng.port),
-        str(calls),
-        "1" if has_freeze else "0",
-    ]
+    eng._command = lambda path, version: standin_command(eng.port, calls, has_freeze=has_freeze)
     return eng, calls
 
 
