@@ -346,7 +346,7 @@ class _SGLangSender(WeightSender):
                     f"{e}; the SGLang servers {self.urls} are left paused with partly loaded weights: "
                     "restart them (or the run) before generating again"
                 ) from e
-            live = []  # nobody holds partly loaded weights: nothing to resume
+            live = []  # the dead are gone and the partly loaded stay paused: nothing to resume
         except Exception as e:
             # not the servers': a lazy source's gather, the bucket's memory; say what is left
             raise WeightPushError(
