@@ -41,7 +41,7 @@ def test_the_final_save_may_take_run_timeout_beyond_the_push_limit_and_the_shutd
 
 
 def test_a_final_save_longer_than_a_push_but_within_run_timeout_ends_the_run_completed(tmp_path, ray_session):
-    out = _shutdown(tmp_path, _slow_trainer(3.0), "weights.timeout_s=1", "run.timeout_s=30")
+    out = _shutdown(tmp_path, _slow_trainer(1.5), "weights.timeout_s=0.5", "run.timeout_s=30")
     assert out == {"version": 7}
 
 
