@@ -246,7 +246,7 @@ MUTATIONS = [
         "partly_loaded_survivor_resumed",
         "a server left partly loaded by another's death mid-push is resumed by the catch-up, not given whole weights",
         "stages/weights/sglang_transport.py",
-        "        behind, last = [*self._down_since, *sorted(self._partly_loaded - set(self._down_since))], self._last\n",
+        "        behind, last = [*self._down_since, *sorted(self._partly_loaded)], self._last\n",
         "        behind, last = list(self._down_since), self._last\n",
         ("tests/test_weights_group_processes.py",),
     ),

@@ -114,7 +114,9 @@ class _SGLangSender(WeightSender):
         self._last: tuple[int, list] | None = None  # (version, tensors) of the last push while one is behind
         self._pushed_version: int | None = None  # the version the last push set
         self._probed_at = float("-inf")  # when needs_push() last asked the servers their weight_version
-        self._partly_loaded: set[str] = set()  # paused mid-load when another server of the push died
+        # paused mid-load when another server of the push died; never also in _down_since (a server
+        # found down is dropped from it: its relaunch holds whole weights)
+        self._partly_loaded: set[str] = set()
         self._warned_small_bucket = False  # _packed_bucket_bytes said so once
         # the push thread's own CUDA stream: on the default stream (shared by threads) its copies and
         # waits would queue behind the training kernels the trainer queued meanwhile, with every
@@ -176,7 +178,7 @@ class _SGLangSender(WeightSender):
         last push with older weights, which nothing kept is waiting for (no push missed them; or one
         did, but it was a lazy push, push_now, which keeps nothing). Call it with no push in flight;
         [] while a left-out server waits for catch_up (and none is partly loaded)."""
-        partly = [url for url in self.urls if url in self._partly_loaded and url not in self._down_since]
+        partly = [url for url in self.urls if url in self._partly_loaded]
         if partly:
             return partly
         if self._pushed_version is None or (self._down_since and self._last is not None):
@@ -205,7 +207,7 @@ class _SGLangSender(WeightSender):
     def catch_up(self) -> PushHandle | None:
         """The last push again, to the servers it left out and those it left partly loaded; None when
         none is behind (or nothing was kept: a lazy push's are named by needs_push())."""
-        behind, last = [*self._down_since, *sorted(self._partly_loaded - set(self._down_since))], self._last
+        behind, last = [*self._down_since, *sorted(self._partly_loaded)], self._last
         if not behind or last is None:
             return None
         fut = self._pool.submit(
