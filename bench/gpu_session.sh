@@ -28,8 +28,8 @@
 #   12 x4     the same lanes: phase 8 then 3 (staleness 8, GC frozen) on GPUs 0,1; phase 13 then 5 (one
 #             seed, lr 3e-5, staleness 8) on GPUs 2,3 (~18 min, not yet run)
 #   13 stall  the colocated config with the servers' GC frozen (first GPU) and not (second), at once
-#   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~9 min,
-#             not yet run)
+#   14 7b     the push stall at 7B in a running pipeline: 4 GPUs, TP=2 trainer, two engines (~10-12 min
+#             a run: ~5 min of start-up, LIMIT_7B of training, ~2-3 min for the final save)
 #   15 x4     phase 13 then 8 on GPUs 0,1; the async learning variants at staleness 8 (seeds 0 1, lr 1e-5,
 #             earlier sessions' sync runs) on GPUs 2,3; then phase 14 on all four (~24 min, 2026-11-27)
 #   16 x4     phase 8, then phase 14 with SNAPSHOT_7B=direct (weights.snapshot; default auto) (~16 min,
@@ -41,7 +41,9 @@
 #             config's own batch with SNAPSHOT_7B=direct and then auto, LIMIT_7B s each (~22 min with
 #             LIMIT_7B=150, 2026-11-27 06:50)
 #   20 x4     phase 14 with weights.snapshot=auto (direct at 7B since session 9) at the config's own batch,
-#             to the run's end, then at a 7B-sized step, STEP_7B=large (~22 min, not yet run)
+#             to the run's end, then at a 7B-sized step, STEP_7B=large (~22 min, 2026-11-27 08:30)
+#   21 x4     the shipped configs/gpu-4x-7b.yaml on random Qwen2.5-7B weights as it is, then with SGLang's
+#             CUDA graphs on (~22 min, not yet run)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -195,8 +197,8 @@ phase13() {
 phase14() {
   # the push stall at 7B in a running pipeline (the issue's "every config"): gpu-4x-dp2 with a random
   # Qwen2.5-7B, megatron TP=2 on two GPUs, two SGLang engines on the other two, ${LIMIT_7B:-240} s of
-  # training. Each push gathers the TP shards into pinned host memory (weights.snapshot=auto at this
-  # size) and broadcasts 15 GB to both engines in 4 GB buckets (the NCCL default). The run of
+  # training. Each push gathers the TP shards (weights.snapshot=auto: straight from the GPU at this size
+  # since session 9) and broadcasts 15 GB to both engines in 4 GB buckets (the NCCL default). The run of
   # 2026-11-26 (scale-4x) went out of memory at step 2 in the non-finite check since replaced
   # built once a session: a second run (KEEP_7B=1 before it) reuses the folder the first one built
   local model
@@ -267,6 +269,22 @@ phase20() {
   KEEP_7B=1 SNAPSHOT_7B=auto STEP_7B=config LIMIT_7B=${LIMIT_7B:-150} phase14
   echo "7b auto config end $(date -u +%T)"
   SNAPSHOT_7B=auto STEP_7B=large LIMIT_7B=${LIMIT_7B_LARGE:-240} phase14
+}
+
+phase21() {
+  # what session 10 (phase 20) left open: configs/gpu-4x-7b.yaml as shipped (phase 20 ran its settings as
+  # overrides of gpu-4x-dp2), ${LIMIT_7B:-240} s of training, then the same with CUDA graphs on (decode
+  # speed against start-up and the memory beside the static pool)
+  local model
+  model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/21-build.err | tail -n 1)
+  [ -d "$model" ] || { echo "7b build failed"; return 1; }
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-7b.yaml 7b-shipped "${LIMIT_7B:-240}" model.name="$model" \
+    >$S/21-7b-shipped.out 2>&1
+  rm -rf /tmp/buffer-7b-shipped
+  echo "7b shipped end $(date -u +%T)"
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-7b.yaml 7b-graphs "${LIMIT_7B:-240}" model.name="$model" \
+    rollout.sglang.disable_cuda_graph=false >$S/21-7b-graphs.out 2>&1
+  rm -rf /tmp/buffer-7b-graphs /tmp/models-7b
 }
 
 phase18() {
