@@ -356,6 +356,22 @@ MUTATIONS = [
         '            path.write_text("\\n")\n',
         ("tests/test_pipeline_e2e.py::test_failing_stage_stops_the_run_with_its_error",),
     ),
+    Mutation(
+        "sgd_checkpoint_unloadable",
+        "trainer.optimizer=sgd cannot resume: megatron calls SGD's missing init_state_fn while loading",
+        "stages/trainer/optimizer.py",
+        "            part.init_state_fn = _make_sgd_state\n",
+        "            pass\n",
+        ("tests/test_trainer_step.py::test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes",),
+    ),
+    Mutation(
+        "optimizer_state_not_resumed",
+        "a resumed trainer starts with fresh optimizer state (Adam's moments, SGD's momentum lost)",
+        "stages/trainer/checkpoint.py",
+        '        trainer.optimizer.load_state_dict(loaded["optimizer"])\n',
+        "        pass\n",
+        ("tests/test_trainer_step.py::test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes",),
+    ),
 ]
 
 

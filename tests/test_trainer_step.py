@@ -282,3 +282,25 @@ def test_several_updates_per_batch_move_the_ratio_and_clip(model_path, tmp_path)
     assert many["tokens/trained"] == pytest.approx(3 * one["tokens/trained"])  # every epoch's tokens
     with pytest.raises(ValueError, match="trainer.mini_batches=64 but this rank has 16 samples"):
         run(mini_batches=64)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes(model_path, tmp_path, optimizer):
+    """The checkpoint holds the optimizer's state as well as the weights: Adam's moments, SGD's momentum
+    (megatron 0.16 could not load SGD's at all). From step 2's checkpoint, a new trainer's step 3 on the
+    same batch lands on the weights of the trainer that was never stopped."""
+    from stages.trainer.trainer import Trainer
+
+    batches = [make_batch(2, 4, seed=i) for i in range(3)]
+    first = Trainer(
+        _cfg(optimizer=optimizer, checkpoint_every=1), ListSource(batches), model_path, str(tmp_path)
+    )
+    first.step(), first.step()
+    first.tc.checkpoint_every = 0  # step 3 is not saved over the checkpoint the second trainer loads
+    second = Trainer(_cfg(optimizer=optimizer), ListSource(batches[2:]), model_path, str(tmp_path))
+    assert second.version == 2
+    first.step(), second.step()
+    for (name, a), (_, b) in zip(
+        first.policy.model.named_parameters(), second.policy.model.named_parameters()
+    ):
+        assert torch.allclose(a, b, atol=1e-6), name

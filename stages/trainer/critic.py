@@ -25,6 +25,7 @@ import torch
 
 from stages.trainer import cpu_shim, losses
 from stages.trainer.model import build_policy, unwrap
+from stages.trainer.optimizer import build_optimizer
 
 
 @dataclass
@@ -42,7 +43,6 @@ def build_critic(model_path: str, arch: dict, opt_cfg, tc, device) -> Critic:
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import get_megatron_optimizer
 
     built = build_policy(model_path, **arch, recompute=tc.recompute, ddp=False)
     gpt = unwrap(built.model)
@@ -61,11 +61,10 @@ def build_critic(model_path: str, arch: dict, opt_cfg, tc, device) -> Critic:
     built.config.no_sync_func = model.no_sync
     built.config.finalize_model_grads_func = finalize_model_grads
     lr = tc.lr if tc.critic_lr is None else tc.critic_lr
-    with cpu_shim.device_mode():
-        # plain (not DP-sharded) Adam whatever trainer.distributed_optimizer: the DDP above keeps no
-        # sharded buffers, and megatron 0.16 cannot resume a sharded optimizer anyway (checkpoint.py)
-        opt_cfg = dataclasses.replace(opt_cfg, lr=lr, use_distributed_optimizer=False)
-        optimizer = get_megatron_optimizer(opt_cfg, [model])
+    # plain (not DP-sharded) Adam whatever trainer.distributed_optimizer: the DDP above keeps no
+    # sharded buffers, and megatron 0.16 cannot resume a sharded optimizer anyway (checkpoint.py)
+    opt_cfg = dataclasses.replace(opt_cfg, lr=lr, use_distributed_optimizer=False)
+    optimizer = build_optimizer(opt_cfg, model)
     scale = lr / tc.lr if tc.lr > 0 else 1.0
     return Critic(model=model, optimizer=optimizer, lr_scale=scale)
 

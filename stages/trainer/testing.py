@@ -134,29 +134,29 @@ class ListSource:
 
 
 def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeout_s: float = 300):
-    """`torchrun --nproc-per-node nproc -m stages.trainer.parallel_check` (tests of the parallel layouts):
-    -> (per-step metrics, exported HF weights)."""
+    """`nproc` ranks of `python -m stages.trainer.parallel_check` (tests of the parallel layouts) ->
+    (per-step metrics, exported HF weights).
+
+    Each rank is started directly with the environment torchrun would give it: torchrun's own start-up
+    took ~1.5 s of every check on the 2-core CI machine and buys nothing for one node. A rank that
+    fails ends the others, which would otherwise wait for it in a collective until `timeout_s`."""
     import json
     import os
-    import socket
     import subprocess
     import sys
+    import tempfile
+    import time
 
     from safetensors.torch import load_file
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pipeline.net import free_port
+
     path = os.environ.get("PYTHONPATH")  # kept after the repo: the GPU machine's wheels live there
     env = dict(os.environ, PYTHONPATH=os.getcwd() + (f":{path}" if path else ""), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    env.update(LOCAL_WORLD_SIZE=str(nproc))
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={port}",
         "-m",
         "stages.trainer.parallel_check",
         "--model-path",
@@ -165,8 +165,34 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
         out,
         *args,
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
+    ranks = [
+        subprocess.Popen(
+            cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT
+        )
+        for r, log in enumerate(logs)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in ranks]
+    if any(codes):
+        # the output of the rank that failed first (the others were ended here, with -9)
+        first = next((r for r, c in enumerate(codes) if c not in (0, -9)), 0)
+        logs[first].seek(0)
+        raise AssertionError(
+            f"parallel_check {' '.join(args)}: ranks exited {codes}"
+            f"{f' (ended after {timeout_s:g} s)' if all(c == -9 for c in codes if c) else ''}; "
+            f"rank {first}'s output:\n{logs[first].read()[-4000:]}"
+        )
     with open(f"{out}/metrics.json") as f:
         return json.load(f), load_file(f"{out}/weights.safetensors")
 

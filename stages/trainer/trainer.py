@@ -36,6 +36,7 @@ from stages.trainer.model import (
     packed_row_params,
     unwrap,
 )
+from stages.trainer.optimizer import build_optimizer, use_fused_adam
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack, shard_samples, to_token_batch
 from stages.trainer.routing_replay import RoutingReplay
 
@@ -53,7 +54,7 @@ class SourceExhausted(Exception):
 class Trainer:
     def __init__(self, cfg: RunConfig, source, model_path: str, run_dir: str, *, sender=None):
         from megatron.core import parallel_state as ps
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig
 
         self.cfg, self.tc = cfg, cfg.trainer
         self.source, self.sender, self.run_dir = source, sender, str(run_dir)
@@ -127,8 +128,7 @@ class Trainer:
             params_dtype=torch.float32,
             use_distributed_optimizer=self.dist_opt,
         )
-        with cpu_shim.device_mode():
-            self.optimizer = get_megatron_optimizer(opt_cfg, [self.policy.model])
+        self.optimizer = build_optimizer(opt_cfg, self.policy.model)
         self.critic = None
         if self.tc.loss.advantage == "ppo":  # the value model, same build settings and parallelism
             self.critic = critic.build_critic(model_path, arch, opt_cfg, self.tc, self.device)
@@ -911,20 +911,6 @@ STAT_KEYS = (
     "sum/critic_grad_norm",
     "sum/critic_skipped",
 )
-
-
-def use_fused_adam(optimizer) -> None:
-    """Switch the torch Adam that megatron falls back to (no apex / transformer-engine) to its fused
-    CUDA kernel. Megatron builds it with torch's default, the multi-tensor "foreach" path, whose step
-    allocates temporaries the size of all fp32 master weights (14 GB per GPU for a 7B model at TP=2:
-    the difference between fitting on two 80 GB cards and not); the fused kernel allocates none and
-    launches fewer kernels. Set before the first step, when the state (and its step counters) is made."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            for group in inner.param_groups:
-                group["foreach"], group["fused"] = False, True
-            inner.defaults.update(foreach=False, fused=True)
 
 
 def _engine_mismatch(tb: TokenBatch, old: torch.Tensor, shard: list[int], version: int) -> dict:
