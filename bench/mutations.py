@@ -372,6 +372,14 @@ MUTATIONS = [
         "        pass\n",
         ("tests/test_trainer_step.py::test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes",),
     ),
+    Mutation(
+        "empty_optimizer_state_loaded",
+        "a checkpoint saved before the first step (no optimizer state) cannot be resumed: its keys are missing",
+        "stages/trainer/checkpoint.py",
+        '        with_optimizer = state.get("optimizer_state", True)  # earlier checkpoints: saved after steps\n',
+        "        with_optimizer = True\n",
+        ("tests/test_trainer_step.py::test_a_checkpoint_saved_before_any_step_resumes",),
+    ),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Every config in configs/ loads, and each GPU config's stages fit the GPUs it declares.
+"""Every config in configs/ loads, and each GPU config's stages fit the number of GPUs it declares.
 
 A user starts from these files: a key renamed in the schema, or a parallel size changed without the
 GPUs to hold it, must fail here rather than at the start of somebody's GPU run.
@@ -19,7 +19,7 @@ def test_the_configs_folder_is_found():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_a_shipped_config_loads_and_its_stages_fit_its_gpus(path):
+def test_a_shipped_config_loads_and_its_stages_fit_its_gpu_count(path):
     cfg = load_config(path)
     gpus = cfg.cluster.num_gpus
     plan = make_plan(cfg, gpus)

@@ -296,7 +296,6 @@ def test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes(model_path
         _cfg(optimizer=optimizer, checkpoint_every=1), ListSource(batches), model_path, str(tmp_path)
     )
     first.step(), first.step()
-    first.tc.checkpoint_every = 0  # step 3 is not saved over the checkpoint the second trainer loads
     second = Trainer(_cfg(optimizer=optimizer), ListSource(batches[2:]), model_path, str(tmp_path))
     assert second.version == 2
     first.step(), second.step()
@@ -304,3 +303,16 @@ def test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes(model_path
         first.policy.model.named_parameters(), second.policy.model.named_parameters()
     ):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_a_checkpoint_saved_before_any_step_resumes(model_path, tmp_path):
+    """A run that ends before its first step (a time limit, Ctrl-C) still saves, at version 0, with no
+    optimizer state made yet: a re-run in its directory resumes from it and trains (it failed on the
+    optimizer's keys, which such a checkpoint does not have)."""
+    from stages.trainer.checkpoint import latest_path
+    from stages.trainer.trainer import Trainer
+
+    Trainer(_cfg(), ListSource([]), model_path, str(tmp_path)).close()
+    assert latest_path(str(tmp_path)).endswith("step_000000")
+    again = Trainer(_cfg(), ListSource([make_batch(2, 4, seed=0)]), model_path, str(tmp_path))
+    assert again.version == 0 and again.step()["version"] == 1

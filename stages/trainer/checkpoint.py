@@ -18,6 +18,7 @@ import shutil
 import torch.distributed as dist
 
 from stages.trainer import cpu_shim, critic
+from stages.trainer.optimizer import has_state
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,10 @@ def _root(trainer) -> str:
     return os.path.join(trainer.run_dir, "checkpoints")
 
 
-def _sharded(trainer, is_loading: bool):
+def _sharded(trainer, is_loading: bool, with_optimizer: bool = True):
     model_sd = trainer.policy.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
+    if not with_optimizer:
+        return {"model": model_sd}
     return {
         "model": model_sd,
         # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
@@ -83,6 +86,10 @@ def save(trainer) -> str:
                 "version": trainer.version,
                 "model_path": trainer.policy.model_path,
                 "critic": has_critic,
+                # none before the first applied step (a run that ended before it still saves at version
+                # 0): loading would lay out state the checkpoint does not have, and fail on its keys
+                "optimizer_state": has_state(trainer.optimizer),
+                "critic_optimizer_state": has_critic and has_state(trainer.critic.optimizer),
             }
             json.dump(state, f)
         tmp = os.path.join(_root(trainer), "latest.tmp")
@@ -139,14 +146,18 @@ def load_latest(trainer) -> dict | None:
             "set trainer.resume=false to start fresh, or resume with the checkpoint's advantage estimator"
         )
     with cpu_shim.device_mode():
-        loaded = dist_checkpointing.load(_sharded(trainer, True), path)
+        with_optimizer = state.get("optimizer_state", True)  # earlier checkpoints: saved after steps
+        loaded = dist_checkpointing.load(_sharded(trainer, True, with_optimizer), path)
         trainer.policy.model.module.load_state_dict(loaded["model"])
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        if with_optimizer:
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
         if value_model is not None:
+            with_optimizer = state.get("critic_optimizer_state", True)
             loaded = dist_checkpointing.load(
-                critic.sharded_state_dict(value_model, True), os.path.join(path, "critic")
+                critic.sharded_state_dict(value_model, True, with_optimizer), os.path.join(path, "critic")
             )
             value_model.model.module.load_state_dict(loaded["model"])
-            value_model.optimizer.load_state_dict(loaded["optimizer"])
+            if with_optimizer:
+                value_model.optimizer.load_state_dict(loaded["optimizer"])
     log.info("resumed from %s at version %s", path, state["version"])
     return state

@@ -144,9 +144,11 @@ def update(trainer, tb, mbs, old_values: torch.Tensor, returns: torch.Tensor, co
     return out
 
 
-def sharded_state_dict(critic: Critic, is_loading: bool) -> dict:
+def sharded_state_dict(critic: Critic, is_loading: bool, with_optimizer: bool = True) -> dict:
     """The critic's model + optimizer state for megatron's dist_checkpointing (its own folder)."""
     model_sd = critic.model.module.sharded_state_dict()
+    if not with_optimizer:
+        return {"model": model_sd}
     return {
         "model": model_sd,
         "optimizer": critic.optimizer.sharded_state_dict(

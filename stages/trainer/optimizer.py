@@ -14,10 +14,17 @@ def build_optimizer(opt_cfg, model):
 
     with cpu_shim.device_mode():
         optimizer = get_megatron_optimizer(opt_cfg, [model])
-    for part in _parts(optimizer):
-        if getattr(part, "init_state_fn", "absent") is None:  # SGD's: see _make_sgd_state
-            part.init_state_fn = _make_sgd_state
+    if opt_cfg.optimizer == "sgd":
+        for part in _parts(optimizer):
+            if getattr(part, "optimizer", None) is not None and part.init_state_fn is None:
+                part.init_state_fn = _make_sgd_state  # see there
     return optimizer
+
+
+def has_state(optimizer) -> bool:
+    """Whether any step made the optimizer's per-parameter state yet (a checkpoint saved before the
+    first applied step has none to load)."""
+    return any(len(inner.state) for part in _parts(optimizer) if (inner := getattr(part, "optimizer", None)))
 
 
 def use_fused_adam(optimizer) -> None:
@@ -40,9 +47,9 @@ def _parts(optimizer) -> list:
 
 def _make_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
     """The state a checkpoint's SGD tensors load into: megatron calls its optimizer's `init_state_fn`
-    before loading and builds SGD with none, so a run with trainer.optimizer=sgd could not resume
-    ("'NoneType' object is not callable"). Momentum buffers of zeros, as torch makes them lazily: a
-    first step from a zero buffer is the same as from none (dampening 0)."""
+    before loading, to lay out the state the checkpoint fills, and builds SGD with none, so a run with
+    trainer.optimizer=sgd could not resume ("'NoneType' object is not callable"). Placeholder momentum
+    buffers (torch makes them at the first step); the checkpoint's values replace them."""
     for group in opt.param_groups:
         if group.get("momentum", 0):
             for p in group["params"]:

@@ -138,8 +138,9 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
     (per-step metrics, exported HF weights).
 
     Each rank is started directly with the environment torchrun would give it: torchrun's own start-up
-    took ~1.5 s of every check on the 2-core CI machine and buys nothing for one node. A rank that
+    took ~1 s of every check on the 2-core CI machine and buys nothing for one node. A rank that
     fails ends the others, which would otherwise wait for it in a collective until `timeout_s`."""
+    import contextlib
     import json
     import os
     import subprocess
@@ -165,34 +166,43 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
         out,
         *args,
     ]
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(nproc)]
-    ranks = [
-        subprocess.Popen(
-            cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT
-        )
-        for r, log in enumerate(logs)
-    ]
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in ranks]
-    if any(codes):
-        # the output of the rank that failed first (the others were ended here, with -9)
-        first = next((r for r, c in enumerate(codes) if c not in (0, -9)), 0)
-        logs[first].seek(0)
-        raise AssertionError(
-            f"parallel_check {' '.join(args)}: ranks exited {codes}"
-            f"{f' (ended after {timeout_s:g} s)' if all(c == -9 for c in codes if c) else ''}; "
-            f"rank {first}'s output:\n{logs[first].read()[-4000:]}"
-        )
+    with contextlib.ExitStack() as stack:
+        logs = [
+            stack.enter_context(tempfile.TemporaryFile(mode="w+", errors="replace")) for _ in range(nproc)
+        ]
+        ranks: list[subprocess.Popen] = []
+        failed_first, timed_out = None, False
+        try:
+            for r, log in enumerate(logs):
+                env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                ranks.append(subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                codes = [p.poll() for p in ranks]  # every rank, each pass: any of them may fail first
+                failed_first = next((r for r, c in enumerate(codes) if c), None)
+                if failed_first is not None or all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in ranks:  # the rest wait for the failed rank in a collective: end them
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if failed_first is not None or timed_out:
+            shown = failed_first if failed_first is not None else 0
+            logs[shown].seek(0)
+            raise AssertionError(
+                f"parallel_check {' '.join(args)}: "
+                + (
+                    f"rank {shown} exited {ranks[shown].returncode}"
+                    if not timed_out
+                    else f"ended after {timeout_s:g} s"
+                )
+                + f"; ranks exited {[p.returncode for p in ranks]}; rank {shown}'s output:\n{logs[shown].read()[-4000:]}"
+            )
     with open(f"{out}/metrics.json") as f:
         return json.load(f), load_file(f"{out}/weights.safetensors")
 
