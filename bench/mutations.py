@@ -360,8 +360,8 @@ MUTATIONS = [
         "sgd_checkpoint_unloadable",
         "trainer.optimizer=sgd cannot resume: megatron calls SGD's missing init_state_fn while loading",
         "stages/trainer/optimizer.py",
-        "            part.init_state_fn = _make_sgd_state\n",
-        "            pass\n",
+        "                part.init_state_fn = _make_sgd_state  # see there\n",
+        "                pass\n",
         ("tests/test_trainer_step.py::test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes",),
     ),
     Mutation(
