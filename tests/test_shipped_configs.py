@@ -11,7 +11,8 @@ import pytest
 from pipeline.config import load_config
 from pipeline.orchestration.placement import check_fits, make_plan
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
 def test_the_configs_folder_is_found():
@@ -32,7 +33,7 @@ def test_a_shipped_config_loads_and_its_stages_fit_its_gpu_count(path):
 
 
 def test_the_7b_config_splits_the_model_over_two_trainer_gpus_beside_two_engines():
-    cfg = load_config(Path(CONFIGS[0]).parent / "gpu-4x-7b.yaml")
+    cfg = load_config(CONFIG_DIR / "gpu-4x-7b.yaml")
     plan = make_plan(cfg, cfg.cluster.num_gpus)
     assert (cfg.trainer.tp, cfg.trainer.dp) == (2, 1)
     assert len(plan.trainer_bundles) == 2 and len(plan.generator_bundles) == 2

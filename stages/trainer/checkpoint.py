@@ -17,7 +17,7 @@ import shutil
 
 import torch.distributed as dist
 
-from stages.trainer import cpu_shim, critic
+from stages.trainer import cpu_shim
 from stages.trainer.optimizer import has_state
 
 log = logging.getLogger(__name__)
@@ -27,18 +27,30 @@ def _root(trainer) -> str:
     return os.path.join(trainer.run_dir, "checkpoints")
 
 
-def _sharded(trainer, is_loading: bool, with_optimizer: bool = True):
-    model_sd = trainer.policy.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
+def _sharded(model, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    """A DDP-wrapped model's (the policy's or the critic's) and its optimizer's state for megatron's
+    dist_checkpointing; the model's alone where the optimizer has none to load (see save)."""
+    model_sd = model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
     if not with_optimizer:
         return {"model": model_sd}
     return {
         "model": model_sd,
         # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
         # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
-        "optimizer": trainer.optimizer.sharded_state_dict(
+        "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         ),
     }
+
+
+def _load(model, optimizer, path: str, with_optimizer: bool) -> None:
+    """Into `model` and `optimizer` (the policy's or the critic's), the state saved at `path`."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(_sharded(model, optimizer, True, with_optimizer), path)
+    model.module.load_state_dict(loaded["model"])
+    if with_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
 
 
 def _patch_writer() -> None:
@@ -68,7 +80,7 @@ def save(trainer) -> str:
         os.makedirs(path)
     dist.barrier()
     with cpu_shim.device_mode():
-        dist_checkpointing.save(_sharded(trainer, False), path)
+        dist_checkpointing.save(_sharded(trainer.policy.model, trainer.optimizer, False), path)
     has_critic = getattr(trainer, "critic", None) is not None
     if has_critic:  # its own folder (megatron wants an empty one), made after the policy's save
         dist.barrier()
@@ -77,7 +89,7 @@ def save(trainer) -> str:
         dist.barrier()
         with cpu_shim.device_mode():
             dist_checkpointing.save(
-                critic.sharded_state_dict(trainer.critic, False), os.path.join(path, "critic")
+                _sharded(trainer.critic.model, trainer.critic.optimizer, False), os.path.join(path, "critic")
             )
     dist.barrier()
     if dist.get_rank() == 0:  # written last: its presence marks the whole checkpoint complete
@@ -126,8 +138,6 @@ def latest_path(run_dir: str) -> str | None:
 
 def load_latest(trainer) -> dict | None:
     """Load model + optimizer state from the latest checkpoint of the run dir; None if there is none."""
-    from megatron.core import dist_checkpointing
-
     path = latest_path(trainer.run_dir)
     if path is None:
         return None
@@ -146,18 +156,14 @@ def load_latest(trainer) -> dict | None:
             "set trainer.resume=false to start fresh, or resume with the checkpoint's advantage estimator"
         )
     with cpu_shim.device_mode():
-        with_optimizer = state.get("optimizer_state", True)  # earlier checkpoints: saved after steps
-        loaded = dist_checkpointing.load(_sharded(trainer, True, with_optimizer), path)
-        trainer.policy.model.module.load_state_dict(loaded["model"])
-        if with_optimizer:
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        # checkpoints written before the flags existed were all saved after steps: with state
+        _load(trainer.policy.model, trainer.optimizer, path, state.get("optimizer_state", True))
         if value_model is not None:
-            with_optimizer = state.get("critic_optimizer_state", True)
-            loaded = dist_checkpointing.load(
-                critic.sharded_state_dict(value_model, True, with_optimizer), os.path.join(path, "critic")
+            _load(
+                value_model.model,
+                value_model.optimizer,
+                os.path.join(path, "critic"),
+                state.get("critic_optimizer_state", True),
             )
-            value_model.model.module.load_state_dict(loaded["model"])
-            if with_optimizer:
-                value_model.optimizer.load_state_dict(loaded["optimizer"])
     log.info("resumed from %s at version %s", path, state["version"])
     return state

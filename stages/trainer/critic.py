@@ -142,16 +142,3 @@ def update(trainer, tb, mbs, old_values: torch.Tensor, returns: torch.Tensor, co
     out["sum/critic_skipped"] = torch.tensor(float(not ok))
     out["sum/critic_grad_norm"] = torch.tensor(float(0.0 if grad_norm is None else grad_norm))
     return out
-
-
-def sharded_state_dict(critic: Critic, is_loading: bool, with_optimizer: bool = True) -> dict:
-    """The critic's model + optimizer state for megatron's dist_checkpointing (its own folder)."""
-    model_sd = critic.model.module.sharded_state_dict()
-    if not with_optimizer:
-        return {"model": model_sd}
-    return {
-        "model": model_sd,
-        "optimizer": critic.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-        ),
-    }
