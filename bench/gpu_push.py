@@ -13,7 +13,9 @@ the same invocation, before the servers start. Prints one JSON line last.
                                           [--bucket-mb 512 1024 4096]
 
 Each transport is measured at every `--bucket-mb` (a bucket costs an HTTP round trip into the server on
-top of its bytes; `by_bucket_mb`), and `push_vs_raw` is judged at the NCCL transport's default size.
+top of its bytes; `by_bucket_mb`), the NCCL one with each `--nccl-receive` (weights.nccl_receive: the
+bucket as one flat broadcast, or one broadcast per tensor), and `push_vs_raw` is judged at the NCCL
+transport's default size and receive (`push_vs_raw_<receive>` for each one measured).
 """
 
 from __future__ import annotations
@@ -174,6 +176,13 @@ def main() -> None:
     ap.add_argument(
         "--bucket-mb", type=int, nargs="+", default=[512, 1024, 4096], help="bucket sizes to push in (MB)"
     )
+    ap.add_argument(
+        "--nccl-receive",
+        nargs="+",
+        default=["flat", "per_tensor"],
+        choices=["flat", "per_tensor"],
+        help="how the NCCL server receives (weights.nccl_receive): each one measured",
+    )
     ap.add_argument("--shape", default="", help="name of the model's shape in the JSON (e.g. 7b)")
     ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
     ap.add_argument("--_load", default="", help=argparse.SUPPRESS)
@@ -189,7 +198,7 @@ def main() -> None:
     from stages.rollout.config import SGLangConfig
     from stages.rollout.sglang_engine import SGLangEngine
     from stages.weights.base import align_nccl_env
-    from stages.weights.config import BUCKET_MB
+    from stages.weights.config import BUCKET_MB, WeightsConfig
     from stages.weights.sglang_transport import CudaIpcSGLangSender, NcclSGLangSender
 
     align_nccl_env()
@@ -232,11 +241,20 @@ def main() -> None:
     result["by_bucket_mb"] = {}
     try:
         for i, mb in enumerate(dict.fromkeys(a.bucket_mb)):  # a group name per sender: servers keep theirs
-            nccl = NcclSGLangSender([engines[1].url], timeout_s=120, bucket_mb=mb, group_name=f"bench-{mb}")
+            row = {}
+            for receive in a.nccl_receive:  # weights.nccl_receive
+                nccl = NcclSGLangSender(
+                    [engines[1].url],
+                    timeout_s=120,
+                    bucket_mb=mb,
+                    group_name=f"bench-{mb}-{receive}",
+                    per_tensor=receive == "per_tensor",
+                )
+                key = "nccl" if receive == "flat" else f"nccl_{receive}"
+                row[key] = measure(nccl, engines[1], named, a.pushes, 1 + 100 * i + 50 * len(row))
+                nccl.close()
             ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
-            row = {"nccl": measure(nccl, engines[1], named, a.pushes, 1 + 100 * i)}
             row["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1 + 100 * i)
-            nccl.close()
             ipc.close()
             row["buckets"] = math.ceil(result["bytes"] / (mb << 20))
             result["by_bucket_mb"][str(mb)] = row
@@ -252,9 +270,10 @@ def main() -> None:
     else:
         for row in result["by_bucket_mb"].values():
             for mode in ("idle", "generating"):
-                total = row["nccl"][mode]["seconds_ms"] / 1e3
-                row[f"nccl_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
-                row[f"nccl_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
+                for key in (k for k in row if k.startswith("nccl")):
+                    total = row[key][mode]["seconds_ms"] / 1e3
+                    row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
+                    row[f"{key}_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
                 row[f"ipc_{mode}_vs_d2d"] = round(
                     row["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
                 )
@@ -267,7 +286,15 @@ def main() -> None:
             else str(a.bucket_mb[0])
         )
         result["judged_bucket_mb"] = int(judged)
-        result["push_vs_raw"] = result["by_bucket_mb"][judged]["nccl_generating_vs_raw_flat"]
+        # at the pipeline's receive (weights.nccl_receive's default), and each receive measured
+        receive = WeightsConfig().nccl_receive
+        result["judged_receive"] = receive
+        judged_row = result["by_bucket_mb"][judged]
+        key = "nccl" if receive == "flat" else f"nccl_{receive}"
+        result["push_vs_raw"] = judged_row.get(f"{key}_generating_vs_raw_flat")
+        for r in a.nccl_receive:
+            k = "nccl" if r == "flat" else f"nccl_{r}"
+            result[f"push_vs_raw_{r}"] = judged_row.get(f"{k}_generating_vs_raw_flat")
     result["goal"] = 1.5
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     record(result, a.results)  # result["device"] is set above

@@ -44,6 +44,8 @@
 #             to the run's end, then at a 7B-sized step, STEP_7B=large (~22 min, 2026-11-27 08:30)
 #   21 x4     the shipped configs/gpu-4x-7b.yaml on random Qwen2.5-7B weights as it is, then with SGLang's
 #             CUDA graphs on (~22 min, not yet run)
+#   22 x2     the per-tensor receive (weights.nccl_receive): the NCCL push tests with each receive, then
+#             phase 2 at 1 and 4 GB buckets with both (~10 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -77,7 +79,7 @@ phase1() {
 phase2() {
   model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/2-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
-  python bench/gpu_push.py --model "$model" --shape 7b --pushes 3 --bucket-mb ${PUSH_BUCKETS_MB:-512 1024 4096} \
+  python bench/gpu_push.py --model "$model" --shape 7b --pushes ${PUSHES_7B:-3} --bucket-mb ${PUSH_BUCKETS_MB:-512 1024 4096} \
     --results $R/gpu_push.jsonl >$S/2-push-7b.out 2>&1
   rm -rf /tmp/models-7b
 }
@@ -285,6 +287,15 @@ phase21() {
   bash bench/gpu_pipeline.sh --out $S configs/gpu-4x-7b.yaml 7b-graphs "${LIMIT_7B:-240}" model.name="$model" \
     rollout.sglang.disable_cuda_graph=false >$S/21-7b-graphs.out 2>&1
   rm -rf /tmp/buffer-7b-graphs /tmp/models-7b
+}
+
+phase22() {
+  # the per-tensor receive (weights.nccl_receive=per_tensor) on a 2-GPU machine, ~10 min: the push tests
+  # into a real SGLang server over NCCL with each receive (the server's logprobs then match the pushed
+  # weights), then the 7B push bench with both receives at 1 and 4 GB buckets, raw broadcasts beside
+  SLIPSTREAM_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_weights_sglang.py -k nccl -s >$S/22-tests.out 2>&1
+  echo "push tests end $(date -u +%T): $(tail -n 1 $S/22-tests.out)"
+  PUSHES_7B=5 PUSH_BUCKETS_MB="${PUSH_BUCKETS_MB:-1024 4096}" phase2
 }
 
 phase18() {

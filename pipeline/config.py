@@ -12,7 +12,7 @@ import difflib
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 import yaml
@@ -267,9 +267,28 @@ def _derive_dp(cfg: RunConfig, dp_given: bool) -> RunConfig:
 
 
 def _dotted(msg: str) -> str:
-    """msgspec says '... - at `$.trainer.lr`'; say 'trainer.lr: ...' instead."""
+    """msgspec says '... - at `$.trainer.lr`'; say 'trainer.lr: ...' instead, with the values a field of
+    fixed choices takes when the value was not one of them."""
     m = re.search(r" - at `\$\.?(.*)`$", msg)
-    return f"{m.group(1)}: {msg[: m.start()]}" if m else msg
+    if not m:
+        return msg
+    key, reason = m.group(1), msg[: m.start()]
+    choices = _choices(key)
+    if reason.startswith("Invalid enum value") and choices:
+        reason += f"; choose one of {', '.join(map(str, choices))}"
+    return f"{key}: {reason}"
+
+
+def _choices(key: str) -> tuple:
+    """The values of the Literal field at dotted `key` of RunConfig, () for any other."""
+    kind = RunConfig
+    for part in key.split("."):
+        kind = {f.name: f.type for f in msgspec.structs.fields(kind)}.get(part)
+        if kind is None:
+            return ()
+        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+            break
+    return get_args(kind) if get_origin(kind) is Literal else ()
 
 
 def effective_staleness(cfg: RunConfig) -> int:

@@ -1,7 +1,7 @@
 """The NCCL sender's weight group across real processes, on CPU: the sender (rank 0) and a server
 process form real torch.distributed groups (gloo instead of NCCL, the same rendezvous SGLang uses) and
-every push is a real broadcast of the flat bucket, which the server unpacks by names, dtypes and shapes
-as SGLang does. The server is SIGKILLed and relaunched on its port: the next pushes leave it out, the
+every push is a real broadcast of the flat bucket (or of each tensor: weights.nccl_receive=per_tensor),
+which the server unpacks (receives) by names, dtypes and shapes as SGLang does. The server is SIGKILLed and relaunched on its port: the next pushes leave it out, the
 catch-up forms a new group with the new process and gives it the last weights.
 
 What stands in for SGLang is the server (an HTTP server speaking the routes the sender uses, in
@@ -98,14 +98,24 @@ class _Handler(JsonHandler):
             # before it have set up the group's communicator, as in a run)
             if srv.loads == int(os.environ.get("STANDIN_DIE_ON_LOAD", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
+            group, device = srv.groups[body["group_name"]], "cuda" if nccl else "cpu"
             dtypes = [getattr(torch, d) for d in body["dtypes"]]
-            sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda" if nccl else "cpu")
-            torch.distributed.broadcast(flat, src=0, group=srv.groups[body["group_name"]])
-            offset = 0
-            for name, dtype, shape, n in zip(body["names"], dtypes, body["shapes"], sizes):
-                srv.weights[name] = fingerprint(flat[offset : offset + n].view(dtype).reshape(shape))
-                offset += n
+            if body.get("load_format") == "flattened_bucket":  # one broadcast of the bucket's bytes
+                sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(body["shapes"], dtypes)]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+                torch.distributed.broadcast(flat, src=0, group=group)
+                offset, received = 0, []
+                for dtype, shape, n in zip(dtypes, body["shapes"], sizes):
+                    received.append(flat[offset : offset + n].view(dtype).reshape(shape))
+                    offset += n
+            else:  # no load_format: one broadcast per tensor, as SGLang receives them
+                received = [torch.empty(s, dtype=d, device=device) for s, d in zip(body["shapes"], dtypes)]
+                for work in [
+                    torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in received
+                ]:
+                    work.wait()
+            for name, t in zip(body["names"], received):
+                srv.weights[name] = fingerprint(t)
             if "weight_version" in body:
                 srv.version = body["weight_version"]
         self._answer({"success": True, "message": ""})
@@ -170,11 +180,11 @@ def _sums(named) -> dict[str, float]:
     return {n: fingerprint(t) for n, t in named}
 
 
-@pytest.fixture
-def weight_group(monkeypatch):
+@pytest.fixture(params=["flat", "per_tensor"])
+def weight_group(monkeypatch, request):
     """The NCCL sender on a gloo group and CPU buckets (its sequence, groups and layout are the real
-    ones), to a stand-in server's port: `launch(...)` starts a server there; the sender and every server
-    launched are ended whatever the test does."""
+    ones), to a stand-in server's port, for each weights.nccl_receive: `launch(...)` starts a server
+    there; the sender and every server launched are ended whatever the test does."""
     from types import SimpleNamespace
 
     from pipeline.net import free_port
@@ -183,7 +193,7 @@ def weight_group(monkeypatch):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
-    sender = _gloo_sender([url], group_name=f"test-{port}")
+    sender = _gloo_sender([url], group_name=f"test-{port}", per_tensor=request.param == "per_tensor")
     sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
     try:
         yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
@@ -191,7 +201,7 @@ def weight_group(monkeypatch):
         _end(sender, procs)
 
 
-def _gloo_sender(urls: list[str], group_name: str):
+def _gloo_sender(urls: list[str], group_name: str, per_tensor: bool = False):
     """The NCCL sender with its weight group on gloo and its buckets on CPU."""
     from stages.weights.sglang_transport import NcclSGLangSender
 
@@ -202,7 +212,9 @@ def _gloo_sender(urls: list[str], group_name: str):
         def _bucket_device(self):
             return torch.device("cpu")
 
-    return GlooSender(urls, timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=group_name)
+    return GlooSender(
+        urls, timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=group_name, per_tensor=per_tensor
+    )
 
 
 def _end(sender, procs: list[subprocess.Popen]) -> None:

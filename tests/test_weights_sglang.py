@@ -91,7 +91,8 @@ def _check_push(sender_cls, gpu: int, tmp_path, **kw):
         new_gap = (lps - logprobs(hf)).abs().mean().item()
         old_gap = (lps - logprobs(old)).abs().mean().item()
         print(
-            f"METRIC {{'transport': '{sender_cls.__name__}', 'vs_pushed': {new_gap:.4f}, 'vs_before': {old_gap:.4f}}}"
+            f"METRIC {{'transport': '{sender_cls.__name__}', 'options': {kw}, 'vs_pushed': {new_gap:.4f}, "
+            f"'vs_before': {old_gap:.4f}}}"
         )
         # the server now computes the pushed weights: bf16 engine vs a bf16 HF forward of exactly the
         # bytes pushed is 0.04-0.05 on an H200 (other kernels; this random model with perturbed weights
@@ -116,11 +117,12 @@ def test_cuda_ipc_push_colocated(tmp_path):
 @pytest.mark.skipif(
     not os.environ.get("SLIPSTREAM_GPU_TESTS"), reason="set SLIPSTREAM_GPU_TESTS=1 on a GPU machine"
 )
-def test_nccl_push_to_second_gpu(tmp_path):
+@pytest.mark.parametrize("receive", ["flat", "per_tensor"])  # weights.nccl_receive
+def test_nccl_push_to_second_gpu(tmp_path, receive):
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("the NCCL transport needs the engine on a second GPU")
     from stages.weights.sglang_transport import NcclSGLangSender
 
-    _check_push(NcclSGLangSender, 1, tmp_path)
+    _check_push(NcclSGLangSender, 1, tmp_path, per_tensor=receive == "per_tensor")

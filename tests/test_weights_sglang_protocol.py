@@ -386,7 +386,8 @@ class GroupSender(NcclSGLangSender):
     def _bucket_device(self):
         return torch.device("cpu")
 
-    def _broadcast(self, flat, calls):
+    def _broadcast(self, parts, calls):
+        (flat,) = parts  # weights.nccl_receive=flat: the bucket is one broadcast
         self.broadcasts = getattr(self, "broadcasts", []) + [(self._group, flat.clone())]
         return 0.0
 
@@ -644,6 +645,60 @@ def test_weight_buckets_default_by_transport_and_an_explicit_size_wins():
         load_config(None, ["weights.bucket_mb=-1"])
 
 
+def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_servers_for(
+    monkeypatch, server_factory
+):
+    """weights.nccl_receive=per_tensor: each load asks for SGLang's per-tensor receive (no load_format)
+    and the bucket goes out as one broadcast per tensor, in the load's order; flat (the default): one
+    flattened_bucket broadcast. A misspelt value is refused naming the choices."""
+    from pipeline.config import ConfigError, load_config
+    from stages.weights.base import make_sender
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
+    sent = []
+
+    class Recorded(NcclSGLangSender):  # the real sender, its group and broadcast recorded on CPU
+        def _new_group(self, init_method, world, name):
+            return (name, world)
+
+        def _bucket_device(self):
+            return torch.device("cpu")
+
+        def _start_broadcast(self, parts, stream):
+            sent.append([p.clone() for p in parts])
+            return _AllDone()
+
+    for receive in ("flat", "per_tensor"):
+        srv, url = server_factory()
+        w = load_config(None, ["weights.transport=nccl", f"weights.nccl_receive={receive}"]).weights
+        sender = make_sender(w, engine_urls=[url])
+        assert type(sender) is NcclSGLangSender
+        sender.__class__ = Recorded
+        sent.clear()
+        try:
+            a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.ones(4)
+            sender.push(1, [("a", a), ("b", b)]).result(timeout=30)
+        finally:
+            sender.close()
+        (load,) = _loads(srv)
+        if receive == "flat":
+            assert load["load_format"] == "flattened_bucket" and [p.dtype for p in sent[0]] == [torch.uint8]
+        else:
+            assert "load_format" not in load
+            assert [(p.dtype, p.shape) for p in sent[0]] == [(a.dtype, a.shape), (b.dtype, b.shape)]
+            assert torch.equal(sent[0][0], a) and torch.equal(sent[0][1], b)
+    with pytest.raises(ConfigError, match="nccl_receive: .*choose one of flat, per_tensor"):
+        load_config(None, ["weights.nccl_receive=per-tensor"])
+
+
+class _AllDone:
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        pass
+
+
 def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or_at_the_timeout():
     """NCCL's broadcast to a server that died never completes (the GPU kernel waits for the peer), so
     the push watches it beside the servers' load calls: a call that finds its server gone ends the
@@ -735,7 +790,7 @@ def test_a_broadcast_to_a_server_that_died_aborts_the_weight_group_and_names_the
     call.set_exception(gone)
     try:
         with pytest.raises(WeightPushError, match=r"went away during the push") as err:
-            sender._broadcast(torch.zeros(8, dtype=torch.uint8), {"http://a": call})
+            sender._broadcast([torch.zeros(8, dtype=torch.uint8)], {"http://a": call})
         assert err.value.lost == ["http://a"]
         assert group.aborted and sender._group is None and sender._members == []
     finally:
@@ -770,11 +825,11 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
 
     buffers = []  # the storage each broadcast sent from
 
-    def broadcast(self, flat, calls):
+    def broadcast(self, parts, calls):
         sent_after.append(len(pulled))
         alive_at_send.append(sum(r() is not None for r in gathers))
-        buffers.append(flat.untyped_storage().data_ptr())
-        return record(self, flat, calls)
+        buffers.append(parts[0].untyped_storage().data_ptr())
+        return record(self, parts, calls)
 
     sender._broadcast = broadcast.__get__(sender)
     out = sender.push_now(7, gathered(5))

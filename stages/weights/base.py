@@ -247,6 +247,11 @@ def make_sender(
             restart_grace_s=restart_grace_s,
         )
         if kind == "nccl":
-            return sg.NcclSGLangSender(engine_urls, master_address=master_address, **common)
+            return sg.NcclSGLangSender(
+                engine_urls,
+                master_address=master_address,
+                per_tensor=cfg.nccl_receive == "per_tensor",
+                **common,
+            )
         return sg.CudaIpcSGLangSender(engine_urls, **common)
     raise ValueError(f"weights.transport={kind!r} has no sender yet (cpu, nccl, cuda_ipc)")

@@ -26,6 +26,11 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cpu copy took ~0.34 s of each step and was copied back to the GPU while the engines stood paused
     # (~0.35 s a push); direct took ~0.16 s of both (bench/RESULTS.md, 2026-11-27)
     snapshot: Literal["auto", "gpu", "cpu", "direct"] = "auto"
+    # how an SGLang server receives an NCCL push. flat: one broadcast per bucket, which SGLang 0.5.17
+    # receives into a buffer it first fills by copying freshly allocated tensors, then unpacks into
+    # the parameters; per_tensor: one broadcast per tensor, each received into a tensor of its own
+    # and loaded, with no flat buffer (less server memory: one bucket, not two)
+    nccl_receive: Literal["flat", "per_tensor"] = "flat"
 
     def __post_init__(self):
         if self.push_every < 0 or self.bucket_mb < 0 or self.timeout_s <= 0:

@@ -585,6 +585,32 @@ def flat_bucket(group, device) -> torch.Tensor:
     return flat
 
 
+def tensor_views(flat: torch.Tensor, group) -> list[torch.Tensor]:
+    """The bucket's tensors as views of its flat byte tensor, in order (each contiguous, its dtype and
+    shape): what the per-tensor receive broadcasts one by one."""
+    views, offset = [], 0
+    for _, x in group:
+        n = x.numel() * x.element_size()
+        views.append(flat[offset : offset + n].view(x.dtype).view(x.shape))
+        offset += n
+    return views
+
+
+class _AllWork:
+    """Several async collectives' works as one: completed when every one is (gloo may run them on
+    threads of its own, so the last one's completion says nothing of the others)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 class NcclSGLangSender(_SGLangSender):
     def __init__(
         self,
@@ -592,9 +618,14 @@ class NcclSGLangSender(_SGLangSender):
         *,
         master_address: str = "127.0.0.1",
         group_name: str = "slipstream-weights",
+        per_tensor: bool = False,
         **kw,
     ):
         super().__init__(urls, **kw)
+        # weights.nccl_receive=per_tensor: each tensor of a bucket is its own broadcast, which the server
+        # receives straight into a buffer of that tensor's shape and loads (SGLang's receive without
+        # load_format); flat: one broadcast of the whole bucket, which SGLang 0.5.17 copies once more
+        self.per_tensor = per_tensor
         self.master_address = master_address
         self.group_name = group_name
         # every group this sender tries gets a new name: a server keeps each name it joined (a failed
@@ -711,39 +742,45 @@ class NcclSGLangSender(_SGLangSender):
             raise WeightPushError(f"weights: NCCL group {self._members} is not this push's servers {urls}")
         check_flat_layout(group)
         body = proto.distributed_body(
-            *proto.describe(group), self._group_name, flat=True, flush_cache=self.flush_cache, version=version
+            *proto.describe(group),
+            self._group_name,
+            flat=not self.per_tensor,
+            flush_cache=self.flush_cache,
+            version=version,
         )
         # built before any server is asked to receive: a failure here leaves them paused, not waiting
         # in a receive that never comes
         flat = flat_bucket(group, self._bucket_device())
+        parts = tensor_views(flat, group) if self.per_tensor else [flat]
         calls = {
             url: self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
             for url in urls
         }
-        moved = self._broadcast(flat, calls)  # the servers wait in their receive meanwhile
+        moved = self._broadcast(parts, calls)  # the servers wait in their receive meanwhile
         for url, c in calls.items():
             _within(c, self.timeout_s, url)  # one that received, then died in its load: _gone
         if version is not None:
             self._version_at.update({url: str(version) for url in urls})
         return moved
 
-    def _broadcast(self, flat: torch.Tensor, calls: dict[str, cf.Future]) -> float:
-        """Rank 0's broadcast of one flat bucket while the servers' load `calls` run; returns its
-        seconds (the floor of any push). A server that dies meanwhile would leave NCCL waiting for it
+    def _broadcast(self, parts: list[torch.Tensor], calls: dict[str, cf.Future]) -> float:
+        """Rank 0's broadcast of one bucket (`parts`: the flat bucket, or each of its tensors in order)
+        while the servers' load `calls` run; returns its seconds (the floor of any push). A server that dies meanwhile would leave NCCL waiting for it
         until its watchdog ends the trainer's process (a 2-GPU kill test did): the broadcast is watched
         beside the calls, and the group aborted when one of them finds its server gone, or at
         weights.timeout_s."""
         # this stream only (the push thread's): the bucket is written; NCCL's stream waits on it, and
         # after the call this stream waits on NCCL's. (A CPU group in the tests has no stream.)
-        sync = torch.cuda.current_stream().synchronize if flat.is_cuda else (lambda: None)
+        on_gpu = parts[0].is_cuda
+        sync = torch.cuda.current_stream().synchronize if on_gpu else (lambda: None)
         sync()
         t0 = time.monotonic()
         try:
             # NCCL sets up a new group's communicator in its first collective, blocking until every rank
             # does: a server that died after joining would hold this thread there for good. Started on
             # a thread of its own, the call is waited for like the broadcast, and left behind if it must
-            stream = torch.cuda.current_stream() if flat.is_cuda else None
-            started = _in_thread(self._start_broadcast, flat, stream)
+            stream = torch.cuda.current_stream() if on_gpu else None
+            started = _in_thread(self._start_broadcast, parts, stream)
             dead = await_broadcast(started, calls, t0 + self.timeout_s)
             if not dead:
                 started.result().wait()  # raises what the backend saw (gloo: a peer that closed its socket)
@@ -762,13 +799,20 @@ class NcclSGLangSender(_SGLangSender):
         sync()
         return time.monotonic() - t0
 
-    def _start_broadcast(self, flat: torch.Tensor, stream):
-        """Rank 0's broadcast call (async: its work is returned), on the push's stream and device."""
+    def _start_broadcast(self, parts: list[torch.Tensor], stream) -> _AllWork:
+        """Rank 0's broadcast calls, one per part in order (async: their works are returned), on the
+        push's stream and device."""
+
+        def start():
+            return _AllWork(
+                [torch.distributed.broadcast(x, src=0, group=self._group, async_op=True) for x in parts]
+            )
+
         if stream is None:
-            return torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
-        torch.cuda.set_device(flat.device)
+            return start()
+        torch.cuda.set_device(parts[0].device)
         with torch.cuda.stream(stream):
-            return torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
+            return start()
 
     def _abort_group(self) -> None:
         """End the group's communicator, so that a broadcast no server will finish returns, and never use
