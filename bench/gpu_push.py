@@ -270,7 +270,7 @@ def main() -> None:
     else:
         for row in result["by_bucket_mb"].values():
             for mode in ("idle", "generating"):
-                for key in (k for k in row if k.startswith("nccl")):
+                for key in [k for k in row if k in ("nccl", "nccl_per_tensor")]:
                     total = row[key][mode]["seconds_ms"] / 1e3
                     row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
                     row[f"{key}_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)

@@ -649,13 +649,13 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
     monkeypatch, server_factory
 ):
     """weights.nccl_receive=per_tensor: each load asks for SGLang's per-tensor receive (no load_format)
-    and the bucket goes out as one broadcast per tensor, in the load's order; flat (the default): one
-    flattened_bucket broadcast. A misspelt value is refused naming the choices."""
+    and the bucket goes out as one broadcast per tensor, in the load's order, from the tensors themselves
+    where they can be; flat (the default): one flattened_bucket broadcast. A misspelt value is refused naming the choices."""
     from pipeline.config import ConfigError, load_config
     from stages.weights.base import make_sender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
-    sent = []
+    sent, sent_from = [], []
 
     class Recorded(NcclSGLangSender):  # the real sender, its group and broadcast recorded on CPU
         def _new_group(self, init_method, world, name):
@@ -666,6 +666,7 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
 
         def _start_broadcast(self, parts, stream):
             sent.append([p.clone() for p in parts])
+            sent_from.append([p.data_ptr() for p in parts])
             return _AllDone()
 
     for receive in ("flat", "per_tensor"):
@@ -675,8 +676,9 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
         assert type(sender) is NcclSGLangSender
         sender.__class__ = Recorded
         sent.clear()
+        sent_from.clear()
         try:
-            a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.ones(4)
+            a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.ones(4, 2).t()  # b strided
             sender.push(1, [("a", a), ("b", b)]).result(timeout=30)
         finally:
             sender.close()
@@ -687,6 +689,8 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
             assert "load_format" not in load
             assert [(p.dtype, p.shape) for p in sent[0]] == [(a.dtype, a.shape), (b.dtype, b.shape)]
             assert torch.equal(sent[0][0], a) and torch.equal(sent[0][1], b)
+            # a contiguous tensor already on the push's device goes out as it is, with no copy
+            assert sent_from[0][0] == a.data_ptr() and sent_from[0][1] != b.data_ptr()
     with pytest.raises(ConfigError, match="nccl_receive: .*choose one of flat, per_tensor"):
         load_config(None, ["weights.nccl_receive=per-tensor"])
 

@@ -585,15 +585,12 @@ def flat_bucket(group, device) -> torch.Tensor:
     return flat
 
 
-def tensor_views(flat: torch.Tensor, group) -> list[torch.Tensor]:
-    """The bucket's tensors as views of its flat byte tensor, in order (each contiguous, its dtype and
-    shape): what the per-tensor receive broadcasts one by one."""
-    views, offset = [], 0
-    for _, x in group:
-        n = x.numel() * x.element_size()
-        views.append(flat[offset : offset + n].view(x.dtype).view(x.shape))
-        offset += n
-    return views
+def tensors_on(group, device) -> list[torch.Tensor]:
+    """The bucket's tensors, in order, each contiguous on `device`: what the per-tensor receive
+    broadcasts one by one. Nothing is copied that is there already: a packed bucket's views of its flat
+    buffer (weights.snapshot=direct), a GPU snapshot's tensors; a host snapshot's come over one by one."""
+    device = torch.device(device)
+    return [x if x.device == device and x.is_contiguous() else x.to(device).contiguous() for _, x in group]
 
 
 class _AllWork:
@@ -750,8 +747,8 @@ class NcclSGLangSender(_SGLangSender):
         )
         # built before any server is asked to receive: a failure here leaves them paused, not waiting
         # in a receive that never comes
-        flat = flat_bucket(group, self._bucket_device())
-        parts = tensor_views(flat, group) if self.per_tensor else [flat]
+        device = self._bucket_device()
+        parts = tensors_on(group, device) if self.per_tensor else [flat_bucket(group, device)]
         calls = {
             url: self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
             for url in urls
