@@ -79,7 +79,7 @@ phase1() {
 phase2() {
   model=$(python bench/random_model.py 7b /tmp/models-7b 2>$S/2-build.err | tail -n 1)
   [ -d "$model" ] || { echo "7b build failed"; return 1; }
-  python bench/gpu_push.py --model "$model" --shape 7b --pushes ${PUSHES_7B:-3} --bucket-mb ${PUSH_BUCKETS_MB:-512 1024 4096} \
+  python bench/gpu_push.py --model "$model" --shape 7b --pushes ${PUSHES_7B:-3} --bucket-mb ${PUSH_BUCKETS_MB:-512 1024 4096} ${PUSH_RECEIVE:+--nccl-receive $PUSH_RECEIVE} \
     --results $R/gpu_push.jsonl >$S/2-push-7b.out 2>&1
   rm -rf /tmp/models-7b
 }
