@@ -291,6 +291,22 @@ MUTATIONS = [
         ("tests/test_weights_sglang_protocol.py",),
     ),
     Mutation(
+        "per_tensor_receive_asked_flat",
+        "weights.nccl_receive=per_tensor sends each tensor but asks the server for a flattened_bucket receive",
+        "stages/weights/sglang_transport.py",
+        "            flat=not self.per_tensor,\n",
+        "            flat=True,\n",
+        ("tests/test_weights_sglang_protocol.py", "tests/test_weights_group_processes.py"),
+    ),
+    Mutation(
+        "per_tensor_broadcast_out_of_order",
+        "the per-tensor push broadcasts a bucket's tensors in another order than the load call names them",
+        "stages/weights/sglang_transport.py",
+        "        parts = tensors_on(group, device) if self.per_tensor else [flat_bucket(group, device)]\n",
+        "        parts = tensors_on(group, device)[::-1] if self.per_tensor else [flat_bucket(group, device)]\n",
+        ("tests/test_weights_sglang_protocol.py", "tests/test_weights_group_processes.py"),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",

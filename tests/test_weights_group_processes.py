@@ -201,7 +201,7 @@ def weight_group(monkeypatch, request):
         _end(sender, procs)
 
 
-def _gloo_sender(urls: list[str], group_name: str, per_tensor: bool = False):
+def _gloo_sender(urls: list[str], group_name: str, per_tensor: bool = True):
     """The NCCL sender with its weight group on gloo and its buckets on CPU."""
     from stages.weights.sglang_transport import NcclSGLangSender
 

@@ -387,8 +387,9 @@ class GroupSender(NcclSGLangSender):
         return torch.device("cpu")
 
     def _broadcast(self, parts, calls):
-        (flat,) = parts  # weights.nccl_receive=flat: the bucket is one broadcast
-        self.broadcasts = getattr(self, "broadcasts", []) + [(self._group, flat.clone())]
+        # the bucket's bytes as they went out, back to back: one flat broadcast or one per tensor
+        flat = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+        self.broadcasts = getattr(self, "broadcasts", []) + [(self._group, flat)]
         return 0.0
 
 

@@ -26,11 +26,13 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # cpu copy took ~0.34 s of each step and was copied back to the GPU while the engines stood paused
     # (~0.35 s a push); direct took ~0.16 s of both (bench/RESULTS.md, 2026-11-27)
     snapshot: Literal["auto", "gpu", "cpu", "direct"] = "auto"
-    # how an SGLang server receives an NCCL push. flat: one broadcast per bucket, which SGLang 0.5.17
-    # receives into a buffer it first fills by copying freshly allocated tensors, then unpacks into
-    # the parameters; per_tensor: one broadcast per tensor, each received into a tensor of its own
-    # and loaded, with no flat buffer (less server memory: one bucket, not two)
-    nccl_receive: Literal["flat", "per_tensor"] = "flat"
+    # how an SGLang server receives an NCCL push. per_tensor: one broadcast per tensor, each received
+    # into a tensor of its own and loaded, sent from the trainer's tensors as they lie; flat: one
+    # broadcast per bucket, which SGLang 0.5.17 receives into a buffer it first fills by copying
+    # freshly allocated tensors (the server holds the bucket twice), and the trainer packs into one.
+    # A 7B push into a generating server took 1.79x a raw broadcast per_tensor, 2.14x flat, in 4 GB
+    # buckets; 1.54x and 2.07x in one bucket (bench/RESULTS.md, 2026-11-27, 2x H200)
+    nccl_receive: Literal["flat", "per_tensor"] = "per_tensor"
 
     def __post_init__(self):
         if self.push_every < 0 or self.bucket_mb < 0 or self.timeout_s <= 0:
@@ -51,6 +53,6 @@ DIRECT_NEEDS_ONE_STAGE = (
 
 # 0 = by transport. cpu: buckets stream over ZeroMQ while the next is packed; cuda_ipc: the flat copy
 # sits on the GPU that trainer and engine share; nccl: every TP rank of a server receives a whole bucket
-# and unpacks it, needing about twice its size outside its static memory (mem_fraction_static), and
-# the trainer builds it on rank 0's GPU
+# before it loads it, needing its size outside its static memory (mem_fraction_static; twice that with
+# weights.nccl_receive=flat)
 BUCKET_MB = {"cpu": 64, "cuda_ipc": 1024, "nccl": 4096}

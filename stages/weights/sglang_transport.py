@@ -33,9 +33,11 @@ NcclSGLangSender (disaggregated: trainer and engines on different GPUs). The tra
 0 of a dedicated NCCL group; server i joins with rank_offset = 1 + (sum of earlier servers' TP sizes)
 via POST /init_weights_update_group, while the trainer joins with SGLang's own
 `init_custom_process_group` (the two must rendezvous at the same time, hence the threads). Each bucket
-is POST /update_weights_from_distributed {names, dtypes, shapes, load_format: flattened_bucket} while
-rank 0 broadcasts the bucket as one flat byte tensor (SGLang's FlattenedTensorBucket layout): one NCCL
-call per bucket instead of one per tensor. The group spans exactly the servers a push reaches: when
+is POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts each tensor of
+the bucket in that order (weights.nccl_receive=per_tensor: the server receives each into a tensor of its
+own and loads them), or with load_format: flattened_bucket while rank 0 broadcasts the bucket as one
+flat byte tensor (flat: one NCCL call per bucket, which SGLang 0.5.17 copies once more; measured
+slower at 7B). The group spans exactly the servers a push reaches: when
 one is left out (restarting) or comes back, the sender forms a new group (a new name) with the servers
 of this push before it loads anything (see `_regroup`); the old group is dropped, not destroyed.
 NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
@@ -615,13 +617,14 @@ class NcclSGLangSender(_SGLangSender):
         *,
         master_address: str = "127.0.0.1",
         group_name: str = "slipstream-weights",
-        per_tensor: bool = False,
+        per_tensor: bool = True,
         **kw,
     ):
         super().__init__(urls, **kw)
-        # weights.nccl_receive=per_tensor: each tensor of a bucket is its own broadcast, which the server
-        # receives straight into a buffer of that tensor's shape and loads (SGLang's receive without
-        # load_format); flat: one broadcast of the whole bucket, which SGLang 0.5.17 copies once more
+        # weights.nccl_receive=per_tensor (the default): each tensor of a bucket is its own broadcast,
+        # which the server receives straight into a tensor of that shape and loads (SGLang's receive
+        # without load_format); flat: one broadcast of the whole bucket, which SGLang 0.5.17 copies
+        # once more
         self.per_tensor = per_tensor
         self.master_address = master_address
         self.group_name = group_name
