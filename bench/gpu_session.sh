@@ -46,6 +46,7 @@
 #             CUDA graphs on (~22 min, not yet run)
 #   22 x2     the per-tensor receive (weights.nccl_receive): the NCCL push tests with each receive, then
 #             phase 2 at 1 and 4 GB buckets with both (~10 min)
+#   23 x2     the 2-GPU disaggregated pipeline with the per-tensor receive, 60 s of training (~4 min)
 #   7 kill+learn  phase 6 on GPU 0 beside a one-seed learning ablation on GPU 1 (colocated, the three
 #             variants one after another, ${LEARN_STEPS:-80} steps each at lr 1e-5): what fits in the
 #             minutes left of a 30-minute device session after phases 2 and 3
@@ -296,6 +297,13 @@ phase22() {
   SLIPSTREAM_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_weights_sglang.py -k nccl -s >$S/22-tests.out 2>&1
   echo "push tests end $(date -u +%T): $(tail -n 1 $S/22-tests.out)"
   PUSHES_7B=5 PUSH_BUCKETS_MB="${PUSH_BUCKETS_MB:-1024 4096}" phase2
+}
+
+phase23() {
+  # the whole pipeline with the per-tensor NCCL receive (weights.nccl_receive's default since session
+  # 11): the 2-GPU disaggregated config, CUDA graphs off, ${LIMIT:-60} s of training (~4 min)
+  bash bench/gpu_pipeline.sh --out $S configs/gpu-2x-disaggregated.yaml per-tensor-2x "${LIMIT:-60}" \
+    rollout.sglang.disable_cuda_graph=true >$S/23-per-tensor-2x.out 2>&1
 }
 
 phase18() {
