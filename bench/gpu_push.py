@@ -248,7 +248,7 @@ def main() -> None:
                     timeout_s=120,
                     bucket_mb=mb,
                     group_name=f"bench-{mb}-{receive}",
-                    per_tensor=receive == "per_tensor",
+                    receive=receive,
                 )
                 key = "nccl" if receive == "flat" else f"nccl_{receive}"
                 row[key] = measure(nccl, engines[1], named, a.pushes, 1 + 100 * i + 50 * len(row))

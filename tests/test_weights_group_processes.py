@@ -193,7 +193,7 @@ def weight_group(monkeypatch, request):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
-    sender = _gloo_sender([url], group_name=f"test-{port}", per_tensor=request.param == "per_tensor")
+    sender = _gloo_sender([url], group_name=f"test-{port}", receive=request.param)
     sender.bucket_bytes = 4096  # several buckets, several broadcasts per push
     try:
         yield SimpleNamespace(url=url, sender=sender, launch=lambda **kw: _launch(port, procs, **kw))
@@ -201,7 +201,7 @@ def weight_group(monkeypatch, request):
         _end(sender, procs)
 
 
-def _gloo_sender(urls: list[str], group_name: str, per_tensor: bool = True):
+def _gloo_sender(urls: list[str], group_name: str, receive: str = "per_tensor"):
     """The NCCL sender with its weight group on gloo and its buckets on CPU."""
     from stages.weights.sglang_transport import NcclSGLangSender
 
@@ -213,7 +213,7 @@ def _gloo_sender(urls: list[str], group_name: str, per_tensor: bool = True):
             return torch.device("cpu")
 
     return GlooSender(
-        urls, timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=group_name, per_tensor=per_tensor
+        urls, timeout_s=30, restart_grace_s=120, bucket_mb=1, group_name=group_name, receive=receive
     )
 
 

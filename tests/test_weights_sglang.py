@@ -125,4 +125,4 @@ def test_nccl_push_to_second_gpu(tmp_path, receive):
         pytest.skip("the NCCL transport needs the engine on a second GPU")
     from stages.weights.sglang_transport import NcclSGLangSender
 
-    _check_push(NcclSGLangSender, 1, tmp_path, per_tensor=receive == "per_tensor")
+    _check_push(NcclSGLangSender, 1, tmp_path, receive=receive)

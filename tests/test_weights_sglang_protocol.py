@@ -651,9 +651,12 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
 ):
     """weights.nccl_receive=per_tensor: each load asks for SGLang's per-tensor receive (no load_format)
     and the bucket goes out as one broadcast per tensor, in the load's order, from the tensors themselves
-    where they can be; flat (the default): one flattened_bucket broadcast. A misspelt value is refused naming the choices."""
+    where they can be; flat: one flattened_bucket broadcast; auto (the default): per_tensor for a bucket
+    of large tensors (a 7B model's), flat for one of small tensors (a 135M model's), where the NCCL
+    calls cost more than the flat receive's copies. A misspelt value is refused naming the choices."""
     from pipeline.config import ConfigError, load_config
     from stages.weights.base import make_sender
+    from stages.weights.config import PER_TENSOR_MIN_MEAN_MB
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
     sent, sent_from = [], []
@@ -670,29 +673,41 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
             sent_from.append([p.data_ptr() for p in parts])
             return _AllDone()
 
-    for receive in ("flat", "per_tensor"):
+    small = [
+        ("a", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)),
+        ("b", torch.ones(4, 2).t()),
+    ]  # b strided
+    big_rows = (PER_TENSOR_MIN_MEAN_MB << 20) // (2 * 1024)  # bf16 rows of 1024: the crossover's size
+    big = [(n, torch.full((big_rows, 1024), float(i), dtype=torch.bfloat16)) for i, n in enumerate("cd")]
+    cases = [("flat", small, True), ("per_tensor", small, False), ("auto", small, True), ("auto", big, False)]
+    for receive, named, flat in cases:
         srv, url = server_factory()
-        w = load_config(None, ["weights.transport=nccl", f"weights.nccl_receive={receive}"]).weights
+        overrides = ["weights.transport=nccl", "weights.bucket_mb=64"]
+        w = load_config(
+            None, overrides + ([f"weights.nccl_receive={receive}"] if receive != "auto" else [])
+        ).weights
+        assert w.nccl_receive == receive
         sender = make_sender(w, engine_urls=[url])
         assert type(sender) is NcclSGLangSender
         sender.__class__ = Recorded
         sent.clear()
         sent_from.clear()
         try:
-            a, b = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.ones(4, 2).t()  # b strided
-            sender.push(1, [("a", a), ("b", b)]).result(timeout=30)
+            sender.push(1, named).result(timeout=30)
         finally:
             sender.close()
         (load,) = _loads(srv)
-        if receive == "flat":
+        if flat:
             assert load["load_format"] == "flattened_bucket" and [p.dtype for p in sent[0]] == [torch.uint8]
         else:
             assert "load_format" not in load
-            assert [(p.dtype, p.shape) for p in sent[0]] == [(a.dtype, a.shape), (b.dtype, b.shape)]
-            assert torch.equal(sent[0][0], a) and torch.equal(sent[0][1], b)
+            assert [(p.dtype, p.shape) for p in sent[0]] == [(t.dtype, t.shape) for _, t in named]
+            assert all(torch.equal(p, t) for p, (_, t) in zip(sent[0], named))
             # a contiguous tensor already on the push's device goes out as it is, with no copy
-            assert sent_from[0][0] == a.data_ptr() and sent_from[0][1] != b.data_ptr()
-    with pytest.raises(ConfigError, match="nccl_receive: .*choose one of flat, per_tensor"):
+            assert [p == t.data_ptr() for p, (_, t) in zip(sent_from[0], named)] == [
+                t.is_contiguous() for _, t in named
+            ]
+    with pytest.raises(ConfigError, match="nccl_receive: .*choose one of auto, flat, per_tensor"):
         load_config(None, ["weights.nccl_receive=per-tensor"])
 
 

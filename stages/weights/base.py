@@ -250,7 +250,7 @@ def make_sender(
             return sg.NcclSGLangSender(
                 engine_urls,
                 master_address=master_address,
-                per_tensor=cfg.nccl_receive == "per_tensor",
+                receive=cfg.nccl_receive,
                 **common,
             )
         return sg.CudaIpcSGLangSender(engine_urls, **common)

@@ -30,9 +30,11 @@ class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # into a tensor of its own and loaded, sent from the trainer's tensors as they lie; flat: one
     # broadcast per bucket, which SGLang 0.5.17 receives into a buffer it first fills by copying
     # freshly allocated tensors (the server holds the bucket twice), and the trainer packs into one.
-    # A 7B push into a generating server took 1.79x a raw broadcast per_tensor, 2.14x flat, in 4 GB
-    # buckets; 1.54x and 2.07x in one bucket (bench/RESULTS.md, 2026-11-27, 2x H200)
-    nccl_receive: Literal["flat", "per_tensor"] = "per_tensor"
+    # A 7B push (45 MB a tensor on average) into a generating server took 1.79x a raw broadcast
+    # per_tensor, 2.14x flat, in 4 GB buckets (bench/RESULTS.md, 2026-11-27, 2x H200); at 135M (1 MB a
+    # tensor) a per-tensor broadcast alone is 11 ms against 0.8 ms flat, more than flat's copies.
+    # auto: per_tensor for a bucket whose tensors average PER_TENSOR_MIN_MEAN_MB or more, else flat
+    nccl_receive: Literal["auto", "flat", "per_tensor"] = "auto"
 
     def __post_init__(self):
         if self.push_every < 0 or self.bucket_mb < 0 or self.timeout_s <= 0:
@@ -50,6 +52,11 @@ DIRECT_NEEDS_ONE_STAGE = (
     "weights.snapshot=direct needs trainer.pp=1 (pipeline stages send rank 0 their weights ahead of a push): "
     "use weights.snapshot=auto"
 )
+
+# weights.nccl_receive=auto's crossover, from the raw figures on H200s (bench/RESULTS.md): one more NCCL
+# call costs ~37 us where its bytes do not hide it (370 GB/s), flat's two extra copies ~1.2 ms a GB;
+# they break even near 10 MB a tensor (measured on either side: 1 MB flat faster, 45 MB per_tensor)
+PER_TENSOR_MIN_MEAN_MB = 10
 
 # 0 = by transport. cpu: buckets stream over ZeroMQ while the next is packed; cuda_ipc: the flat copy
 # sits on the GPU that trainer and engine share; nccl: every TP rank of a server receives a whole bucket

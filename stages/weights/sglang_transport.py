@@ -36,8 +36,9 @@ via POST /init_weights_update_group, while the trainer joins with SGLang's own
 is POST /update_weights_from_distributed {names, dtypes, shapes} while rank 0 broadcasts each tensor of
 the bucket in that order (weights.nccl_receive=per_tensor: the server receives each into a tensor of its
 own and loads them), or with load_format: flattened_bucket while rank 0 broadcasts the bucket as one
-flat byte tensor (flat: one NCCL call per bucket, which SGLang 0.5.17 copies once more; measured
-slower at 7B). The group spans exactly the servers a push reaches: when
+flat byte tensor (flat: one NCCL call per bucket, which SGLang 0.5.17 copies once more). auto (the
+default) takes per_tensor for buckets of large tensors (a 7B model's: 1.2x faster than flat) and flat
+for small ones (a 135M model's, where the NCCL calls cost more than the copies). The group spans exactly the servers a push reaches: when
 one is left out (restarting) or comes back, the sender forms a new group (a new name) with the servers
 of this push before it loads anything (see `_regroup`); the old group is dropped, not destroyed.
 NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
@@ -78,6 +79,7 @@ from stages.weights.base import (
     check_offset,
     pack_into,
 )
+from stages.weights.config import PER_TENSOR_MIN_MEAN_MB
 
 log = logging.getLogger(__name__)
 
@@ -587,12 +589,26 @@ def flat_bucket(group, device) -> torch.Tensor:
     return flat
 
 
+def per_tensor_for(receive: str, group) -> bool:
+    """Whether a bucket goes out one broadcast per tensor (weights.nccl_receive): auto says so where its
+    tensors average PER_TENSOR_MIN_MEAN_MB or more, where one more NCCL call costs less than the flat
+    receive's copies of the same bytes."""
+    if receive != "auto":
+        return receive == "per_tensor"
+    total = sum(x.numel() * x.element_size() for _, x in group)
+    return total >= len(group) * (PER_TENSOR_MIN_MEAN_MB << 20)
+
+
 def tensors_on(group, device) -> list[torch.Tensor]:
     """The bucket's tensors, in order, each contiguous on `device`: what the per-tensor receive
     broadcasts one by one. Nothing is copied that is there already: a packed bucket's views of its flat
     buffer (weights.snapshot=direct), a GPU snapshot's tensors; a host snapshot's come over one by one."""
     device = torch.device(device)
-    return [x if x.device == device and x.is_contiguous() else x.to(device).contiguous() for _, x in group]
+    # non_blocking: a host snapshot is pinned; the broadcast waits for this stream first (_broadcast)
+    return [
+        x if x.device == device and x.is_contiguous() else x.to(device, non_blocking=True).contiguous()
+        for _, x in group
+    ]
 
 
 class _AllWork:
@@ -601,9 +617,12 @@ class _AllWork:
 
     def __init__(self, works: list):
         self.works = works
+        self._done = 0  # works[:_done] are known complete: a poll does not ask them again
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        while self._done < len(self.works) and self.works[self._done].is_completed():
+            self._done += 1
+        return self._done == len(self.works)
 
     def wait(self) -> None:
         for w in self.works:
@@ -617,15 +636,17 @@ class NcclSGLangSender(_SGLangSender):
         *,
         master_address: str = "127.0.0.1",
         group_name: str = "slipstream-weights",
-        per_tensor: bool = True,
+        receive: str = "auto",
         **kw,
     ):
         super().__init__(urls, **kw)
-        # weights.nccl_receive=per_tensor (the default): each tensor of a bucket is its own broadcast,
-        # which the server receives straight into a tensor of that shape and loads (SGLang's receive
-        # without load_format); flat: one broadcast of the whole bucket, which SGLang 0.5.17 copies
-        # once more
-        self.per_tensor = per_tensor
+        # weights.nccl_receive. per_tensor: each tensor of a bucket is its own broadcast, which the
+        # server receives straight into a tensor of that shape and loads (SGLang's receive without
+        # load_format); flat: one broadcast of the whole bucket, which SGLang 0.5.17 copies once more;
+        # auto: by the bucket's mean tensor size (per_tensor_for)
+        if receive not in ("auto", "flat", "per_tensor"):
+            raise ValueError(f"weights.nccl_receive={receive!r}: choose one of auto, flat, per_tensor")
+        self.receive = receive
         self.master_address = master_address
         self.group_name = group_name
         # every group this sender tries gets a new name: a server keeps each name it joined (a failed
@@ -740,18 +761,20 @@ class NcclSGLangSender(_SGLangSender):
     def _send_bucket(self, group, version: int | None, urls: list[str]) -> float:
         if urls != self._members:  # _regroup made them equal; anything else would hang the broadcast
             raise WeightPushError(f"weights: NCCL group {self._members} is not this push's servers {urls}")
-        check_flat_layout(group)
+        per_tensor = per_tensor_for(self.receive, group)
+        if not per_tensor:  # only a flat bucket lays tensors of several dtypes back to back
+            check_flat_layout(group)
         body = proto.distributed_body(
             *proto.describe(group),
             self._group_name,
-            flat=not self.per_tensor,
+            flat=not per_tensor,
             flush_cache=self.flush_cache,
             version=version,
         )
         # built before any server is asked to receive: a failure here leaves them paused, not waiting
         # in a receive that never comes
         device = self._bucket_device()
-        parts = tensors_on(group, device) if self.per_tensor else [flat_bucket(group, device)]
+        parts = tensors_on(group, device) if per_tensor else [flat_bucket(group, device)]
         calls = {
             url: self._http.submit(self._post, url, proto.LOAD_DISTRIBUTED, body, self.timeout_s)
             for url in urls
@@ -803,10 +826,18 @@ class NcclSGLangSender(_SGLangSender):
         """Rank 0's broadcast calls, one per part in order (async: their works are returned), on the
         push's stream and device."""
 
+        # the group as the push saw it: an abort (or a regroup) may set self._group while this thread
+        # still issues calls, which must then stop, not go to no group (the trainer's default group) or
+        # to the next push's
+        group = self._group
+
         def start():
-            return _AllWork(
-                [torch.distributed.broadcast(x, src=0, group=self._group, async_op=True) for x in parts]
-            )
+            works = []
+            for x in parts:
+                if self._group is not group:
+                    raise WeightPushError("weights: the weight group was given up during its broadcast")
+                works.append(torch.distributed.broadcast(x, src=0, group=group, async_op=True))
+            return _AllWork(works)
 
         if stream is None:
             return start()
