@@ -199,7 +199,7 @@ def main() -> None:
     from stages.rollout.sglang_engine import SGLangEngine
     from stages.weights.base import align_nccl_env
     from stages.weights.config import BUCKET_MB, WeightsConfig
-    from stages.weights.sglang_transport import CudaIpcSGLangSender, NcclSGLangSender
+    from stages.weights.sglang_transport import CudaIpcSGLangSender, NcclSGLangSender, per_tensor_for
 
     align_nccl_env()
     path = model_dir(a.model)
@@ -286,8 +286,11 @@ def main() -> None:
             else str(a.bucket_mb[0])
         )
         result["judged_bucket_mb"] = int(judged)
-        # at the pipeline's receive (weights.nccl_receive's default), and each receive measured
+        # at the pipeline's receive (weights.nccl_receive's default; auto: what it picks for this model's
+        # tensors), and each receive measured
         receive = WeightsConfig().nccl_receive
+        if receive == "auto":
+            receive = "per_tensor" if per_tensor_for("auto", named) else "flat"
         result["judged_receive"] = receive
         judged_row = result["by_bucket_mb"][judged]
         key = "nccl" if receive == "flat" else f"nccl_{receive}"

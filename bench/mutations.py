@@ -307,6 +307,14 @@ MUTATIONS = [
         ("tests/test_weights_sglang_protocol.py", "tests/test_weights_group_processes.py"),
     ),
     Mutation(
+        "auto_receive_never_per_tensor",
+        "weights.nccl_receive=auto sends a 7B model's large tensors flat (the slower receive at that size)",
+        "stages/weights/sglang_transport.py",
+        "    return total >= len(group) * (PER_TENSOR_MIN_MEAN_MB << 20)\n",
+        "    return False\n",
+        ("tests/test_weights_sglang_protocol.py",),
+    ),
+    Mutation(
         "nccl_group_kept",
         "an NCCL push keeps broadcasting to the weight group of a server that died (a hang)",
         "stages/weights/sglang_transport.py",
