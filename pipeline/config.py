@@ -215,7 +215,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path} must hold a mapping of sections at the top level")
     for text in overrides or []:
         _set(tree, *parse_override(text))
-    return from_dict(tree, where=str(path))
+    # a bad value may come from the file or from an override: name both places to look
+    where = f"{path} with overrides {' '.join(overrides)}" if overrides else str(path)
+    return from_dict(tree, where=where)
 
 
 def load_config_or_exit(path: str | Path | None, overrides: list[str] | None, prog: str) -> RunConfig:
