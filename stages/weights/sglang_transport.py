@@ -38,9 +38,10 @@ the bucket in that order (weights.nccl_receive=per_tensor: the server receives e
 own and loads them), or with load_format: flattened_bucket while rank 0 broadcasts the bucket as one
 flat byte tensor (flat: one NCCL call per bucket, which SGLang 0.5.17 copies once more). auto (the
 default) takes per_tensor for buckets of large tensors (a 7B model's: 1.2x faster than flat) and flat
-for small ones (a 135M model's, where the NCCL calls cost more than the copies). The group spans exactly the servers a push reaches: when
-one is left out (restarting) or comes back, the sender forms a new group (a new name) with the servers
-of this push before it loads anything (see `_regroup`); the old group is dropped, not destroyed.
+for small ones (a 135M model's, where the NCCL calls cost more than the copies). The group spans
+exactly the servers a push reaches: when one is left out (restarting) or comes back, the sender forms a
+new group (a new name) with the servers of this push before it loads anything (see `_regroup`); the old
+group is dropped, not destroyed.
 NCCL's broadcast to a server that died waits for it until the watchdog ends the process (the default
 TORCH_NCCL_ASYNC_ERROR_HANDLING), so the group is made with the watchdog only reporting, and rank 0
 watches its broadcast beside the servers' load calls: when one finds its server gone (or fails, or
@@ -788,10 +789,10 @@ class NcclSGLangSender(_SGLangSender):
 
     def _broadcast(self, parts: list[torch.Tensor], calls: dict[str, cf.Future]) -> float:
         """Rank 0's broadcast of one bucket (`parts`: the flat bucket, or each of its tensors in order)
-        while the servers' load `calls` run; returns its seconds (the floor of any push). A server that dies meanwhile would leave NCCL waiting for it
-        until its watchdog ends the trainer's process (a 2-GPU kill test did): the broadcast is watched
-        beside the calls, and the group aborted when one of them finds its server gone, or at
-        weights.timeout_s."""
+        while the servers' load `calls` run; returns its seconds (the floor of any push). A server that
+        dies meanwhile would leave NCCL waiting for it until its watchdog ends the trainer's process (a
+        2-GPU kill test did): the broadcast is watched beside the calls, and the group aborted when one
+        of them finds its server gone, or at weights.timeout_s."""
         # this stream only (the push thread's): the bucket is written; NCCL's stream waits on it, and
         # after the call this stream waits on NCCL's. (A CPU group in the tests has no stream.)
         on_gpu = parts[0].is_cuda
