@@ -59,6 +59,12 @@ def raw_baselines(path: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def nccl_key(receive: str) -> str:
+    """The NCCL transport's entry in a bucket size's row for a receive: "nccl" for flat, as before the
+    per-tensor one existed (earlier JSON lines), "nccl_per_tensor" for that."""
+    return "nccl" if receive == "flat" else f"nccl_{receive}"
+
+
 def server_load_s(url: str) -> float:
     """The server's own time for its last weight load (SGLang's `weight_load_duration_seconds` gauge)."""
     import requests
@@ -250,8 +256,9 @@ def main() -> None:
                     group_name=f"bench-{mb}-{receive}",
                     receive=receive,
                 )
-                key = "nccl" if receive == "flat" else f"nccl_{receive}"
-                row[key] = measure(nccl, engines[1], named, a.pushes, 1 + 100 * i + 50 * len(row))
+                row[nccl_key(receive)] = measure(
+                    nccl, engines[1], named, a.pushes, 1 + 100 * i + 50 * len(row)
+                )
                 nccl.close()
             ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
             row["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1 + 100 * i)
@@ -270,7 +277,7 @@ def main() -> None:
     else:
         for row in result["by_bucket_mb"].values():
             for mode in ("idle", "generating"):
-                for key in [k for k in row if k in ("nccl", "nccl_per_tensor")]:
+                for key in [nccl_key(r) for r in a.nccl_receive if nccl_key(r) in row]:
                     total = row[key][mode]["seconds_ms"] / 1e3
                     row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
                     row[f"{key}_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
@@ -293,11 +300,9 @@ def main() -> None:
             receive = "per_tensor" if per_tensor_for("auto", named) else "flat"
         result["judged_receive"] = receive
         judged_row = result["by_bucket_mb"][judged]
-        key = "nccl" if receive == "flat" else f"nccl_{receive}"
-        result["push_vs_raw"] = judged_row.get(f"{key}_generating_vs_raw_flat")
+        result["push_vs_raw"] = judged_row.get(f"{nccl_key(receive)}_generating_vs_raw_flat")
         for r in a.nccl_receive:
-            k = "nccl" if r == "flat" else f"nccl_{r}"
-            result[f"push_vs_raw_{r}"] = judged_row.get(f"{k}_generating_vs_raw_flat")
+            result[f"push_vs_raw_{r}"] = judged_row.get(f"{nccl_key(r)}_generating_vs_raw_flat")
     result["goal"] = 1.5
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     record(result, a.results)  # result["device"] is set above

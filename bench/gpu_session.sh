@@ -300,10 +300,11 @@ phase22() {
 }
 
 phase23() {
-  # the whole pipeline with the per-tensor NCCL receive (weights.nccl_receive's default since session
-  # 11): the 2-GPU disaggregated config, CUDA graphs off, ${LIMIT:-60} s of training (~4 min)
+  # the whole pipeline with the per-tensor NCCL receive, named: at 135M weights.nccl_receive=auto picks
+  # flat (it was the default when session 11 ran this); the 2-GPU disaggregated config, CUDA graphs off,
+  # ${LIMIT:-60} s of training (~4 min)
   bash bench/gpu_pipeline.sh --out $S configs/gpu-2x-disaggregated.yaml per-tensor-2x "${LIMIT:-60}" \
-    rollout.sglang.disable_cuda_graph=true >$S/23-per-tensor-2x.out 2>&1
+    rollout.sglang.disable_cuda_graph=true weights.nccl_receive=per_tensor >$S/23-per-tensor-2x.out 2>&1
 }
 
 phase18() {

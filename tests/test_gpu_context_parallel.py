@@ -1,7 +1,7 @@
-"""Context and sequence parallelism on GPUs: two NCCL ranks (as torchrun starts them), bf16, the varlen layout
-(FlashAttention over a packed row; under CP each rank's query runs attend to the whole row's keys with a
-bottom-right causal mask). Training matches one rank on the same data to bf16 rounding. Needs 2 GPUs;
-marked `gpu`."""
+"""Context and sequence parallelism on GPUs: two NCCL ranks (as torchrun starts them), bf16, the varlen
+layout (FlashAttention over a packed row; under CP each rank's query runs attend to the whole row's keys
+with a bottom-right causal mask). Training matches one rank on the same data to bf16 rounding. Needs 2
+GPUs; marked `gpu`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TP=2, PP=2, DP=2, CP=2 and TP=2 with sequence parallelism (two gloo processes, as torchrun starts them)
-reproduce the TP=1 losses, gradient norms and trained weights on the same data and initial weights.
+"""TP=2, PP=2, DP=2, CP=2 and TP=2 with sequence parallelism (two gloo processes, as torchrun starts
+them) reproduce the TP=1 losses, gradient norms and trained weights on the same data and initial weights.
 
 The layouts train GSPO with the sequence-level TIS weight: besides the per-token terms, its sequence
 ratio, the seq_tis weight and the per-sequence mean need each sequence's sums over every rank holding

@@ -193,15 +193,15 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
                     p.wait()
         if failed_first is not None or timed_out:
             shown = failed_first if failed_first is not None else 0
+            why = (
+                f"ended after {timeout_s:g} s"
+                if timed_out
+                else f"rank {shown} exited {ranks[shown].returncode}"
+            )
             logs[shown].seek(0)
             raise AssertionError(
-                f"parallel_check {' '.join(args)}: "
-                + (
-                    f"rank {shown} exited {ranks[shown].returncode}"
-                    if not timed_out
-                    else f"ended after {timeout_s:g} s"
-                )
-                + f"; ranks exited {[p.returncode for p in ranks]}; rank {shown}'s output:\n{logs[shown].read()[-4000:]}"
+                f"parallel_check {' '.join(args)}: {why}; ranks exited {[p.returncode for p in ranks]}; "
+                f"rank {shown}'s output:\n{logs[shown].read()[-4000:]}"
             )
     with open(f"{out}/metrics.json") as f:
         return json.load(f), load_file(f"{out}/weights.safetensors")
