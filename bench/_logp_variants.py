@@ -51,7 +51,7 @@ class TrainerScorer:
         import numpy as np
         import torch
 
-        from pipeline.sample import Sample, samples_to_batch
+        from buffer.record import Sample, samples_to_batch
         from stages.trainer.lm_head import head_logprobs
         from stages.trainer.model import causal_block_mask, head_weight, packed_row_params
         from stages.trainer.packing import pack, to_token_batch

@@ -30,9 +30,9 @@ from buffer.client import BufferClient  # noqa: E402
 from buffer.config import BufferConfig  # noqa: E402
 from buffer.demo import synthetic_samples  # noqa: E402
 from buffer.frames import batches_to_frames  # noqa: E402
+from buffer.record import samples_to_batch  # noqa: E402
 from buffer.server import BufferServer, ipc_bytes  # noqa: E402
 from buffer.storage import Buffer  # noqa: E402
-from pipeline.sample import samples_to_batch  # noqa: E402
 
 
 def filled(batches) -> Buffer:

@@ -112,8 +112,8 @@ def _producer(spec: str) -> None:
     else:
         import zmq
 
+        from buffer.record import samples_to_batch
         from buffer.server import ipc_bytes
-        from pipeline.sample import samples_to_batch
 
         payloads = [ipc_bytes(samples_to_batch(m)) for m in msgs]
         c = zmq.Context.instance().socket(zmq.PUSH)
@@ -228,7 +228,7 @@ class PySample:  # the naive record: Python lists, as a first implementation wou
 
 def make_messages(tokens: int, total_mb: float, msg_mb: float, prefix: str):
     from buffer.demo import synthetic_samples
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
 
     one = samples_to_batch(synthetic_samples(1, 1, tokens, 256)).nbytes
     per_msg = max(1, int(msg_mb * 2**20 // one))
@@ -360,8 +360,8 @@ def _pickle_messages(msgs: list) -> list:
 
 
 def one_size(tokens: int, args, tmp: str) -> dict:
+    from buffer.record import samples_to_batch
     from buffer.server import ipc_bytes
-    from pipeline.sample import samples_to_batch
 
     if args.producers > 1:
         return many_producers(tokens, args, tmp)
@@ -408,8 +408,8 @@ def one_size(tokens: int, args, tmp: str) -> dict:
 def many_producers(tokens: int, args, tmp: str) -> dict:
     """`--producers N`: the buffer variants and raw ZeroMQ fed by N processes at once, each sending
     its share of the same messages (a pipeline's generators); the disk baseline as before."""
+    from buffer.record import samples_to_batch
     from buffer.server import ipc_bytes
-    from pipeline.sample import samples_to_batch
 
     tag = f"t{tokens}-"
     msgs = producer_messages(tokens, args, tag)

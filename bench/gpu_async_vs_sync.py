@@ -111,7 +111,7 @@ def offline_throughput(config: str, overrides: list[str], n_prompts: int, log: P
 import json, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from pipeline.config import load_config
-from pipeline.models import resolve_model
+from stages.models import resolve_model
 from stages.rollout.build import load_source
 cfg = load_config({config!r}, {overrides!r} + ["model.cache_dir=/tmp/models-offline"])
 r = cfg.rollout
@@ -150,7 +150,7 @@ def generator_throughput(config: str, overrides: list[str], n_groups: int, log: 
     code = f"""
 import asyncio, json, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-from pipeline import wire
+from buffer import wire
 from pipeline.config import load_config
 from stages.rollout.build import build_engine
 from stages.rollout.generator import Generator

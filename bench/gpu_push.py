@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 def model_dir(name: str) -> str:
     from pipeline.config import ModelConfig
-    from pipeline.models import resolve_model
+    from stages.models import resolve_model
 
     if Path(name).is_dir():
         return name

@@ -52,7 +52,7 @@ def main() -> None:
     import buffer_ingest as bi
 
     from buffer.client import BufferClient
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=512, help="data per timed ingest")
@@ -107,7 +107,7 @@ def main() -> None:
 def _timed(c, server_pid: int, args, run: int, data: list, msgs: list) -> dict:
     import buffer_ingest as bi
 
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
 
     c.stats()
     if args.steady:

@@ -28,8 +28,8 @@ def main() -> None:
     a = ap.parse_args()
     from buffer.config import BufferConfig
     from buffer.demo import synthetic_samples
-    from buffer.inspect import main as inspect
     from buffer.storage import Buffer
+    from pipeline.inspect import main as inspect
 
     d = Path(tempfile.mkdtemp(prefix="bench-inspect-")) / "buf"
     groups = a.rows // 8 // a.versions

@@ -177,7 +177,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
 
     from pipeline.config import ModelConfig
-    from pipeline.models import load_tokenizer, resolve_model
+    from stages.models import load_tokenizer, resolve_model
 
     path = str(resolve_model(ModelConfig(name="smollm2-135m", cache_dir=args.model_cache)))
     tok = load_tokenizer(path)

@@ -128,7 +128,7 @@ MUTATIONS = [
     Mutation(
         "nan_reward_accepted",
         "the buffer acks a NaN reward",
-        "pipeline/sample.py",
+        "buffer/record.py",
         "    if not np.isfinite(reward).all():\n",
         "    if False:\n",
         ("tests/test_bad_values.py",),

@@ -148,7 +148,7 @@ def main() -> None:
     out["d2d_copy_flat_s"] = round(statistics.median(d2d(flat, dtype, gpus[0], a.runs)), 5)
     torch.cuda.empty_cache()
     if torch.cuda.device_count() >= 2 and len(gpus) == 2:
-        from pipeline.net import free_port
+        from buffer.net import free_port
 
         ctx = mp.get_context("spawn")
         q = ctx.Queue()

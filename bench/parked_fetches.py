@@ -26,11 +26,11 @@ def main() -> None:
     a = ap.parse_args()
     import zmq
 
+    from buffer import wire
     from buffer.client import BufferClient
     from buffer.config import BufferConfig
     from buffer.demo import synthetic_samples
     from buffer.server import BufferServer
-    from pipeline import wire
 
     server = BufferServer(BufferConfig(durable=False, capacity_samples=10**7)).start()
     producer = BufferClient(server.address, producer="bench", timeout_s=60)

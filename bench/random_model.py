@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trainer_gpu import SHAPES, build_model  # noqa: E402
 from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.models import resolve_model  # noqa: E402
+from stages.models import resolve_model  # noqa: E402
 from stages.trainer.export import TOKENIZER_FILES  # noqa: E402
 
 

@@ -89,7 +89,7 @@ def main() -> None:
 
     import torch
 
-    from pipeline.models import resolve_model
+    from stages.models import resolve_model
 
     torch.set_num_threads(args.threads)
     rng = random.Random(0)

@@ -92,7 +92,7 @@ def main() -> None:
     from _results import record
 
     from pipeline.config import load_config
-    from pipeline.models import load_tokenizer, resolve_model
+    from stages.models import load_tokenizer, resolve_model
     from stages.rollout.sglang_engine import SGLangEngine
 
     work = Path(tempfile.mkdtemp(prefix="sglang-gc-"))

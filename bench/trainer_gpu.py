@@ -452,7 +452,7 @@ def parity(trainer, path, shape, a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
     from stages.trainer.model import build_policy, causal_block_mask
     from stages.trainer.packing import pack, to_token_batch
 

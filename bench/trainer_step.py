@@ -48,7 +48,7 @@ def main() -> None:
     from buffer.config import BufferConfig
     from buffer.inproc import InProcBuffer
     from pipeline.config import ModelConfig, RunConfig
-    from pipeline.models import resolve_model
+    from stages.models import resolve_model
     from stages.trainer.testing import make_samples
     from stages.trainer.trainer import Trainer
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 import zmq
 
+from buffer import wire
+from buffer.curve import CurveKeys, secure_client
 from buffer.frames import batches_to_frames, frames_to_batches
+from buffer.record import Sample, samples_to_batch
 from buffer.transport import BatchSource, BufferUnavailable, SampleSink
-from pipeline import wire
-from pipeline.curve import CurveKeys, secure_client
-from pipeline.sample import Sample, samples_to_batch
 
 
 def _locked(method):
@@ -68,7 +68,7 @@ class BufferClient(SampleSink, BatchSource):
     resend_s: resend an unacked ingest after this long.
     timeout_s: default for how long any call waits before raising BufferUnavailable.
     max_batch_samples: `put` splits larger lists into messages of this many samples.
-    curve: the run's `CurveKeys`, for a buffer that requires CURVE (pipeline/curve.py); without them
+    curve: the run's `CurveKeys`, for a buffer that requires CURVE (buffer/curve.py); without them
         such a buffer refuses the connection and every call times out.
     """
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from pipeline.sample import Sample
+from buffer.record import Sample
 
 
 def synthetic_samples(

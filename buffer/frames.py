@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA
-from pipeline.wire import ProtocolError
+from buffer.record import ARROW_SCHEMA
+from buffer.wire import ProtocolError
 
 INLINE_MAX = 64 * 1024  # smaller buffers share frame 0 (a ZeroMQ frame costs ~µs; copying 64 KB is cheaper)
 _ALIGN = 8

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from buffer import wire
 from buffer.config import BufferConfig
+from buffer.record import Sample, samples_to_batch
 from buffer.storage import Buffer
 from buffer.transport import BatchSource, BufferUnavailable, SampleSink
-from pipeline import wire
-from pipeline.sample import Sample, samples_to_batch
 
 
 class InProcBuffer(SampleSink, BatchSource):

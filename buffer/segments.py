@@ -2,7 +2,7 @@
 
 A buffer directory holds
   seg-000001.arrow, seg-000002.arrow, ...  Arrow IPC *stream* files (readable with
-      `pyarrow.ipc.open_stream`), schema `pipeline.sample.ARROW_SCHEMA`, one record batch per accepted
+      `pyarrow.ipc.open_stream`), schema `buffer.record.ARROW_SCHEMA`, one record batch per accepted
       ingest. Each batch carries custom metadata `crc32` = a checksum of its logical content, so a torn
       or bit-flipped tail is detected on restart instead of being served.
   consumed.log  append-only records `[u32 length][u32 crc32][msgpack {op, v, uids}]`: which uids were
@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import ARROW_SCHEMA, is_legacy_schema, upgrade_batch
+from buffer.record import ARROW_SCHEMA, is_legacy_schema, upgrade_batch
 
 SEGMENT_GLOB = "seg-*.arrow"
 LOG_NAME = "consumed.log"
@@ -279,7 +279,7 @@ def read_segment(path: Path) -> tuple[list[pa.RecordBatch], SegmentReport]:
         reader = pa.ipc.open_stream(src)
         legacy = not reader.schema.equals(ARROW_SCHEMA)
         if legacy and not is_legacy_schema(reader.schema):
-            raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
+            raise ValueError("schema differs from buffer.record.ARROW_SCHEMA (and from every older one)")
         rep.intact_bytes = src.tell()
         while True:
             try:

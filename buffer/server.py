@@ -14,7 +14,7 @@ producer's resends of a parked message are recognized by (producer, seq) and not
 Anything malformed becomes an `Error(reason)` reply and a count in stats()["rejects"]; the loop
 catches every exception per message, so no input can stop the server.
 
-With `curve` (the run's `CurveKeys`, pipeline/curve.py) the socket speaks CURVE and accepts only the
+With `curve` (the run's `CurveKeys`, buffer/curve.py) the socket speaks CURVE and accepts only the
 run's client key; a refused peer never gets a message through or a reply back, and is counted in
 stats()["auth_refused"].
 """
@@ -33,13 +33,13 @@ import msgspec
 import pyarrow as pa
 import zmq
 
+from buffer import wire
 from buffer.config import BufferConfig
+from buffer.curve import CurveGuard, CurveKeys, secure_server
 from buffer.frames import batches_to_frames, frames_to_batches
+from buffer.record import samples_to_batch
 from buffer.storage import Buffer, Plan
 from buffer.validate import check_batch, read_ipc_batch
-from pipeline import wire
-from pipeline.curve import CurveGuard, CurveKeys, secure_server
-from pipeline.sample import samples_to_batch
 
 log = logging.getLogger("buffer.server")
 

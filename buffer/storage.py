@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from buffer import wire
 from buffer.config import BufferConfig
 from buffer.policy import Policy, make_policy
+from buffer.record import ARROW_SCHEMA, Sample, samples_to_batch
 from buffer.segments import ConsumptionLog, SegmentWriter, recover_segments
 from buffer.validate import check_batch
-from pipeline import wire
-from pipeline.sample import ARROW_SCHEMA, Sample, samples_to_batch
 
 
 @dataclass(slots=True, eq=False)

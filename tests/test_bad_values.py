@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from buffer.record import Sample, samples_to_batch
 from buffer.validate import check_batch
-from pipeline.sample import Sample, samples_to_batch
-from pipeline.wire import SCHEMA_VERSION, Ingest, ProtocolError, decode
+from buffer.wire import SCHEMA_VERSION, Ingest, ProtocolError, decode
 
 
 def _sample(**over) -> Sample:

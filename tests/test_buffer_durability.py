@@ -14,12 +14,12 @@ import threading
 import pytest
 import zmq
 
+from buffer import wire
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
 from buffer.frames import frames_to_batches
 from buffer.segments import LOG_NAME, SEGMENT_GLOB, iter_log, read_segment
 from buffer.server import BufferServer
-from pipeline import wire
 
 WAIT_S = 5.0  # how long a reply or fsync that must come may take (only reached when a test fails)
 QUIET_MS = 300  # how long to listen for a reply that must NOT come while an fsync is held

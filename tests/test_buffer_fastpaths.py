@@ -18,12 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from buffer import record as sample_mod
 from buffer import segments
 from buffer.config import BufferConfig
-from buffer.storage import Buffer
-from buffer.validate import check_batch
-from pipeline import sample as sample_mod
-from pipeline.sample import (
+from buffer.record import (
     ARROW_SCHEMA,
     PACKED_FIELDS,
     Sample,
@@ -33,7 +31,9 @@ from pipeline.sample import (
     min_versions,
     samples_to_batch,
 )
-from pipeline.wire import ProtocolError
+from buffer.storage import Buffer
+from buffer.validate import check_batch
+from buffer.wire import ProtocolError
 
 # -- the conversion ----------------------------------------------------------------------------------
 

@@ -4,14 +4,14 @@ import pyarrow as pa
 import pytest
 import zmq
 
+from buffer import wire
 from buffer.client import BufferClient
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
 from buffer.frames import INLINE_MAX, batches_to_frames, frames_to_batches
+from buffer.record import samples_to_batch
 from buffer.server import BufferServer
 from buffer.validate import check_batch
-from pipeline import wire
-from pipeline.sample import samples_to_batch
 
 
 def _roundtrip(batches):

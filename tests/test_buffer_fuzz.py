@@ -7,12 +7,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from buffer import wire
 from buffer.client import BufferClient
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
+from buffer.record import samples_to_batch
 from buffer.server import BufferServer
-from pipeline import wire
-from pipeline.sample import samples_to_batch
 
 SAMPLES = synthetic_samples(1, group_size=2, response_len=8, prefix="fz")
 

@@ -9,9 +9,9 @@ import pytest
 
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
-from buffer.inspect import main
 from buffer.server import BufferServer
 from buffer.storage import Buffer
+from pipeline.inspect import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_help_is_fast_and_works_via_bin():
     )
     assert r.returncode == 0 and "summary" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "buffer.inspect", "--help"],
+        [sys.executable, "-X", "importtime", "-m", "pipeline.inspect", "--help"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -69,8 +69,8 @@ def test_help_is_fast_and_works_via_bin():
 
 
 def test_samples_decodes_text_with_a_tokenizer_folder_via_bin(tmp_path, capsys):
-    from pipeline.models import build_byte_tokenizer
-    from pipeline.sample import Sample
+    from buffer.record import Sample
+    from stages.models import build_byte_tokenizer
 
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
@@ -138,7 +138,7 @@ def _trained_at_2_and_9(d: Path) -> None:
 
 
 def test_the_staleness_plotted_is_the_one_each_row_was_trained_at(tmp_path):
-    from buffer.inspect import load
+    from pipeline.inspect import load
 
     _trained_at_2_and_9(tmp_path / "buf")
     table, _ = load(str(tmp_path / "buf"))

@@ -8,12 +8,12 @@ import time
 
 import zmq
 
+from buffer import wire
 from buffer.client import BufferClient
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
 from buffer.segments import iter_log
 from buffer.server import BufferServer
-from pipeline import wire
 
 
 def test_a_resent_fetch_is_served_once(tmp_path):

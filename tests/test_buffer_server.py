@@ -7,13 +7,13 @@ import msgspec
 import pytest
 import zmq
 
+from buffer import wire
 from buffer.client import BufferClient
 from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
+from buffer.record import batch_to_samples, samples_to_batch
 from buffer.server import BufferServer
 from buffer.transport import BufferUnavailable
-from pipeline import wire
-from pipeline.sample import batch_to_samples, samples_to_batch
 
 
 @pytest.fixture

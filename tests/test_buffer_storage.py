@@ -12,12 +12,12 @@ from buffer.config import BufferConfig
 from buffer.demo import synthetic_samples
 from buffer.inproc import InProcBuffer
 from buffer.policy import Fifo, StalenessFifo, Uniform, make_policy
+from buffer.record import Sample, batch_to_samples, samples_to_batch
 from buffer.segments import iter_log
 from buffer.storage import Buffer
 from buffer.transport import BufferUnavailable
 from buffer.validate import check_batch
-from pipeline.sample import Sample, batch_to_samples, samples_to_batch
-from pipeline.wire import ProtocolError
+from buffer.wire import ProtocolError
 
 
 def cfg(**kw) -> BufferConfig:

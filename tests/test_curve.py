@@ -14,12 +14,12 @@ import torch
 
 from buffer.client import BufferClient
 from buffer.config import BufferConfig
+from buffer.curve import CurveKeys, _ZapHandler
 from buffer.demo import synthetic_samples
+from buffer.record import batch_to_samples
 from buffer.server import BufferServer
 from buffer.storage import Buffer
 from buffer.transport import BufferUnavailable
-from pipeline.curve import CurveKeys, _ZapHandler
-from pipeline.sample import batch_to_samples
 from stages.weights.base import WeightPushError
 from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pipeline.net import free_port
+from buffer.net import free_port
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.generator import Generator
 from stages.rollout.sglang_engine import EngineError, SGLangEngine

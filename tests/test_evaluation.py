@@ -17,7 +17,7 @@ from stages.rollout.hooks import HookError
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from pipeline.models import build_byte_tokenizer
+    from stages.models import build_byte_tokenizer
 
     return build_byte_tokenizer(tmp_path_factory.mktemp("tok"))
 

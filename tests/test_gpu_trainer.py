@@ -32,7 +32,7 @@ def small_model(tmp_path_factory):
 
 
 def _logprobs(model_path, attention, samples):
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
     from stages.trainer.lm_head import head_logprobs
     from stages.trainer.model import (
         build_policy,

@@ -36,7 +36,7 @@ def two_gpus():
 
 
 def test_a_server_killed_mid_broadcast_over_nccl_is_left_out_and_the_trainer_lives_on(two_gpus):
-    from pipeline.net import free_port
+    from buffer.net import free_port
     from stages.weights.base import align_nccl_env
     from stages.weights.sglang_transport import NcclSGLangSender
 

@@ -384,8 +384,8 @@ def test_trainer_sample_mean_counts_every_sample_and_logs_kl(tmp_path):
     tokens (in no micro-batch), `unmasked` does not. kl/value is logged and 0 (policy = reference)."""
     import msgspec
 
+    from buffer.record import Status, samples_to_batch
     from pipeline.config import RunConfig
-    from pipeline.sample import Status, samples_to_batch
     from stages.trainer.packing import to_token_batch
     from stages.trainer.testing import ListSource, make_samples, make_tiny_hf
     from stages.trainer.trainer import Trainer

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import models
-from pipeline.models import ModelError, load_tokenizer, resolve_model
+from stages import models
+from stages.models import ModelError, load_tokenizer, resolve_model
 
 torch.set_num_threads(1)
 

@@ -57,7 +57,7 @@ def _stop(p: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     if not RAY.exists():
         pytest.skip("the ray command line is not installed next to this python")

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from test_rollout_generator import FakeSink
 
+from buffer.record import Status
 from pipeline.config import from_dict
-from pipeline.models import build_byte_tokenizer
-from pipeline.sample import Status
+from stages.models import build_byte_tokenizer
 from stages.rollout.data import PromptSource
 from stages.rollout.engine import Engine, GenResult, SamplingParams
 from stages.rollout.envs.calculator import calculate

@@ -47,8 +47,8 @@ def test_every_run_pipeline_line_loads_its_config(line, capsys):
 def test_every_buffer_inspect_line_runs_on_a_buffer(tmp_path, monkeypatch, capsys):
     from buffer.config import BufferConfig
     from buffer.demo import synthetic_samples
-    from buffer.inspect import main
     from buffer.storage import Buffer
+    from pipeline.inspect import main
 
     buf = Buffer(BufferConfig(), tmp_path / "buf")
     buf.insert(synthetic_samples(3, version=0))

@@ -4,9 +4,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from pipeline import wire
+from buffer import wire
+from buffer.record import Sample, Status, batch_to_samples, list_values, samples_to_batch
 from pipeline.config import ConfigError, load_config, write_resolved
-from pipeline.sample import Sample, Status, batch_to_samples, list_values, samples_to_batch
 
 
 def make(uid="u0", n=5, group="g0", idx=0, size=1, v0=3):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import reasoning_gym
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.reward.builtin import (
     digit_repeat,
     exact_match,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.models import load_tokenizer, resolve_model
+from stages.models import load_tokenizer, resolve_model
 from stages.rollout.config import DataConfig
 from stages.rollout.data import DataError, PromptSource
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.models import resolve_model
+from stages.models import resolve_model
 from stages.rollout.engine import GenRequest, SamplingParams
 from stages.rollout.torch_engine import TorchEngine
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from pipeline import wire
+from buffer import wire
+from buffer.record import Sample, Status
 from pipeline.config import from_dict
-from pipeline.sample import Sample, Status
 from stages.reward.registry import register_reward
 from stages.rollout.build import build_engine
 from stages.rollout.generator import Generator

@@ -13,9 +13,9 @@ import pytest
 from test_multiturn import EOS, ScriptedEngine, _cfg, _run
 from test_rollout_generator import FakeSink
 
-from pipeline import wire
+from buffer import wire
+from buffer.record import Status
 from pipeline.config import ConfigError, from_dict
-from pipeline.sample import Status
 from stages.rollout.generator import Generator
 from stages.rollout.hooks import HookError, check_hooks, fill_response, load_hook
 
@@ -24,7 +24,7 @@ ANSWER = [ord("7"), EOS]
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from pipeline.models import build_byte_tokenizer
+    from stages.models import build_byte_tokenizer
 
     return build_byte_tokenizer(tmp_path_factory.mktemp("tok"))
 
@@ -42,7 +42,7 @@ async def short_versions(ctx):
 
 async def new_samples(ctx):
     """A buggy generate_fn: returns Samples of its own making."""
-    from pipeline.sample import Sample
+    from buffer.record import Sample
 
     return [
         Sample.build(uid="x", group_id="y", prompt_ids=[1], response_ids=[], rollout_logprobs=[], versions=[])

@@ -34,8 +34,8 @@ def test_tool_calc_config_trains_end_to_end(tmp_path, ray_session):
     assert [h["version"] for h in train] == list(range(1, 7))
     assert all(h["samples"] == 16 for h in train)
     assert any("eval/accuracy" in h for h in res.history)  # evaluated on generator 0's engine
-    from buffer.inspect import load
-    from pipeline.sample import batch_to_samples
+    from buffer.record import batch_to_samples
+    from pipeline.inspect import load
 
     samples = batch_to_samples(load(str(res.run_dir / "buffer"))[0])
     called = [s for s in samples if s.metadata.get("tool_calls")]
@@ -80,8 +80,8 @@ def test_a_rollout_fn_from_outside_the_repo_drives_a_run(tmp_path, ray_session):
     assert res.status == "completed", res.error
     train = [h for h in res.history if "version" in h]
     assert [h["version"] for h in train] == [1, 2, 3, 4] and all(h["staleness/max"] <= 2 for h in train)
-    from buffer.inspect import load
-    from pipeline.sample import batch_to_samples
+    from buffer.record import batch_to_samples
+    from pipeline.inspect import load
 
     assert {s.metadata["via"] for s in batch_to_samples(load(str(res.run_dir / "buffer"))[0])} == {
         "rollout_fn"

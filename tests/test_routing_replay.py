@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.sample import (
+from buffer.record import (
     ARROW_SCHEMA,
     LEGACY_SCHEMAS,
     Sample,
@@ -209,7 +209,7 @@ def _routed_sample(uid, plen, rlen, width=2 * K, seed=0, rows=None, **kw):
 
 def test_routed_experts_round_trip_and_wrong_rows_are_refused():
     from buffer.validate import check_batch
-    from pipeline.wire import ProtocolError
+    from buffer.wire import ProtocolError
 
     a = _routed_sample("a", 5, 4, group_size=2, group_index=0)
     b = msgspec.structs.replace(_routed_sample("b", 5, 3, group_size=2, group_index=1), routed_experts=b"")
@@ -299,7 +299,7 @@ def test_a_segment_without_the_column_reads_back_whole(tmp_path):
 
 
 def test_replay_source_reads_a_directory_of_old_and_new_segments(tmp_path):
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
     from stages.trainer.replay import ReplaySource
     from stages.trainer.testing import make_samples
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from buffer.record import Sample, samples_to_batch
 from pipeline.config import RunConfig
-from pipeline.sample import Sample, samples_to_batch
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
 
 VOCAB = 512  # stages.trainer.testing.TINY

@@ -71,7 +71,7 @@ def model_path(tmp_path_factory):
 
 
 def _one_group(n_samples: int, seed: int):
-    from pipeline.sample import Sample
+    from buffer.record import Sample
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 512, 5)
@@ -98,8 +98,8 @@ def test_entropy_metric_of_a_one_row_micro_batch_is_the_real_entropy(model_path,
     the probabilities instead: ~6.2 where the answer was ~1.3-2.6)."""
     from transformers import AutoModelForCausalLM
 
+    from buffer.record import samples_to_batch
     from pipeline.config import RunConfig
-    from pipeline.sample import samples_to_batch
     from stages.trainer.testing import ListSource
     from stages.trainer.trainer import Trainer
 
@@ -124,7 +124,7 @@ def test_entropy_metric_of_a_one_row_micro_batch_is_the_real_entropy(model_path,
 def test_packed_row_matches_block_mask_rows(model_path):
     """The varlen layout (one row, cu_seqlens; on CPU each segment through causal SDPA) and the
     block-mask rows give the same logprobs on the same tokens."""
-    from pipeline.sample import samples_to_batch
+    from buffer.record import samples_to_batch
     from stages.trainer.attention import VarlenAttention
     from stages.trainer.model import (
         build_policy,

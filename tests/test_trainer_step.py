@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import torch
 
+from buffer.record import Status, samples_to_batch
 from pipeline.config import RunConfig
-from pipeline.sample import Status, samples_to_batch
 from stages.trainer.testing import ListSource, make_batch, make_samples, make_tiny_hf
 
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
+from buffer.record import Sample, samples_to_batch
 from pipeline.config import RunConfig
-from pipeline.sample import Sample, samples_to_batch
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
 from stages.weights.base import WeightPushError, buckets
 from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender

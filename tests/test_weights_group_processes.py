@@ -187,7 +187,7 @@ def weight_group(monkeypatch, request):
     there; the sender and every server launched are ended whatever the test does."""
     from types import SimpleNamespace
 
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
     port = free_port("127.0.0.1")
@@ -286,7 +286,7 @@ def test_a_server_that_outlives_another_killed_mid_push_gets_whole_weights_again
     from partly loaded weights would make samples of no version) until it has whole weights: at the
     catch-up of a kept push, or (a direct push keeps nothing) by the push needs_push() asks for at once.
     The dead one's relaunch is caught up as before."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]

@@ -53,7 +53,7 @@ def _check_push(sender_cls, gpu: int, tmp_path, **kw):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.net import free_port
+    from buffer.net import free_port
     from stages.trainer.testing import make_tiny_hf
 
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2", vocab_size=1024)

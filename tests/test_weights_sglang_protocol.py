@@ -119,7 +119,7 @@ def test_failed_pause_resumes_every_server(server_factory):
 
 def _dead_url() -> str:
     """A loopback port nothing listens on (a server that died): connections are refused."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     return f"http://127.0.0.1:{free_port('127.0.0.1')}"
 
@@ -153,7 +153,7 @@ def test_a_restarted_server_is_pushed_to_again(server_factory):
     import time
 
     ok, ok_url = server_factory()
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     port = free_port("127.0.0.1")
     sender = PostSender([ok_url, f"http://127.0.0.1:{port}"], timeout_s=10, restart_grace_s=5)
@@ -172,7 +172,7 @@ def test_a_restarted_server_is_pushed_to_again(server_factory):
 def test_a_relaunched_server_gets_the_last_weights_by_catch_up(server_factory):
     """While a server is behind, the sender keeps the last push's tensors; catch_up() sends them to it
     alone (skipped again while it is still down), then lets them go."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     ok, ok_url = server_factory()
     port = free_port("127.0.0.1")
@@ -414,7 +414,7 @@ def test_the_nccl_group_is_formed_again_without_a_restarting_server_and_with_it_
     """Disaggregated runs: a dead server leaves the weight group. The next push forms a group of the
     servers it reaches (so the broadcast cannot wait on the dead one) and the relaunched server joins a
     new group with everyone at the catch-up, which gives it the last weights."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     a, a_url = server_factory()
     port = free_port("127.0.0.1")
@@ -470,7 +470,7 @@ def test_a_lone_nccl_server_that_died_gets_a_new_group_when_it_is_back(server_fa
     """The 2-GPU config has one server: while it is down a push reaches nobody (and drops the group),
     and the catch-up forms a new group with the relaunched server instead of broadcasting over the
     dead one's."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     port = free_port("127.0.0.1")
     first = _serve(port)
@@ -495,7 +495,7 @@ def test_a_server_relaunched_between_two_pushes_is_noticed_and_joins_a_new_group
     """A server can die and come back between two pushes, so no push ever missed it: it answers with
     the base model's version instead of the last one pushed, which tells the sender it holds none of
     the groups, and the push forms a new one before loading."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     port = free_port("127.0.0.1")
     first = _serve(port)
@@ -882,7 +882,7 @@ def test_a_direct_push_loads_each_bucket_as_it_is_gathered_and_drains_the_gather
 def test_after_a_direct_push_that_left_a_server_out_the_trainer_is_asked_to_push_again(server_factory):
     """A direct push keeps nothing for catch_up(): the server it left out (restarting) is named by
     needs_push() once it answers with older weights, and the trainer pushes its current weights again."""
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"

@@ -37,7 +37,7 @@ def _reachable(cfg):
     servers): on a cluster of several nodes every stage must be reachable from the others."""
     import msgspec
 
-    from pipeline.net import on_host
+    from buffer.net import on_host
 
     ip, rep = ray.util.get_node_ip_address(), msgspec.structs.replace
     return rep(
@@ -222,7 +222,7 @@ class TrainerActor(_Located):
 
     def master_address(self, loopback: bool) -> str:
         """host:port for the process group, from rank 0's node (loopback on a one-node cluster)."""
-        from pipeline.net import free_port
+        from buffer.net import free_port
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return f"{host}:{free_port(host)}"

@@ -22,7 +22,7 @@ import math
 
 import msgspec
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.rollout.engine import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import msgspec
 
+from buffer.net import is_loopback
 from pipeline.config import RunConfig, effective_staleness, write_resolved
-from pipeline.net import is_loopback
 from pipeline.orchestration.metrics import MetricsWriter
 from pipeline.orchestration.placement import PlacementError, check_fits, check_tp_groups, make_plan, plan_cfg
 from pipeline.orchestration.progress import Progress, summary
@@ -178,13 +178,13 @@ class Pipeline:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pipeline.models import resolve_model
         from pipeline.orchestration.actors import (
             BufferActor,
             GeneratorActor,
             TrainerActor,
             actor_env,
         )
+        from stages.models import resolve_model
 
         cfg, r = self.cfg, self.cfg.rollout
         model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
@@ -203,7 +203,7 @@ class Pipeline:
         # run is authenticated with CURVE keys made here, handed to the stages through Ray
         reachable = len(nodes) > 1
         if reachable or not all(is_loopback(a) for a in (cfg.buffer.bind, cfg.weights.bind)):
-            from pipeline.curve import CurveKeys
+            from buffer.curve import CurveKeys
 
             self.curve = CurveKeys.generate()
         self.pg = placement_group(plan.bundles, strategy="PACK")
@@ -712,7 +712,7 @@ class Pipeline:
 def preflight(cfg: RunConfig) -> None:
     """What can be checked before Ray starts, so that a typo fails in a second with one line instead
     of inside an actor's traceback: the model folder, the rollout hooks, and every line of a dataset file."""
-    from pipeline.models import ModelError, resolve_model
+    from stages.models import ModelError, resolve_model
     from stages.rollout.data import DataError, is_task, read_source
     from stages.rollout.hooks import HookError, check_hooks
 

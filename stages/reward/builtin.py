@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from pipeline.sample import Sample
+from buffer.record import Sample
 
 
 def exact_match(sample: Sample, response: str, *, ignore_case: bool = False) -> float:

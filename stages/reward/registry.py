@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.reward import builtin
 
 log = logging.getLogger(__name__)

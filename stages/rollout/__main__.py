@@ -36,15 +36,15 @@ class ArrowFileSink:
     def __init__(self, path: str):
         import pyarrow as pa
 
-        from pipeline.sample import ARROW_SCHEMA
+        from buffer.record import ARROW_SCHEMA
 
         self._pa = pa
         self._writer = pa.ipc.new_file(path, ARROW_SCHEMA)
         self.rows = 0
 
     def put(self, samples, timeout_s: float = 60.0):
-        from pipeline.sample import samples_to_batch
-        from pipeline.wire import IngestAck
+        from buffer.record import samples_to_batch
+        from buffer.wire import IngestAck
 
         self._writer.write_batch(samples_to_batch(samples))
         self.rows += len(samples)

@@ -12,7 +12,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = 
     resuming). seed: sampling seed (default cfg.run.seed). name: SGLang engines are named (and log as)
     `name`-i.
     """
-    from pipeline.models import resolve_model
+    from stages.models import resolve_model
 
     r = cfg.rollout
     path = resolve_model(cfg.model)
@@ -47,7 +47,7 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = 
 
 def load_source(cfg, tokenizer=None):
     """(PromptSource, tokenizer) for cfg.rollout.data and cfg.model."""
-    from pipeline.models import load_tokenizer, resolve_model
+    from stages.models import load_tokenizer, resolve_model
     from stages.rollout.data import PromptSource
 
     if tokenizer is None:

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.sample import Sample
+from buffer.record import Sample
 from stages.rollout.engine import SamplingParams
 from stages.rollout.hooks import (
     EngineCallError,

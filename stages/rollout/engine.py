@@ -42,7 +42,7 @@ class GenResult:
     finish_reason: str  # "stop" | "length" | "abort"
     meta: dict = field(default_factory=dict)
     # MoE routing replay (engines started with record_routing): [prompt + response - 1, moe_layers * k]
-    # expert ids (numpy int16), the rows pipeline.sample.Sample.routed_experts stores; None otherwise
+    # expert ids (numpy int16), the rows buffer.record.Sample.routed_experts stores; None otherwise
     routed_experts: object = None
 
 

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.reward.registry import RewardScorer
 from stages.rollout.build import build_engine, load_source
 from stages.rollout.engine import Engine, SamplingParams

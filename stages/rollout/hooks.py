@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.sample import F32, I16, I32, U8, Sample, Status, pack
+from buffer.record import F32, I16, I32, U8, Sample, Status, pack
 from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.rollout.engine import GenResult, SamplingParams
 from stages.rollout.hooks import EngineHandle, fill_response
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.models import moe_layer_flags
+from stages.models import moe_layer_flags
 
 
 @dataclass(frozen=True)

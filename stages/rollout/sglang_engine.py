@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.net import free_port
+from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.routing import RoutingRows

@@ -6,7 +6,7 @@ It is the default `rollout.generate_fn` and an implementation of the same interf
 
 from __future__ import annotations
 
-from pipeline.sample import Sample, Status
+from buffer.record import Sample, Status
 from stages.rollout.hooks import GenerateContext, fill_response
 
 # the engine's finish reason -> the sample's status

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = args.model_path
     if not model_path:
-        from pipeline.models import resolve_model
+        from stages.models import resolve_model
 
         model_path = str(resolve_model(cfg.model))
     source = None

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.models import moe_layer_flags
+from stages.models import moe_layer_flags
 from stages.trainer import moe
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "glm4", "qwen3_moe")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.models import moe_layer_flags
-from pipeline.net import free_port
+from buffer.net import free_port
+from stages.models import moe_layer_flags
 from stages.trainer import cpu_shim, hf_mapping, moe
 from stages.weights.base import align_nccl_env
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from pipeline.models import moe_layer_flags
+from stages.models import moe_layer_flags
 
 MOE_TYPES = ("qwen3_moe",)
 _LOCAL = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")

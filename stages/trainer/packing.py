@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.sample import list_values
+from buffer.record import list_values
 
 TRAINABLE = ("completed", "truncated")
 ROW_ALIGN = 8  # rows are rounded up to a multiple of this many tokens

@@ -13,8 +13,8 @@ def with_recorded_experts(batch, hc: dict, seed: int):
     distinct experts drawn at random (what an engine whose routing disagrees everywhere would record)."""
     import numpy as np
 
-    from pipeline.models import moe_layer_flags
-    from pipeline.sample import batch_to_samples, samples_to_batch
+    from buffer.record import batch_to_samples, samples_to_batch
+    from stages.models import moe_layer_flags
 
     rng = np.random.default_rng(seed)
     layers, k = sum(moe_layer_flags(hc)), hc["num_experts_per_tok"]

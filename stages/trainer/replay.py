@@ -15,7 +15,7 @@ import os
 
 import pyarrow as pa
 
-from pipeline.sample import upgrade_batch
+from buffer.record import upgrade_batch
 from stages.trainer.trainer import SourceExhausted
 
 log = logging.getLogger(__name__)

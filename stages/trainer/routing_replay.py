@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models import moe_layer_flags
+from stages.models import moe_layer_flags
 from stages.trainer.packing import routed_width_problem
 
 

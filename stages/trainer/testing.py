@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipeline.sample import Sample, samples_to_batch
+from buffer.record import Sample, samples_to_batch
 
 TINY = dict(
     hidden_size=64,
@@ -150,7 +150,7 @@ def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeou
 
     from safetensors.torch import load_file
 
-    from pipeline.net import free_port
+    from buffer.net import free_port
 
     path = os.environ.get("PYTHONPATH")  # kept after the repo: the GPU machine's wheels live there
     env = dict(os.environ, PYTHONPATH=os.getcwd() + (f":{path}" if path else ""), OMP_NUM_THREADS="1")

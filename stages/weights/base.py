@@ -200,7 +200,7 @@ def make_sender(
     `engine_tp_sizes`, default 1; `pause_mode` as rollout.sglang.pause_mode; NCCL's rendezvous at
     `master_address`, this process's host as the servers reach it; `restart_grace_s`: how long a
     push may leave out a server that cannot be reached while it restarts). `curve`: the run's CurveKeys
-    (pipeline/curve.py) for the cpu transport's socket, None for none.
+    (buffer/curve.py) for the cpu transport's socket, None for none.
     auto: cpu without engine_urls, else nccl when this process sees 2+ GPUs and cuda_ipc otherwise;
     inside a Ray actor that was given one GPU this always says cuda_ipc, so GPU configs name the
     transport explicitly.

@@ -667,7 +667,7 @@ class NcclSGLangSender(_SGLangSender):
     def _join(self, urls: list[str]) -> None:
         """Form a trainer<->engines NCCL group with `urls` (every one of them and rank 0 rendezvous
         together). Each group gets a new name: a server that was in an earlier one still holds it."""
-        from pipeline.net import free_port
+        from buffer.net import free_port
 
         align_nccl_env()  # no-op after init_distributed; a standalone sender needs it before its group
         name = f"{self._name_base}-{len(self.group_names)}"

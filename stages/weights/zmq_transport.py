@@ -10,7 +10,7 @@ connects after a push gets the latest snapshot at once, so late joiners never ru
 
 All socket work happens on one I/O thread per side (ZeroMQ sockets are not thread-safe).
 
-With `curve` (the run's `CurveKeys`, pipeline/curve.py) on both sides the sender accepts only
+With `curve` (the run's `CurveKeys`, buffer/curve.py) on both sides the sender accepts only
 receivers holding the run's client key: a refused receiver's hello never arrives, so it gets no
 weights, and the sender counts it in stats()["auth_refused"].
 """
@@ -28,7 +28,7 @@ import msgspec
 import torch
 import zmq
 
-from pipeline.curve import CurveKeys, secure_client, secure_server
+from buffer.curve import CurveKeys, secure_client, secure_server
 from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
 
 log = logging.getLogger(__name__)

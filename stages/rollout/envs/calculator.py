@@ -24,7 +24,7 @@ import operator
 import re
 from fractions import Fraction
 
-from pipeline.sample import Sample
+from buffer.record import Sample
 from stages.rollout.hooks import GenerateContext, gather_or_cancel
 from stages.rollout.multiturn import Conversation, TurnTemplate
 

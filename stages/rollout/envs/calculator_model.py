@@ -1,4 +1,4 @@
-"""tiny-qwen2-calc: the tiny Qwen2 of pipeline/models.py, warm-started on calculator episodes.
+"""tiny-qwen2-calc: the tiny Qwen2 of stages/models.py, warm-started on calculator episodes.
 
 Built the way tiny-qwen2 is (same architecture, byte tokenizer and template, fixed seeds, one thread):
 random init, then a short supervised warm start on episodes of the calculator environment
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-VERSION = 2  # part of the cache key (pipeline/models.py): bump when the data or the recipe changes
+VERSION = 2  # part of the cache key (stages/models.py): bump when the data or the recipe changes
 # 650 steps of 32 episodes, ~60 s on one core. Measured (samples at temperature 1, 16 groups of 8 on
 # held-out questions; exact answers): 500 steps 4 %, 600 8 %, 700 32 %, 800 39 %, 1000 80 %. The copy of
 # the expression and of the result is learnt late and suddenly; 650 steps leave the model using the tool
@@ -54,7 +54,7 @@ def episodes(tok, n: int, seed: int = WARM_SEED) -> list[tuple[list[int], list[i
 def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
     """Write tiny-qwen2-calc into out_dir (deterministic): tiny-qwen2's architecture and tokenizer,
     warm-started on calculator episodes instead of digit repeats."""
-    from pipeline.models import write_tiny_qwen2
+    from stages.models import write_tiny_qwen2
 
     def warm(model, tok, ids):
         _warm_start(model, episodes(tok, 32 * warm_steps), pad=ids["<|endoftext|>"])
@@ -65,7 +65,7 @@ def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
 def _warm_start(model, data: list[tuple[list[int], list[int]]], pad: int, batch: int = 32) -> None:
     import torch
 
-    from pipeline.models import masked_nll_step
+    from stages.models import masked_nll_step
 
     # no shuffle: reasoning-gym's order is already random, and without one the first k steps of any
     # build are the same, so a build of fewer steps is a prefix of a longer one

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.sample import Sample
+from buffer.record import Sample
 
 SCHEMA_VERSION = 3  # 2: large Arrow buffers may share one frame (buffer/frames.py); 3: routed_experts column
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a single frame above this is refused (raise `max_message_mb` to change)

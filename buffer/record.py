@@ -264,7 +264,7 @@ def upgrade_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     if batch.schema.equals(ARROW_SCHEMA):
         return batch
     if not is_legacy_schema(batch.schema):
-        raise ValueError("schema differs from pipeline.sample.ARROW_SCHEMA (and from every older one)")
+        raise ValueError("schema differs from buffer.record.ARROW_SCHEMA (and from every older one)")
     empty = pa.ListArray.from_arrays(
         pa.array(np.zeros(batch.num_rows + 1, np.int32)), pa.array([], pa.int16())
     )

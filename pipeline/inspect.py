@@ -1,4 +1,4 @@
-"""`python -m buffer.inspect` (bin/buffer-inspect): look into a buffer directory or a live buffer.
+"""`python -m pipeline.inspect` (bin/buffer-inspect): look into a buffer directory or a live buffer.
 
   summary TARGET                 rows, groups, versions, staleness histogram, reward by version, ...
   samples TARGET [--tokenizer DIR] [--limit N] [--uid U]   samples as text (or token ids)
@@ -50,7 +50,7 @@ def load(target: str):
     """(pyarrow Table with a `state` column, info dict) for a directory or a live address."""
     import pyarrow as pa
 
-    from pipeline.sample import ARROW_SCHEMA
+    from buffer.record import ARROW_SCHEMA
 
     if "://" in target:
         from buffer.client import BufferClient
@@ -72,8 +72,8 @@ def _load_dir(target: str):
 
     import pyarrow as pa
 
+    from buffer.record import ARROW_SCHEMA
     from buffer.segments import SEGMENT_GLOB, iter_log, read_segment
-    from pipeline.sample import ARROW_SCHEMA
 
     d = Path(target)
     if not d.is_dir():
@@ -211,7 +211,7 @@ def samples(table, args) -> None:
     from rich.console import Console
     from rich.panel import Panel
 
-    from pipeline.sample import batch_to_samples
+    from buffer.record import batch_to_samples
 
     con = Console()
     if args.uid:
@@ -221,8 +221,7 @@ def samples(table, args) -> None:
     table = table.slice(0, args.limit)
     tok = None
     if args.tokenizer:
-        from pipeline.config import ModelConfig
-        from pipeline.models import ModelError, load_tokenizer, resolve_model
+        from stages.models import ModelConfig, ModelError, load_tokenizer, resolve_model
 
         try:  # a folder, or a built-in name such as tiny-qwen2 (built and cached on first use)
             folder = Path(args.tokenizer).expanduser()

