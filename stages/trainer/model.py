@@ -231,6 +231,27 @@ def resolve_attention(attention: str, te: bool, bf16: bool) -> str:
     return attention
 
 
+def resolve_moe_experts(choice: str, te: bool, bf16: bool) -> str:
+    """trainer.moe_experts -> how MoE layers run their experts: "te" (transformer-engine's grouped MLP,
+    with the TE spec), "grouped" (stages/trainer/grouped_experts.py: torch._grouped_mm, all local
+    experts in one GEMM per projection) or "sequential" (megatron's SequentialMLP, a loop over experts).
+    "auto": TE's with the TE spec, else grouped wherever torch._grouped_mm runs (CPU; CUDA in bf16)."""
+    from stages.trainer.grouped_experts import grouped_mm_supported
+
+    if te:
+        return "te"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    supported = grouped_mm_supported(device, torch.bfloat16 if bf16 else torch.float32)
+    if choice == "grouped" and not supported:
+        raise ValueError(
+            "trainer.moe_experts=grouped needs torch._grouped_mm for this device and precision (CPU, or "
+            "a CUDA GPU in trainer.precision=bf16); use 'auto' or 'sequential'"
+        )
+    if choice == "auto":
+        return "grouped" if supported else "sequential"
+    return choice
+
+
 def _safetensors_getter(model_path: str):
     from safetensors import safe_open
 
@@ -270,6 +291,7 @@ def build_policy(
     sequence_parallel: bool = False,
     moe_aux_loss_coef: float = 0.0,
     moe_capacity_factor: float | None = None,
+    moe_experts: str = "auto",
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first.
 
@@ -280,7 +302,8 @@ def build_policy(
     logits path (tests, benches) keeps megatron's output layer, with `fp32_lm_head` as before.
     MoE models (stages/trainer/moe.py) take EP/ETP from init_distributed's groups;
     `moe_aux_loss_coef` > 0 adds megatron's load-balancing loss (trainer.moe_aux_loss_coef), and
-    `moe_capacity_factor` makes routing drop tokens past that capacity (None: dropless).
+    `moe_capacity_factor` makes routing drop tokens past that capacity (None: dropless);
+    `moe_experts` (trainer.moe_experts) picks how the local spec runs experts (resolve_moe_experts).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -321,7 +344,10 @@ def build_policy(
         if core is None and cp > 1:
             raise ValueError("trainer.cp > 1 needs trainer.attention varlen, sdpa or auto (not unfused)")
     layers = moe_layer_flags(hc) if moe.is_moe(hc) else None
-    spec = specs.decoder_block_spec(hc, cfg, te=te, core_attention=core, moe_layers=layers)
+    grouped = bool(layers) and resolve_moe_experts(moe_experts, te, bf16) == "grouped"
+    spec = specs.decoder_block_spec(
+        hc, cfg, te=te, core_attention=core, moe_layers=layers, grouped_experts=grouped
+    )
     if layers:
         moe.prepare_megatron()
     # tied embeddings under PP move the shared weight with .cuda()
@@ -411,6 +437,7 @@ def load_hf_weights(model, model_path: str, hc, te: bool) -> None:
         etp=ps.get_expert_tensor_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
     )
+    sd = moe.group_expert_weights(sd, m)  # per-expert tensors -> GroupedExperts' weight1/weight2
     res = m.load_state_dict(sd, strict=False)
     missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
     if missing or res.unexpected_keys:

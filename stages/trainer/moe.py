@@ -9,7 +9,11 @@ Layouts:
     reads that form from disk, so both are read here; the export writes the checkpoint format.
   * megatron local spec (SequentialMLP): `mlp.router.weight` and per local expert
     `mlp.experts.local_experts.{i}.linear_fc1.weight` = cat(gate, up), `...linear_fc2.weight`;
-    the TE spec's grouped GEMM (TEGroupedMLP) holds `mlp.experts.linear_fc1.weight{i}`.
+    the TE spec's grouped GEMM (TEGroupedMLP) holds `mlp.experts.linear_fc1.weight{i}`; the grouped
+    experts of grouped_experts.py (GroupedMLP's layout) hold all local experts in two tensors,
+    `mlp.experts.weight1` = [h, n * 2I] read as n blocks [h, 2I] (fc1 transposed) and
+    `mlp.experts.weight2` = [n * I, h] read as n blocks [I, h] (fc2 transposed). The mapping works on
+    per-expert tensors and converts at the edges (group_expert_weights, _local_expert_views).
   * EP rank r holds global experts r * E/ep .. (r+1) * E/ep - 1 as local 0 ..; ETP shards each
     expert's fc1 (gate and up separately) and fc2 like TP does a dense MLP.
 
@@ -31,6 +35,7 @@ from stages.models import moe_layer_flags
 MOE_TYPES = ("qwen3_moe",)
 _LOCAL = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+_STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
 
 
 def is_moe(hc) -> bool:
@@ -64,6 +69,9 @@ def config_kwargs(hc, *, te: bool, aux_loss_coef: float = 0.0, capacity_factor: 
         moe_router_topk=hc.num_experts_per_tok,
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not hc.norm_topk_prob,
+        # the router's logits, softmax and top-k in fp32 whatever the model's precision: a bf16 router
+        # flips near-tied experts, and a flipped expert is a different token path from the engine's
+        moe_router_dtype="fp32",
         # RL keeps the router as the engine has it: no balancing loss unless asked for
         moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coef,
@@ -121,7 +129,46 @@ def mcore_to_hf_moe(sub: str, full: torch.Tensor, p: str) -> list[tuple[str, tor
 
 
 def is_expert_param(key: str) -> bool:
-    return bool(_LOCAL.match(key) or _GROUPED.match(key))
+    return bool(_LOCAL.match(key) or _GROUPED.match(key) or _STACKED.match(key))
+
+
+def group_expert_weights(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A local state dict with per-expert keys (hf_to_mcore's) -> the same with each layer's experts
+    stacked into weight1/weight2 where `model` runs them as GroupedExperts; other layers unchanged."""
+    from stages.trainer.grouped_experts import GroupedExperts
+
+    out = dict(state)
+    for i, layer in enumerate(model.decoder.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if not isinstance(experts, GroupedExperts):
+            continue
+        p = f"decoder.layers.{i}.mlp.experts."
+        n, h = experts.num_local_experts, experts.config.hidden_size
+        fc1 = [out.pop(f"{p}local_experts.{e}.linear_fc1.weight") for e in range(n)]
+        fc2 = [out.pop(f"{p}local_experts.{e}.linear_fc2.weight") for e in range(n)]
+        # [n, h, 2I] and [n, I, h] contiguous: exactly the memory of weight1 [h, n*2I], weight2 [n*I, h]
+        out[p + "weight1"] = torch.stack([w.t() for w in fc1]).contiguous().view(h, -1)
+        out[p + "weight2"] = torch.stack([w.t() for w in fc2]).contiguous().view(-1, h)
+    return out
+
+
+def _local_expert_views(key: str, t: torch.Tensor, hc, num_local: int) -> list[tuple[str, torch.Tensor]]:
+    """One parameter of the experts -> (local per-expert key, tensor) pairs: the stacked weight1 /
+    weight2 of GroupedExperts split into each expert's linear_fc1 / linear_fc2 (views, transposed
+    back); any other expert parameter as it is."""
+    m = _STACKED.match(key)
+    if m is None:
+        return [(key, t)]
+    h = hc.hidden_size
+    if m.group(2) == "1":
+        return [
+            (f"{m.group(1)}local_experts.{e}.linear_fc1.weight", w.t())
+            for e, w in enumerate(t.view(num_local, h, -1))
+        ]
+    return [
+        (f"{m.group(1)}local_experts.{e}.linear_fc2.weight", w.t())
+        for e, w in enumerate(t.view(num_local, -1, h))
+    ]
 
 
 def global_expert_key(key: str, ep_rank: int, num_local: int) -> str:
@@ -139,21 +186,20 @@ def gather_experts(key: str, t: torch.Tensor, hc, merge_tp) -> Iterator[tuple[st
     expert parameter in the same order (EP groups span data-parallel ranks)."""
     from megatron.core import parallel_state as ps
 
-    from stages.trainer.hf_mapping import tp_layout
-
     etp = ps.get_expert_tensor_parallel_world_size()
-    if etp > 1 and tp_layout(key) != "replicated":
-        shards = [torch.empty_like(t) for _ in range(etp)]
-        dist.all_gather(shards, t.contiguous(), group=ps.get_expert_tensor_parallel_group())
-        t = merge_tp(key, shards, hc)
     ep = ps.get_expert_model_parallel_world_size()
-    parts = [t]
-    if ep > 1:
-        parts = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(parts, t.contiguous(), group=ps.get_expert_model_parallel_group())
     nl = hc.num_experts // ep
-    for r, full in enumerate(parts):
-        yield global_expert_key(key, r, nl), full
+    for local_key, local in _local_expert_views(key, t, hc, nl):
+        if etp > 1:  # every expert parameter is an fc1 or fc2, split over the expert-TP group
+            shards = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(etp)]
+            dist.all_gather(shards, local.contiguous(), group=ps.get_expert_tensor_parallel_group())
+            local = merge_tp(local_key, shards, hc)
+        parts = [local]
+        if ep > 1:
+            parts = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(ep)]
+            dist.all_gather(parts, local.contiguous(), group=ps.get_expert_model_parallel_group())
+        for r, full in enumerate(parts):
+            yield global_expert_key(local_key, r, nl), full
 
 
 # -- megatron's all-to-all dispatcher on CPU ---------------------------------------------------------
@@ -226,14 +272,14 @@ class RouterStats:
     def __init__(self, model, hc, capacity_factor: float | None = None, aux_loss: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from stages.trainer.model import unwrap
-
         self.experts, self.topk = hc.num_experts, hc.num_experts_per_tok
         self.capacity, self.aux_loss = capacity_factor, aux_loss
         # per global layer: E expert loads, tokens routed, router calls, summed aux loss
         self.counts: torch.Tensor | None = None
         self.layers = hc.num_hidden_layers
-        for layer in unwrap(model).decoder.layers:
+        while hasattr(model, "module"):  # under DDP / Float16Module wrappers (model.unwrap's loop)
+            model = model.module
+        for layer in model.decoder.layers:
             router = getattr(layer.mlp, "router", None)
             if isinstance(router, TopKRouter):
                 router.register_forward_hook(self._hook(layer.layer_number - 1), with_kwargs=True)

@@ -109,8 +109,9 @@ def quiet_unknown_mlp():
         log.removeFilter(f)
 
 
-def _layer_spec(cfg, *, te: bool, core_attention, moe: bool):
-    """One layer: megatron's spec with the trainer's core attention (local spec only)."""
+def _layer_spec(cfg, *, te: bool, core_attention, moe: bool, grouped_experts: bool):
+    """One layer: megatron's spec with the trainer's core attention (local spec only); an MoE layer's
+    experts as GroupedExperts (`grouped_experts`) or megatron's SequentialMLP, a loop over them."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     experts = cfg.num_moe_experts if moe else None
@@ -123,6 +124,12 @@ def _layer_spec(cfg, *, te: bool, core_attention, moe: bool):
     )
     if core_attention is not None:
         spec.submodules.self_attention.submodules.core_attention = core_attention
+    if moe and grouped_experts:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from stages.trainer.grouped_experts import GroupedExperts
+
+        spec.submodules.mlp.submodules.experts = ModuleSpec(module=GroupedExperts)
     return spec
 
 
@@ -135,11 +142,20 @@ def _sequence_parallel_norms(spec) -> None:
                 setattr(sub, name, SequenceParallelRMSNorm)
 
 
-def decoder_block_spec(hc, cfg, *, te: bool, core_attention=None, moe_layers: list[bool] | None = None):
+def decoder_block_spec(
+    hc,
+    cfg,
+    *,
+    te: bool,
+    core_attention=None,
+    moe_layers: list[bool] | None = None,
+    grouped_experts: bool = False,
+):
     """This stage's layers as TransformerBlockSubmodules.
 
     `core_attention`: the local spec's attention class (None keeps megatron's DotProductAttention);
-    `moe_layers`: per global layer, whether it is an MoE layer (None: all dense).
+    `moe_layers`: per global layer, whether it is an MoE layer (None: all dense); `grouped_experts`:
+    the local spec's MoE layers run their experts as grouped GEMMs (stages/trainer/grouped_experts.py).
     """
     from megatron.core.transformer.transformer_block import (
         LayerNormImpl,
@@ -158,7 +174,9 @@ def decoder_block_spec(hc, cfg, *, te: bool, core_attention=None, moe_layers: li
     layers = []
     for i in range(offset, offset + get_num_layers_to_build(cfg)):
         moe = bool(moe_layers and moe_layers[i])
-        spec = _layer_spec(cfg, te=te, core_attention=core_attention, moe=moe)
+        spec = _layer_spec(
+            cfg, te=te, core_attention=core_attention, moe=moe, grouped_experts=grouped_experts
+        )
         if hf_mapping.post_norms(hc):
             spec.submodules.self_attention.module = PostNormSelfAttention
             if moe:

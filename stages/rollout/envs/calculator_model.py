@@ -54,7 +54,7 @@ def episodes(tok, n: int, seed: int = WARM_SEED) -> list[tuple[list[int], list[i
 def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
     """Write tiny-qwen2-calc into out_dir (deterministic): tiny-qwen2's architecture and tokenizer,
     warm-started on calculator episodes instead of digit repeats."""
-    from stages.models import write_tiny_qwen2
+    from stages.tiny_models import write_tiny_qwen2
 
     def warm(model, tok, ids):
         _warm_start(model, episodes(tok, 32 * warm_steps), pad=ids["<|endoftext|>"])
@@ -65,7 +65,7 @@ def build(out_dir: Path, warm_steps: int = WARM_STEPS) -> None:
 def _warm_start(model, data: list[tuple[list[int], list[int]]], pad: int, batch: int = 32) -> None:
     import torch
 
-    from stages.models import masked_nll_step
+    from stages.tiny_models import masked_nll_step
 
     # no shuffle: reasoning-gym's order is already random, and without one the first k steps of any
     # build are the same, so a build of fewer steps is a prefix of a longer one
