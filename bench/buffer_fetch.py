@@ -29,9 +29,12 @@ import zmq  # noqa: E402
 from buffer.client import BufferClient  # noqa: E402
 from buffer.config import BufferConfig  # noqa: E402
 from buffer.demo import synthetic_samples  # noqa: E402
-from buffer.frames import batches_to_frames  # noqa: E402
+from buffer.frames import (
+    batches_to_frames,  # noqa: E402
+    ipc_bytes,  # noqa
+)
 from buffer.record import samples_to_batch  # noqa: E402
-from buffer.server import BufferServer, ipc_bytes  # noqa: E402
+from buffer.server import BufferServer  # noqa: E402
 from buffer.storage import Buffer  # noqa: E402
 
 

@@ -112,8 +112,8 @@ def _producer(spec: str) -> None:
     else:
         import zmq
 
+        from buffer.frames import ipc_bytes
         from buffer.record import samples_to_batch
-        from buffer.server import ipc_bytes
 
         payloads = [ipc_bytes(samples_to_batch(m)) for m in msgs]
         c = zmq.Context.instance().socket(zmq.PUSH)
@@ -360,8 +360,8 @@ def _pickle_messages(msgs: list) -> list:
 
 
 def one_size(tokens: int, args, tmp: str) -> dict:
+    from buffer.frames import ipc_bytes
     from buffer.record import samples_to_batch
-    from buffer.server import ipc_bytes
 
     if args.producers > 1:
         return many_producers(tokens, args, tmp)
@@ -408,8 +408,8 @@ def one_size(tokens: int, args, tmp: str) -> dict:
 def many_producers(tokens: int, args, tmp: str) -> dict:
     """`--producers N`: the buffer variants and raw ZeroMQ fed by N processes at once, each sending
     its share of the same messages (a pipeline's generators); the disk baseline as before."""
+    from buffer.frames import ipc_bytes
     from buffer.record import samples_to_batch
-    from buffer.server import ipc_bytes
 
     tag = f"t{tokens}-"
     msgs = producer_messages(tokens, args, tag)

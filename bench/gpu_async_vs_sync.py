@@ -116,7 +116,7 @@ from stages.rollout.build import load_source
 cfg = load_config({config!r}, {overrides!r} + ["model.cache_dir=/tmp/models-offline"])
 r = cfg.rollout
 running = r.max_inflight_requests or r.max_inflight_groups * r.group_size
-source, _ = load_source(cfg)
+source, _ = load_source(cfg.rollout.data, cfg.model)
 prompts = [next(source).ids for _ in range({n_prompts})]
 import sglang
 gpu = 1 if cfg.cluster.num_gpus > 1 and not cfg.cluster.colocate else 0  # where the run's engine was
@@ -154,6 +154,7 @@ from buffer import wire
 from pipeline.config import load_config
 from stages.rollout.build import build_engine
 from stages.rollout.generator import Generator
+from stages.rollout.run import RolloutRun
 cfg = load_config({config!r}, {overrides!r})
 gpu = 1 if cfg.cluster.num_gpus > 1 and not cfg.cluster.colocate else 0  # where the run's engine was
 cfg = load_config({config!r}, {overrides!r} + [f"rollout.sglang.base_gpu_id={{gpu}}"])
@@ -164,10 +165,12 @@ class Discard:
     def close(self):
         pass
 
-engine = build_engine(cfg)
+args = (cfg.rollout, cfg.model, RolloutRun(seed=cfg.run.seed, max_staleness=cfg.run.max_staleness,
+    routing_replay=cfg.trainer.routing_replay))
+engine = build_engine(*args)
 try:
-    asyncio.run(Generator(cfg, Discard(), engine, "warm", batch_groups=0).run(max_groups=8))
-    gen = Generator(cfg, Discard(), engine, "offline", batch_groups=0)
+    asyncio.run(Generator(*args, Discard(), engine, "warm", batch_groups=0).run(max_groups=8))
+    gen = Generator(*args, Discard(), engine, "offline", batch_groups=0)
     t0 = time.perf_counter()
     stats = asyncio.run(gen.run(max_groups={n_groups}))
     dt = time.perf_counter() - t0

@@ -203,9 +203,10 @@ def main() -> None:
 
     from stages.rollout.config import SGLangConfig
     from stages.rollout.sglang_engine import SGLangEngine
-    from stages.weights.base import align_nccl_env
     from stages.weights.config import BUCKET_MB, WeightsConfig
-    from stages.weights.sglang_transport import CudaIpcSGLangSender, NcclSGLangSender, per_tensor_for
+    from stages.weights.cuda_ipc_sender import CudaIpcSGLangSender
+    from stages.weights.nccl_sender import NcclSGLangSender, per_tensor_for
+    from stages.weights.sglang_protocol import align_nccl_env
 
     align_nccl_env()
     path = model_dir(a.model)

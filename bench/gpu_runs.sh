@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Both GPU configs at once on one 4-GPU machine (kind nvidia-h100-x4), each on GPUs of its own, so one
-# device session yields both 10-minute runs (docs/gpu.md, "The whole pipeline on GPUs"):
+# device session yields both 10-minute runs (bench/RESULTS.md, "History of GPU runs", "The whole pipeline on GPUs"):
 #   GPU 0     configs/gpu-1x-colocated.yaml       (SGLang + megatron on one GPU, CUDA IPC pushes)
 #   GPU 1, 2  configs/gpu-2x-disaggregated.yaml   (megatron on 1, SGLang on 2, NCCL pushes)
 #   GPU 3     the colocated config again with trainer.lr=$HEDGE_LR (a second learning rate)

@@ -57,6 +57,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 S=/tmp/session
 R=$S/results
+# phases 10, 11, 15 and 17 count learning runs of earlier sessions (--prior); their folders are no longer
+# in the tree: PRIOR_ROOT holds them, e.g. restored from git with
+#   mkdir -p gpu-out && git archive 6572f5f bench/gpu_results | tar -x -C gpu-out --strip-components=1
+PRIOR_ROOT=${PRIOR_ROOT:-gpu-out/gpu_results}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 phase1() {
@@ -140,7 +144,7 @@ phase10() {
   # two more learning seeds
   AVS_FLAGS=${AVS_FLAGS---skip-sync} lane 0-31 0,1 3 6 &
   # seed 0 ran in session 4: the line written counts it with seeds 1 and 2
-  LEARN_SEEDS="1 2" LEARN_PRIOR=bench/gpu_results/2026-11-26/session-4/learning lane 32-63 2,3 8 5 &
+  LEARN_SEEDS="1 2" LEARN_PRIOR=$PRIOR_ROOT/2026-11-26/session-4/learning lane 32-63 2,3 8 5 &
   wait
 }
 
@@ -150,7 +154,7 @@ phase11() {
   # were too few to judge it; only that run, with both ceilings); beside it learning seeds 1 and 2 again
   # (session 5 ran them at the config's lr, not 1e-5). The two-GPU kill test is left for the minutes after
   AVS_STALENESS= AVS_FLAGS="--skip-sync --tag=-s8 run.max_staleness=8" AVS_STEPS=${AVS_STEPS:-30} lane 0-31 0,1 6 3 &
-  LEARN_SEEDS="1 2" LEARN_PRIOR=bench/gpu_results/2026-11-26/session-4/learning lane 32-63 2,3 5 &
+  LEARN_SEEDS="1 2" LEARN_PRIOR=$PRIOR_ROOT/2026-11-26/session-4/learning lane 32-63 2,3 5 &
   wait
 }
 
@@ -173,7 +177,7 @@ phase15() {
   # at that rate (a sync run has no bound, so none is run again); then the 7B stall (phase 14) on all four
   lane 0-31 0,1 13 8 &
   LEARN_SEEDS="0 1" LEARN_STALENESS=8 LEARN_VARIANTS="async_tis async_no_tis" \
-    LEARN_PRIOR_SYNC="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-27/session-6/learning" \
+    LEARN_PRIOR_SYNC="$PRIOR_ROOT/2026-11-26/session-4/learning $PRIOR_ROOT/2026-11-27/session-6/learning" \
     lane 32-63 2,3 5 &
   wait
   echo "lanes end $(date -u +%T)"
@@ -241,8 +245,8 @@ phase17() {
   # and 6; then the 7B pipeline (phase 14) with weights.snapshot=direct at the config's own step
   lane 0-31 0,1 8 &
   LEARN_SEEDS=2 LEARN_STALENESS=8 LEARN_VARIANTS="async_tis async_no_tis" \
-    LEARN_PRIOR=bench/gpu_results/2026-11-27/session-7/learning \
-    LEARN_PRIOR_SYNC="bench/gpu_results/2026-11-26/session-4/learning bench/gpu_results/2026-11-27/session-6/learning" \
+    LEARN_PRIOR=$PRIOR_ROOT/2026-11-27/session-7/learning \
+    LEARN_PRIOR_SYNC="$PRIOR_ROOT/2026-11-26/session-4/learning $PRIOR_ROOT/2026-11-27/session-6/learning" \
     lane 32-63 2,3 5 &
   wait
   echo "lanes end $(date -u +%T)"

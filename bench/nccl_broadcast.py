@@ -54,7 +54,7 @@ def _tensors(spec, dtype, device):
 
 
 def _worker(rank: int, port: int, gpus: list[int], spec, dtype, runs: int, q) -> None:
-    from stages.weights.base import align_nccl_env
+    from stages.weights.sglang_protocol import align_nccl_env
 
     align_nccl_env()  # as the trainer and the SGLang servers run
     torch.cuda.set_device(gpus[rank])

@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch
 
-    from pipeline.config import RunConfig
+    from pipeline.config import RunConfig, trainer_run
     from stages.trainer.export import HostSnapshot, export_hf_state
     from stages.trainer.testing import ListSource, make_tiny_hf
     from stages.trainer.trainer import Trainer
@@ -56,7 +56,10 @@ def main() -> None:
     cfg.trainer.tp, cfg.trainer.resume = a.tp, False
     cfg.trainer.device = "cuda" if cuda else "cpu"
     cfg.trainer.precision = "bf16" if cuda else "fp32"
-    trainer = Trainer(cfg, ListSource([]), path, f"{tmp}/run")  # no steps: the weights as loaded
+    run = trainer_run(cfg, f"{tmp}/run")
+    trainer = Trainer(
+        cfg.trainer, run, ListSource([]), path, weights=cfg.weights
+    )  # no steps: the weights as loaded
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def measure(**target) -> dict:

@@ -87,6 +87,28 @@ SHAPES["moe-small"] = dict(
 )
 
 
+# Qwen3-30B-A3B's layer (hidden 2048, 128 experts top-8 of ffn 768, 32 heads / 4 KV heads of 128, vocab
+# 151936, untied) with fewer layers than its 48, so one GPU holds the training state: the row name
+# says how many (`qwen3-30b-a3b-L4`). Active parameters per token: attention, router and 8 experts.
+for _layers in (2, 4, 6, 8, 12, 16, 24, 48):
+    SHAPES[f"qwen3-30b-a3b-L{_layers}"] = dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=_layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
+
+
 def is_moe(shape: str) -> bool:
     return "num_experts" in SHAPES[shape]
 
@@ -99,7 +121,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument(
-        "--micro-batch-tokens", default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192,moe-small=8192"
+        "--micro-batch-tokens",
+        default="0.5b=16384,1.5b=16384,1.5b-32k=32768,7b=8192,moe-small=8192,"
+        + ",".join(f"{k}=8192" for k in SHAPES if k.startswith("qwen3-30b")),
     )
     ap.add_argument("--hf-micro-batch-tokens", type=int, default=8192, help="halved on OOM")
     ap.add_argument("--recompute", default="1.5b-32k,7b", help="shapes trained with full recompute")
@@ -110,6 +134,13 @@ def parse() -> argparse.Namespace:
     )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size of MoE shapes (trainer.ep)")
+    ap.add_argument(
+        "--moe-experts",
+        default="grouped,sequential",
+        help="trainer.moe_experts of MoE shapes to measure, comma list (the first is the row's; the others "
+        "add tokens_per_s_experts_<mode>, e.g. the loop over experts as the baseline)",
+    )
+    ap.add_argument("--distributed-optimizer", action="store_true", help="trainer.distributed_optimizer")
     ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
@@ -240,12 +271,12 @@ def workload(shape: str, a, vocab: int, step: int):
     )
 
 
-def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
+def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto") -> dict:
     import torch
 
     from buffer.config import BufferConfig
     from buffer.inproc import InProcBuffer
-    from pipeline.config import RunConfig
+    from pipeline.config import RunConfig, trainer_run
     from stages.trainer.trainer import Trainer
 
     cfg = RunConfig()
@@ -255,6 +286,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
     tc.old_logprobs, tc.fetch_timeout_s, tc.resume, tc.lr = old_mode, 600.0, False, 1e-6
     tc.logits_chunk_tokens = a.logits_chunk_tokens
     tc.ep = a.ep  # as main's init_distributed made the groups (a dense model has no experts to split)
+    tc.moe_experts, tc.distributed_optimizer = experts, a.distributed_optimizer
     if is_moe(shape):  # megatron's MoE layers take sequence-parallel input under TP
         tc.sequence_parallel = a.tp > 1
     cfg.run.max_staleness, cfg.run.steps = 10**6, a.steps + a.warmup
@@ -268,7 +300,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
         for i in range(a.steps + a.warmup):
             src.put(workload(shape, a, vocab, i))
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg, src, path, f"{tmp}/run")
+    trainer = Trainer(cfg.trainer, trainer_run(cfg, f"{tmp}/run"), src, path, weights=cfg.weights)
     torch.cuda.empty_cache()
     log(
         f"  trainer {shape}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated after init "
@@ -278,19 +310,24 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode) -> dict:
     if a.profile and rank() == 0:
         src.put(workload(shape, a, vocab, 10**4))
     for s in range(a.steps + a.warmup):
-        if a.profile and s == a.warmup and rank() == 0:
+        if a.profile and s == a.warmup:  # one extra, untimed step (its batch was put above)
+            import contextlib
+
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            # every rank takes the step (its collectives need them all); rank 0 records it
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=acts) if rank() == 0 else contextlib.nullcontext() as prof:
                 trainer.step()
                 torch.cuda.synchronize()
-            with open(a.profile, "a") as f:
-                f.write(f"# {shape} {old_mode} micro_batch_tokens={mbt}\n")
-                f.write(
-                    prof.key_averages().table(
-                        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+            if rank() == 0:
+                with open(a.profile, "a") as f:
+                    f.write(f"# {shape} {old_mode} moe_experts={experts} micro_batch_tokens={mbt}\n")
+                    f.write(
+                        prof.key_averages().table(
+                            sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+                        )
                     )
-                )
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         m = trainer.step()
@@ -460,7 +497,7 @@ def parity(trainer, path, shape, a) -> dict:
     tb = to_token_batch(samples_to_batch(samples))
     packed = trainer.policy.layout in ("varlen", "te")
     mbs = pack(tb, list(range(len(samples))), trainer.tc.micro_batch_tokens, packed_row=packed)
-    new = trainer._logprobs(trainer.policy.model, tb, mbs).cpu()
+    new = trainer.backend.logprobs(tb, mbs).cpu()
     old_policy = build_policy(path, bf16=True, fp32_lm_head=True, attention="sdpa", ddp=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ref, prev = [], []
@@ -512,12 +549,19 @@ def main() -> None:
         }
         if is_moe(shape):
             row["ep"] = a.ep
-        for i, mode in enumerate(a.old_logprobs.split(",")):
+        # variants: each trainer.old_logprobs mode, then (MoE) each further expert implementation
+        experts = a.moe_experts.split(",") if is_moe(shape) else ["auto"]
+        variants = [
+            (m, experts[0], "" if i == 0 else f"_{m}") for i, m in enumerate(a.old_logprobs.split(","))
+        ]
+        variants += [(variants[0][0], e, f"_experts_{e}") for e in experts[1:]]
+        if is_moe(shape):
+            row["moe_experts"] = experts[0]
+        for i, (mode, impl, key) in enumerate(variants):
             try:
-                res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode)
+                res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode, impl)
             except torch.OutOfMemoryError as e:
                 res, tr = {"error": f"out of memory: {str(e)[:200]}"}, None
-            key = "" if i == 0 else f"_{mode}"
             if "error" in res:
                 row["error" + key] = res["error"]
             else:
@@ -540,7 +584,11 @@ def main() -> None:
             del tr
             gc.collect()
             torch.cuda.empty_cache()
-        if not a.no_hf and rank() == 0 and a.tp == 1:
+        if row.get("tokens_per_s") and row.get("tokens_per_s_experts_sequential"):
+            row["vs_sequential_experts"] = round(
+                row["tokens_per_s"] / row["tokens_per_s_experts_sequential"], 3
+            )
+        if not a.no_hf and rank() == 0 and a.tp == 1 and a.ep == 1:
             hf = hf_with_retries(shape, path, a)
             row["hf_tokens_per_s"] = round(hf.get("tokens_per_s", 0.0), 1) or None
             row["hf_micro_batch_tokens"] = hf.get("micro_batch_tokens")
@@ -562,7 +610,7 @@ def main() -> None:
             row["vs_hf_reason"] = (
                 "--no-hf"
                 if a.no_hf
-                else "the HF loop runs only with --tp 1"
+                else "the HF loop runs only with --tp 1 --ep 1"
                 if a.tp != 1
                 else row.get("hf_error", "no trainer result")
             )

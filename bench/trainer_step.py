@@ -47,7 +47,7 @@ def main() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from buffer.config import BufferConfig
     from buffer.inproc import InProcBuffer
-    from pipeline.config import ModelConfig, RunConfig
+    from pipeline.config import ModelConfig, RunConfig, trainer_run
     from stages.models import resolve_model
     from stages.trainer.testing import make_samples
     from stages.trainer.trainer import Trainer
@@ -88,7 +88,7 @@ def main() -> None:
                 time.sleep(1.0 / a.produce_groups_per_s)
 
         threading.Thread(target=produce, daemon=True).start()
-    trainer = Trainer(cfg, buf, model_path, f"{tmp}/run")
+    trainer = Trainer(cfg.trainer, trainer_run(cfg, f"{tmp}/run"), buf, model_path, weights=cfg.weights)
     tokens = wait = step_s = 0.0
     for s in range(total):
         m = trainer.step()

@@ -230,3 +230,11 @@ def _build(rows: int, bufs: list) -> pa.RecordBatch:
         return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
     except (pa.ArrowException, ValueError, TypeError) as e:
         raise _bad(str(e).splitlines()[0][:200]) from None
+
+
+def ipc_bytes(batch: pa.RecordBatch) -> pa.Buffer:
+    """One record batch as an Arrow IPC stream (the FetchReply payload)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue()

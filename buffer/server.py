@@ -5,11 +5,12 @@ Each loop iteration drains every message already queued (up to a bound) and comm
 segment writer thread checksums, writes and fsyncs them in the background, one fsync for whatever
 has queued up meanwhile (group commit), and wakes the loop through a pipe; an ingest's ack is sent
 only once its write ticket is durable. So the loop keeps receiving and validating while the disk
-works, and a producer keeping a window of unacked messages in flight keeps both busy. Fetches that cannot be answered yet
-wait in `_fetches` and are retried whenever data arrives or the version changes; their deadlines
-bound the poll timeout, so a waiting trainer never blocks other clients. Ingests that do not fit
-(`capacity_samples`) are parked unacked in `_parked` until a fetch or an eviction makes room: the
-producer's resends of a parked message are recognized by (producer, seq) and not parked twice.
+works, and a producer keeping a window of unacked messages in flight keeps both busy. Fetches that
+cannot be answered yet wait in the `FetchRoom` (buffer/fetch_room.py) and are retried whenever data
+arrives or the version changes; their deadlines bound the poll timeout, so a waiting trainer never
+blocks other clients. Ingests that do not fit (`capacity_samples`) are parked unacked in `_parked`
+until a fetch or an eviction makes room: the producer's resends of a parked message are recognized by
+(producer, seq) and not parked twice.
 
 Anything malformed becomes an `Error(reason)` reply and a count in stats()["rejects"]; the loop
 catches every exception per message, so no input can stop the server.
@@ -36,10 +37,12 @@ import zmq
 from buffer import wire
 from buffer.config import BufferConfig
 from buffer.curve import CurveGuard, CurveKeys, secure_server
-from buffer.frames import batches_to_frames, frames_to_batches
+from buffer.fetch_room import FetchRoom, fetch_reply_frames
+from buffer.frames import frames_to_batches
 from buffer.record import samples_to_batch
 from buffer.storage import Buffer, Plan
 from buffer.validate import check_batch, read_ipc_batch
+from buffer.warm_up import warm_up
 
 log = logging.getLogger("buffer.server")
 
@@ -48,48 +51,10 @@ _ACK_MEMORY = 8192  # recent (producer, seq) -> ack, to answer resends with the 
 
 
 @dataclass
-class _PendingFetch:
-    envelope: list
-    msg: wire.Fetch
-    deadline: float
-    started: float
-
-
-@dataclass
 class _ParkedIngest:
     envelope: list
     msg: wire.Ingest | wire.IngestBatch
     batch: pa.RecordBatch
-
-
-def ipc_bytes(batch: pa.RecordBatch) -> pa.Buffer:
-    """One record batch as an Arrow IPC stream (the FetchReply payload)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    return sink.getvalue()
-
-
-def _warm_up() -> None:
-    """Run a two-sample ingest through every step of the ingest path (frames, validation, dedup,
-    indexing, checksum, a fetch) on a throwaway in-memory buffer before serving. The first call of
-    many of these steps imports modules or builds kernels and signatures (pyarrow.compute, numpy),
-    which cost a fresh server ~10-20 ms on its first ingest messages: a server pays that once, here,
-    instead of while a producer waits for its first acks."""
-    from buffer.demo import synthetic_samples
-    from buffer.segments import batch_crc
-
-    batch = samples_to_batch(synthetic_samples(1, 2, 8, 4, prefix="warm-up"))
-    layout, frames = batches_to_frames([batch])
-    (got,) = frames_to_batches(layout, [bytes(f) for f in frames])
-    check_batch(got)
-    batch_crc(got)
-    buf = Buffer(BufferConfig(durable=False, capacity_samples=16))
-    buf.commit(buf.plan(got, checked=True))
-    buf.fetch(1, 0, 0)
-    wire.decode(
-        wire.encode(wire.IngestAck(req=1, seq=1, accepted=2, duplicates=0, rejected=0, trainer_version=0))
-    )
 
 
 class BufferServer:
@@ -124,15 +89,7 @@ class BufferServer:
         self._error: BaseException | None = None
         self.rejects: collections.Counter[str] = collections.Counter()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._fetches: list[_PendingFetch] = []
-        # a client resends a fetch until it has its reply (its server may have died and been restarted
-        # with the fetch lost): a resend updates the parked fetch's return address, and one that crosses
-        # its reply is dropped, so a fetch is served at most once by a server
-        self._parked_fetch: dict[tuple[str, int], _PendingFetch] = {}
-        self._consumer_fetch: dict[str, tuple[str, int]] = {}  # consumer -> its parked fetch's key
-        self.superseded_fetches = 0
-        self._drop_requests: list[str] = []  # consumers whose parked fetch to drop (drop_fetches)
-        self._served_fetch: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._fetches = FetchRoom(self.buffer, self._send)
         self._parked: list[_ParkedIngest] = []
         self._parked_keys: set[tuple[str, int]] = set()
         self._acks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
@@ -221,7 +178,7 @@ class BufferServer:
             if self.curve is not None:  # before bind: the first peer already meets CURVE
                 guard = self._guard = secure_server(sock, self.curve)
             try:
-                _warm_up()
+                warm_up()
             except Exception:  # only a speed-up: a real ingest reports whatever this hit
                 log.warning("ingest warm-up failed; serving anyway", exc_info=True)
             sock.bind(self.bind_address)
@@ -244,7 +201,7 @@ class BufferServer:
         poller.register(wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
-            wait = min([f.deadline for f in self._fetches], default=now + 0.1) - now
+            wait = self._fetches.deadline(default=now + 0.1) - now
             changed = True  # an idle tick re-checks waiting fetches (versions, evictions)
             events = dict(poller.poll(max(0.0, min(wait, 0.1)) * 1000))
             if wake_r in events:
@@ -260,10 +217,9 @@ class BufferServer:
                 changed = False
             if self._unacked:
                 self._send_durable_acks(sock)
-            while self._drop_requests:  # drop_fetches() from another thread
-                self._drop_parked(self._drop_requests.pop())
-            if self._fetches:
-                self._serve_fetches(sock, only_expired=not changed)
+            self._fetches.apply_drops()  # drop_fetches() from another thread
+            if self._fetches and self._fetches.serve(sock, only_expired=not changed) and self._parked:
+                self._unpark(sock)
 
     def _send_durable_acks(self, sock) -> None:
         """Send the acks whose segment writes are fsynced; fail them all if the writer failed."""
@@ -334,7 +290,7 @@ class BufferServer:
         if isinstance(msg, wire.Ingest | wire.IngestBatch):
             return self._ingest(sock, env, msg, body)
         if isinstance(msg, wire.Fetch):
-            self._fetch(sock, env, msg)
+            self._fetches.add(env, msg)
             return True
         if isinstance(msg, wire.SetVersion):
             self.buffer.set_version(msg.version)
@@ -346,7 +302,7 @@ class BufferServer:
             return False
         if isinstance(msg, wire.Peek):
             batch = self.buffer.peek(max(0, msg.limit))
-            self._reply_batch(sock, env, msg.req, None if batch is None else [batch])
+            self._send(sock, env, fetch_reply_frames(msg.req, None if batch is None else [batch]))
             return False
         raise wire.ProtocolError(
             f"{type(msg).__name__} is a reply kind; the buffer only accepts requests", "unexpected_kind"
@@ -430,93 +386,10 @@ class BufferServer:
                 break
         self._send_durable_acks(sock)
 
-    # -- fetch ---------------------------------------------------------------------------------------
-    def _fetch(self, sock, env, msg: wire.Fetch) -> None:
-        if msg.num_groups < 1 or msg.max_staleness < 0 or not msg.timeout_s >= 0:
-            raise wire.ProtocolError(
-                "fetch needs num_groups >= 1, max_staleness >= 0 and timeout_s >= 0", "invalid_fields"
-            )
-        key = (msg.consumer, msg.req)
-        if key in self._served_fetch:
-            return
-        if key in self._parked_fetch:
-            self._parked_fetch[key].envelope = env
-            return
-        # a consumer waits on one fetch at a time: an older one still parked belongs to a requester that
-        # gave up on it or died (a restarted trainer), and serving it would consume groups nobody trains
-        if self._drop_parked(msg.consumer):
-            self.superseded_fetches += 1
-        now = time.monotonic()
-        self._parked_fetch[key] = f = _PendingFetch(env, msg, now + min(msg.timeout_s, 86400.0), now)
-        self._consumer_fetch[msg.consumer] = key
-        self._fetches.append(f)
-
-    def _drop_parked(self, consumer: str) -> bool:
-        """Forget `consumer`'s parked fetch, unanswered (its requester is gone); True if there was one."""
-        old = self._parked_fetch.pop(self._consumer_fetch.pop(consumer, None), None)
-        if old is not None:
-            self._fetches.remove(old)
-        return old is not None
-
     def drop_fetches(self, consumer: str) -> None:
-        """Thread-safe: the consumer died (a trainer being restarted), so its parked fetch must not take
+        """Thread-safe: the consumer died (a trainer being restarted), so its waiting fetch must not take
         groups nobody will train; done by the server loop within ~0.1 s."""
-        self._drop_requests.append(consumer)
-
-    def _serve_fetches(self, sock, only_expired: bool = False) -> None:
-        now = time.monotonic()
-        freed = False
-        newest = max(self._fetches, key=lambda f: f.msg.version)  # one eviction pass, not one per fetch
-        if self.buffer.policy.enforces_staleness and newest.msg.version >= self.buffer.version:
-            freed = self.buffer.evict_stale(newest.msg.version, newest.msg.max_staleness) > 0
-        ready = self.buffer.ready_groups()
-        for f in list(self._fetches):
-            if only_expired and now < f.deadline:
-                continue
-            # a fetch that cannot be served yet costs a comparison, not a pass over the buffer: 10,000
-            # parked fetches used to make every loop iteration (and so every ingest ack) slow
-            if f.msg.num_groups > ready and now < f.deadline:
-                continue
-            res = self.buffer.fetch(f.msg.num_groups, f.msg.version, f.msg.max_staleness)
-            ready = self.buffer.ready_groups()
-            freed |= res.pieces is not None or res.evicted > 0
-            if res.pieces is None and now < f.deadline:
-                continue
-            self._fetches.remove(f)
-            key = (f.msg.consumer, f.msg.req)
-            self._parked_fetch.pop(key, None)
-            if self._consumer_fetch.get(f.msg.consumer) == key:
-                del self._consumer_fetch[f.msg.consumer]
-            self._served_fetch[key] = None
-            if len(self._served_fetch) > _ACK_MEMORY:
-                self._served_fetch.popitem(last=False)
-            reason = ""
-            if res.pieces is None:
-                reason = (
-                    f"timeout: {self.buffer.ready_groups()} complete groups ready, {f.msg.num_groups} asked"
-                )
-            self._reply_batch(
-                sock, f.envelope, f.msg.req, res.pieces, res.num_groups, res.evicted, now - f.started, reason
-            )
-        if freed and self._parked:
-            self._unpark(sock)
-
-    def _reply_batch(self, sock, env, req, pieces, num_groups=0, evicted=0, waited=0.0, reason="") -> None:
-        """Reply with `pieces` (record batches, e.g. zero-copy slices of stored ones) as buffer frames:
-        nothing is concatenated or serialized here; the client combines them if it needs one batch."""
-        layout, frames = batches_to_frames(pieces) if pieces else ([], [])
-        head = wire.encode(
-            wire.FetchReply(
-                req=req,
-                num_groups=num_groups,
-                num_samples=sum(b.num_rows for b in pieces) if pieces else 0,
-                evicted_stale=evicted,
-                waited_s=waited,
-                reason=reason,
-                layout=layout,
-            )
-        )
-        self._send(sock, env, [head, *frames])
+        self._fetches.request_drop(consumer)
 
     # -- replies -------------------------------------------------------------------------------------
     def _send(self, sock, env: list, frames: list) -> None:
@@ -544,7 +417,7 @@ class BufferServer:
         s["rejects"] = dict(self.rejects)
         s["rejected_messages"] = sum(self.rejects.values())
         s["pending_fetches"] = len(self._fetches)
-        s["superseded_fetches"] = self.superseded_fetches
+        s["superseded_fetches"] = self._fetches.superseded
         s["parked_ingests"] = len(self._parked)
         s["unacked_ingests"] = len(self._unacked)  # committed, waiting for their segment fsync
         s["address"] = self._address

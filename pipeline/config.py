@@ -1,7 +1,8 @@
 """Typed run configuration: one YAML file plus `a.b=c` overrides, validated at load time.
 
-Each stage owns its sub-config (buffer/config.py, stages/rollout/config.py, stages/trainer/config.py,
-stages/weights/config.py); this module composes them into `RunConfig`. Unknown keys are rejected with
+The file and its overrides are read by stages/config_loader.py (the loader the stages' own command lines
+use too). Each stage owns its sub-config (buffer/config.py, stages/rollout/config.py,
+stages/trainer/config.py, stages/weights/config.py); this module composes them into `RunConfig`. Unknown keys are rejected with
 the full dotted key and the valid alternatives named. The resolved config is written into the run
 directory so that every run can be reproduced from its own folder.
 """
@@ -9,7 +10,6 @@ directory so that every run can be reproduced from its own folder.
 from __future__ import annotations
 
 import difflib
-import re
 import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -18,17 +18,14 @@ import msgspec
 import yaml
 
 from buffer.config import BufferConfig
+from stages.config_loader import ConfigError, error_at, load_tree
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
-from stages.trainer.config import TrainerConfig
+from stages.rollout.run import RolloutRun
+from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
-
-
-class ConfigError(ValueError):
-    pass
 
 
 class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -153,25 +150,6 @@ class RunConfig(Base):
 
 
 # ---------------------------------------------------------------------------------------------------
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'a.b=c' -> (['a', 'b'], yaml-parsed c)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.path=value (e.g. trainer.lr=1e-5)")
-    key, _, raw = text.partition("=")
-    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key.strip()):
-        raise ConfigError(f"override key {key!r} is not a dotted name (e.g. rollout.sampling.temperature)")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def _set(tree: dict, path: list[str], value: Any) -> None:
-    for k in path[:-1]:
-        nxt = tree.setdefault(k, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set {'.'.join(path)}: {k} is a value, not a section")
-        tree = nxt
-    tree[path[-1]] = value
-
-
 def _check_keys(tree: Any, cls: type, prefix: str, where: str) -> None:
     """Reject unknown keys with the dotted name and close matches (msgspec names only the parent)."""
     if not isinstance(tree, dict) or not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
@@ -192,19 +170,7 @@ def _check_keys(tree: Any, cls: type, prefix: str, where: str) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
-    path = Path(path) if path else DEFAULT_CONFIG
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist; see configs/ for the runnable ones")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections at the top level")
-    for text in overrides or []:
-        _set(tree, *parse_override(text))
-    # a bad value may come from the file or from an override: name both places to look
-    where = f"{path} with overrides {' '.join(overrides)}" if overrides else str(path)
+    tree, where = load_tree(path, overrides)
     return from_dict(tree, where=where)
 
 
@@ -259,10 +225,10 @@ def _derive_dp(cfg: RunConfig, dp_given: bool) -> RunConfig:
 def _dotted(msg: str) -> str:
     """msgspec says '... - at `$.trainer.lr`'; say 'trainer.lr: ...' instead, with the values a field of
     fixed choices takes when the value was not one of them."""
-    m = re.search(r" - at `\$\.?(.*)`$", msg)
-    if not m:
+    at = error_at(msg)
+    if at is None:
         return msg
-    key, reason = m.group(1), msg[: m.start()]
+    key, reason = at
     choices = _choices(key)
     if reason.startswith("Invalid enum value") and choices:
         reason += f"; choose one of {', '.join(map(str, choices))}"
@@ -281,9 +247,43 @@ def _choices(key: str) -> tuple:
     return get_args(kind) if get_origin(kind) is Literal else ()
 
 
+# -- what each stage takes of the run ---------------------------------------------------------------
+# A stage takes its own section(s) and a small typed object of the run-wide values it needs (seeds,
+# steps, the staleness bound), never the whole RunConfig: stages/ sits below pipeline/. The functions
+# below are the one place those objects are filled from a RunConfig. Sync mode is one of those values,
+# not a rewrite of the config: the run directory's config.yaml says run.mode=sync with the
+# run.max_staleness the user gave, and the stages are told the bound they run with.
+
+
+def sync_mode(cfg: RunConfig) -> bool:
+    """run.mode=sync: generate a batch, train on it, push, and wait for the push to land (the trainer
+    waits for each push; the staleness bound is 0)."""
+    return cfg.run.mode == "sync"
+
+
 def effective_staleness(cfg: RunConfig) -> int:
     """The staleness bound the stages run with: sync mode is async with a bound of 0."""
-    return 0 if cfg.run.mode == "sync" else cfg.run.max_staleness
+    return 0 if sync_mode(cfg) else cfg.run.max_staleness
+
+
+def rollout_run(cfg: RunConfig) -> RolloutRun:
+    """The run-wide values of the rollout stage (generators and their engines)."""
+    return RolloutRun(
+        seed=cfg.run.seed, max_staleness=effective_staleness(cfg), routing_replay=cfg.trainer.routing_replay
+    )
+
+
+def trainer_run(cfg: RunConfig, run_dir: str) -> TrainerRun:
+    """The run-wide values of the trainer. Its fetches ask the buffer for the bound the stages run with
+    (0 in sync mode), as they always have."""
+    return TrainerRun(
+        run_dir=run_dir,
+        seed=cfg.run.seed,
+        steps=cfg.run.steps,
+        max_staleness=effective_staleness(cfg),
+        temperature=cfg.rollout.sampling.temperature,
+        fp32_lm_head=cfg.model.fp32_lm_head,
+    )
 
 
 def validate(cfg: RunConfig) -> None:
@@ -296,7 +296,7 @@ def validate(cfg: RunConfig) -> None:
     if not 1 <= cfg.weights.push_every <= staleness + 1:
         raise ConfigError(
             f"weights.push_every={cfg.weights.push_every} with run.max_staleness={staleness}"
-            f"{' (sync mode)' if cfg.run.mode == 'sync' else ''}: generators only start groups their engine's "
+            f"{' (sync mode)' if sync_mode(cfg) else ''}: generators only start groups their engine's "
             "weights can still be trained on, so the engines must get new weights at least every "
             "max_staleness + 1 steps; set weights.push_every between 1 and that"
         )

@@ -65,12 +65,14 @@ BUILDERS = {"tiny-qwen2-calc": "stages.rollout.envs.calculator_model:build"}
 
 def moe_layer_flags(hc) -> list[bool]:
     """Per layer of an HF config (attributes or a config.json dict), whether it is an MoE layer
-    (Qwen3-MoE: every `decoder_sparse_step`-th, except `mlp_only_layers`, which are dense MLPs). The
-    trainer builds its layers from this and the engines select the routing replay rows with it."""
+    (Qwen3-MoE / Qwen2-MoE: every `decoder_sparse_step`-th, except `mlp_only_layers`; GLM4-MoE: all
+    from `first_k_dense_replace` on; the others are dense MLPs). The trainer builds its layers from
+    this and the engines select the routing replay rows with it."""
     get = hc.get if isinstance(hc, dict) else lambda k, d=None: getattr(hc, k, d)
     step = get("decoder_sparse_step", 1) or 1
     dense = set(get("mlp_only_layers", None) or [])
-    return [i not in dense and (i + 1) % step == 0 for i in range(get("num_hidden_layers"))]
+    first = get("first_k_dense_replace", 0) or 0
+    return [i >= first and i not in dense and (i + 1) % step == 0 for i in range(get("num_hidden_layers"))]
 
 
 class ModelError(RuntimeError):

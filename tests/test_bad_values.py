@@ -96,14 +96,15 @@ def _nan_batch():
 
 
 def test_a_nan_reward_changes_no_weight_and_the_next_step_trains(model_path, tmp_path):
+    from trainer_setup import make_trainer
+
     from pipeline.config import RunConfig
     from stages.trainer.model import unwrap
     from stages.trainer.testing import ListSource, make_batch
-    from stages.trainer.trainer import Trainer
 
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.micro_batch_tokens = 2, 64
-    tr = Trainer(cfg, ListSource([_nan_batch(), make_batch(2, 4, seed=4)]), model_path, str(tmp_path))
+    tr = make_trainer(cfg, ListSource([_nan_batch(), make_batch(2, 4, seed=4)]), model_path, str(tmp_path))
     before = {k: v.clone() for k, v in unwrap(tr.policy.model).state_dict().items() if torch.is_tensor(v)}
     m = tr.step()
     assert m["optimizer/skipped"] == 1.0 and m["optimizer/skipped_total"] == 1
@@ -118,13 +119,14 @@ def test_a_nan_reward_changes_no_weight_and_the_next_step_trains(model_path, tmp
 
 
 def test_on_nonfinite_stop_fails_with_the_version_named(model_path, tmp_path):
+    from trainer_setup import make_trainer
+
     from pipeline.config import RunConfig
     from stages.trainer.testing import ListSource
-    from stages.trainer.trainer import Trainer
 
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.micro_batch_tokens, cfg.trainer.on_nonfinite = 2, 64, "stop"
-    tr = Trainer(cfg, ListSource([_nan_batch()]), model_path, str(tmp_path))
+    tr = make_trainer(cfg, ListSource([_nan_batch()]), model_path, str(tmp_path))
     with pytest.raises(FloatingPointError, match="version 0.*not finite.*on_nonfinite=skip"):
         tr.step()
 
@@ -139,7 +141,7 @@ def test_values_within_bounds_pass():
 def test_a_port_in_use_names_the_key():
     import socket
 
-    from stages.weights.base import make_sender
+    from stages.weights import make_sender
     from stages.weights.config import WeightsConfig
 
     with socket.socket() as s:
@@ -154,7 +156,7 @@ def test_a_direct_push_to_torch_engines_is_refused_at_start_naming_the_keys():
     """weights.snapshot=direct hands the sender a lazy source; the CPU transport (torch engines) keeps
     every push for engines that join later, so the pair is refused when the sender is made, before
     any training, not at the first push."""
-    from stages.weights.base import make_sender
+    from stages.weights import make_sender
     from stages.weights.config import WeightsConfig
 
     with pytest.raises(ValueError, match=r"weights.snapshot=direct .* use weights.snapshot=auto"):

@@ -18,7 +18,7 @@ SAMPLES = synthetic_samples(1, group_size=2, response_len=8, prefix="fz")
 
 
 def _ipc(batch) -> bytes:
-    from buffer.server import ipc_bytes
+    from buffer.frames import ipc_bytes
 
     return ipc_bytes(batch).to_pybytes()
 

@@ -101,10 +101,10 @@ def _ppo_cfg(**trainer):
 def test_critic_learns_the_returns(model_path, tmp_path):
     """Eight steps on one batch: the critic starts at V = 0 (so the first advantages are the rewards and
     the value loss is the share of tokens rewarded 1) and its value loss falls steadily."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     batch = make_batch(2, 4, seed=7)
-    tr = Trainer(_ppo_cfg(critic_lr=1e-3), ListSource([]), model_path, str(tmp_path))
+    tr = make_trainer(_ppo_cfg(critic_lr=1e-3), ListSource([]), model_path, str(tmp_path))
     ms = [tr.train_on_batch(batch) for _ in range(8)]
     rewards = torch.tensor(batch.column("reward").to_pylist())
     lens = torch.tensor([sum(m) for m in batch.column("loss_mask").to_pylist()], dtype=torch.float32)
@@ -122,11 +122,11 @@ def test_critic_learns_the_returns(model_path, tmp_path):
 def test_critic_updates_per_mini_batch_and_clips(model_path, tmp_path):
     """ppo_epochs 2 x mini_batches 2: four critic updates per batch against the values from before the
     first, so from the second on values move away from V_old and the clip acts (clip_frac > 0)."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     cfg = _ppo_cfg(critic_lr=1e-2, ppo_epochs=2, mini_batches=2)
     cfg.trainer.loss.value_clip, cfg.trainer.loss.gamma, cfg.trainer.loss.lambd = 0.02, 0.9, 0.95
-    tr = Trainer(cfg, ListSource([]), model_path, str(tmp_path))
+    tr = make_trainer(cfg, ListSource([]), model_path, str(tmp_path))
     batch = make_batch(2, 4, seed=7)
     ms = [tr.train_on_batch(batch) for _ in range(3)]
     assert tr.version == 3
@@ -137,25 +137,25 @@ def test_critic_updates_per_mini_batch_and_clips(model_path, tmp_path):
 def test_critic_is_checkpointed_and_resumed(model_path, tmp_path):
     """A trainer resumed from a checkpoint continues with the critic (weights and Adam state) it saved:
     the next step's values and value loss equal the uninterrupted trainer's."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     batches = [make_batch(2, 4, seed=s) for s in (1, 2, 3)]
-    a = Trainer(_ppo_cfg(), ListSource(batches[:]), model_path, str(tmp_path / "a"))
+    a = make_trainer(_ppo_cfg(), ListSource(batches[:]), model_path, str(tmp_path / "a"))
     a.step(), a.step()
     a.save_checkpoint()
     want = a.step()
-    b = Trainer(_ppo_cfg(), ListSource(batches[2:]), model_path, str(tmp_path / "a"))
+    b = make_trainer(_ppo_cfg(), ListSource(batches[2:]), model_path, str(tmp_path / "a"))
     assert b.version == 2
     got = b.step()
     for k in ("critic/value_mean", "critic/value_loss", "loss"):
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
     # a checkpoint without a critic cannot resume a ppo run
-    c = Trainer(_ppo_cfg(), ListSource([]), model_path, str(tmp_path / "c"))
-    c.cfg.trainer.loss.advantage = "grpo"
+    c = make_trainer(_ppo_cfg(), ListSource([]), model_path, str(tmp_path / "c"))
+    c.tc.loss.advantage = "grpo"
     c.critic = None
     c.save_checkpoint()
     with pytest.raises(ValueError, match="has no critic"):
-        Trainer(_ppo_cfg(), ListSource([]), model_path, str(tmp_path / "c"))
+        make_trainer(_ppo_cfg(), ListSource([]), model_path, str(tmp_path / "c"))
 
 
 @pytest.mark.slow

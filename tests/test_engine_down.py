@@ -12,7 +12,7 @@ from buffer.net import free_port
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.generator import Generator
 from stages.rollout.sglang_engine import EngineError, SGLangEngine
-from tests.test_rollout_generator import FakeSink, make_cfg
+from tests.test_rollout_generator import FakeSink, make_cfg, rollout_args
 
 
 class DyingEngine(Engine):
@@ -52,7 +52,7 @@ class DyingEngine(Engine):
 def test_no_group_starts_or_retries_while_the_engine_is_down(tmp_path_factory, caplog):
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=4, engine_retries=1)
     engine = DyingEngine()
-    gen = Generator(cfg, FakeSink(), engine, "down", batch_groups=0)
+    gen = Generator(*rollout_args(cfg), FakeSink(), engine, "down", batch_groups=0)
 
     async def kill_and_relaunch():
         await asyncio.sleep(0.1)
@@ -79,7 +79,7 @@ def test_no_group_starts_or_retries_while_the_engine_is_down(tmp_path_factory, c
 def test_a_retry_waits_for_the_engine_only_as_long_as_a_relaunch_may_take(tmp_path_factory):
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=1, engine_retries=1)
     engine = DyingEngine(latency_s=0.05)
-    gen = Generator(cfg, FakeSink(), engine, "never", batch_groups=0)
+    gen = Generator(*rollout_args(cfg), FakeSink(), engine, "never", batch_groups=0)
     gen._engine_down_wait_s = 0.3  # rollout.sglang.startup_timeout_s + 2 x health_check_s, shortened
 
     async def go():
@@ -123,7 +123,7 @@ def test_a_retry_after_a_relaunch_is_judged_by_its_own_start(tmp_path_factory):
             return self.v
 
     engine = Versioned(latency_s=0.1)
-    gen = Generator(cfg, FakeSink(), engine, "relaunch", batch_groups=2)
+    gen = Generator(*rollout_args(cfg), FakeSink(), engine, "relaunch", batch_groups=2)
 
     async def go():
         async def die_and_come_back_newer():

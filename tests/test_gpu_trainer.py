@@ -103,16 +103,17 @@ def test_fused_head_matches_full_logits_on_gpu():
 
 
 def test_bf16_trainer_step_on_varlen(small_model, tmp_path):
+    from trainer_setup import make_trainer
+
     from pipeline.config import RunConfig
     from stages.trainer.testing import ListSource, make_batch
-    from stages.trainer.trainer import Trainer
 
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.precision, cfg.trainer.micro_batch_tokens = 2, "bf16", 1024
     src = ListSource(
         [make_batch(2, 4, vocab=4096, seed=i, prompt_len=(10, 60), response_len=(20, 200)) for i in range(2)]
     )
-    tr = Trainer(cfg, src, small_model, str(tmp_path))
+    tr = make_trainer(cfg, src, small_model, str(tmp_path))
     assert tr.policy.layout == "varlen"
     m = tr.step()
     # a random model's next-token distribution is close to uniform: entropy a little under log(V)

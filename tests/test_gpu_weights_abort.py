@@ -37,8 +37,8 @@ def two_gpus():
 
 def test_a_server_killed_mid_broadcast_over_nccl_is_left_out_and_the_trainer_lives_on(two_gpus):
     from buffer.net import free_port
-    from stages.weights.base import align_nccl_env
-    from stages.weights.sglang_transport import NcclSGLangSender
+    from stages.weights.nccl_sender import NcclSGLangSender
+    from stages.weights.sglang_protocol import align_nccl_env
 
     torch.cuda.set_device(0)
     port = free_port("127.0.0.1")

@@ -104,7 +104,7 @@ def test_a_generator_that_dies_between_steps_is_healed_when_its_stats_are_read(t
         old = pipe.generators[0]
         os.kill(ray.get(old.pid.remote(), timeout=30), signal.SIGKILL)
         m = pipe._generator_metrics()
-        assert pipe.generators[0] is not old and sum(map(len, pipe.deaths.values())) == 1
+        assert pipe.generators[0] is not old and sum(map(len, pipe.healer.deaths.values())) == 1
         assert m["generator/engine_version_min"] >= 0
         assert ray.get(pipe.generators[0].stats.remote(), timeout=30) is not None
     finally:
@@ -130,7 +130,7 @@ def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_
         pipe.start()
         _kill_at_step(lambda: pipe.buffer, metrics, 3, kills, "buffer")
         steps = pipe.train(metrics, Progress(cfg.run.steps, enabled=False))
-        address = pipe.buffer_addr
+        address = pipe.buffer_stage.address
     finally:
         pipe.shutdown(failed=False)
         metrics.close()

@@ -383,12 +383,12 @@ def test_trainer_sample_mean_counts_every_sample_and_logs_kl(tmp_path):
     correction the loss is -sum_i A_i / #samples; `all` counts the ABORTED sample without response
     tokens (in no micro-batch), `unmasked` does not. kl/value is logged and 0 (policy = reference)."""
     import msgspec
+    from trainer_setup import make_trainer
 
     from buffer.record import Status, samples_to_batch
     from pipeline.config import RunConfig
     from stages.trainer.packing import to_token_batch
     from stages.trainer.testing import ListSource, make_samples, make_tiny_hf
-    from stages.trainer.trainer import Trainer
 
     samples = make_samples(2, 3, seed=3)
     samples[2] = msgspec.structs.replace(
@@ -401,7 +401,7 @@ def test_trainer_sample_mean_counts_every_sample_and_logs_kl(tmp_path):
         advantage="reinforce_pp", aggregation="sample", correction="none", kl_coef=0.1
     )
     cfg.trainer.lr = 0.0
-    tr = Trainer(cfg, ListSource([]), make_tiny_hf(str(tmp_path / "m")), str(tmp_path / "run"))
+    tr = make_trainer(cfg, ListSource([]), make_tiny_hf(str(tmp_path / "m")), str(tmp_path / "run"))
     tb = to_token_batch(batch)
     adv = A.token_advantages(
         tb.rewards, A.group_ids_to_index(tb.group_ids), tb.seq, tb.mask, cfg.trainer.loss, valid=tb.trainable

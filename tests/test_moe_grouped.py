@@ -64,6 +64,9 @@ def test_grouped_experts_match_the_loop_forward_and_backward(tiny_moe, dist1):
     for kind in ("grouped", "sequential"):
         m = _build(tiny_moe, kind).train()
         assert isinstance(m.decoder.layers[0].mlp.experts, GroupedExperts) == (kind == "grouped")
+        # one rank, dropless: the grouped experts' layers dispatch without host syncs
+        dispatcher = type(m.decoder.layers[0].mlp.token_dispatcher).__name__
+        assert dispatcher == ("LocalTokenDispatcher" if kind == "grouped" else "MoEAlltoAllTokenDispatcher")
         logits = _forward(m, toks)
         (logits * weights[..., : logits.shape[-1]]).sum().backward()
         results[kind] = (logits.detach(), _expert_grads(m))
@@ -74,6 +77,25 @@ def test_grouped_experts_match_the_loop_forward_and_backward(tiny_moe, dist1):
         for a, b in zip(gg[key], gs[key]):
             assert a.abs().max() > 0  # every expert was routed something here
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)  # fp32 sums in another order
+
+
+def test_expert_major_order_is_megatrons_permute_order():
+    """The sync-free ordering of routed rows is exactly what megatron's permute gives (expert-major,
+    tokens ascending within an expert), with the same routing weights."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from stages.trainer.local_dispatch import expert_major_order
+
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, topk = 50, 8, 3
+    chosen = torch.rand(tokens, experts, generator=g).topk(topk, -1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    probs = torch.rand(tokens, experts, generator=g) * routing_map
+    hidden = torch.randn(tokens, 4, generator=g)
+    ref_rows, ref_probs, ref_index = permute(hidden, routing_map, probs=probs, num_out_tokens=tokens * topk)
+    index, weights = expert_major_order(routing_map, probs, topk)
+    assert torch.equal(index, ref_index) and torch.equal(weights, ref_probs)
+    assert torch.equal(hidden.index_select(0, index), ref_rows)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 0], [0, 0, 0, 0]], ids=["some-empty", "all-empty"])
@@ -130,20 +152,43 @@ def test_moe_experts_choice_is_checked():
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_experts_match_the_cpu_loop(tmp_path, dist1):
-    """The GPU path (bf16, CUTLASS grouped GEMMs) against the CPU path (fp32 loop) on the same weights:
-    logprobs within bf16's rounding, and the GPU's grouped and looped experts closer still."""
+def test_gpu_grouped_experts_match_the_cpu_path(tmp_path, dist1):
+    """The GPU path (bf16, CUTLASS grouped GEMMs) against the CPU path on the same weights and rows:
+    the experts alone within bf16's rounding of the fp32 loop; the whole model's logprobs (sync-free
+    dispatch included) near transformers' fp32 ones on CPU, which the CPU path matches to 1e-4
+    (test_moe.py). The mean, not the max: a near-tied router may pick another expert in bf16."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    from transformers import AutoModelForCausalLM
+
     path = make_tiny(str(tmp_path / "moe"), "qwen3_moe", hidden_size=128, moe_intermediate_size=64)
+    model = _build(path, "grouped", bf16=True).cuda()
+    ex = model.decoder.layers[0].mlp.experts
+    n, h = ex.num_local_experts, ex.config.hidden_size
+    counts = [40, 0, 17, 71]
+    g = torch.Generator().manual_seed(0)
+    x, probs = torch.randn(sum(counts), h, generator=g), torch.rand(sum(counts), generator=g)
+    with torch.no_grad():
+        out, _ = ex(x.cuda().bfloat16(), torch.tensor(counts), probs.cuda())
+    w1, w2 = ex.weight1.float().cpu().view(n, h, -1), ex.weight2.float().cpu().view(n, -1, h)
+    ref, start = [], 0
+    for e, c in enumerate(counts):
+        a, b = (x[start : start + c] @ w1[e]).chunk(2, -1)
+        ref.append((torch.nn.functional.silu(a) * b * probs[start : start + c, None]) @ w2[e])
+        start += c
+    ref = torch.cat(ref)
+    rel = ((out.float().cpu() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel
+
     toks = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-
-    def logprobs(m, device):
-        with torch.no_grad():
-            return torch.log_softmax(_forward(m, toks.to(device)).float(), -1).cpu()
-
-    cpu = logprobs(_build(path, "sequential").cpu().float(), "cpu")
-    gpu_grouped = logprobs(_build(path, "grouped", bf16=True).cuda(), "cuda")
-    gpu_loop = logprobs(_build(path, "sequential", bf16=True).cuda(), "cuda")
-    assert (gpu_grouped - cpu).abs().max().item() < 0.1
-    assert (gpu_grouped - gpu_loop).abs().mean().item() < 0.01
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        cpu = torch.log_softmax(hf(toks).logits.float(), -1)
+        gaps = {}
+        for kind in ("grouped", "sequential"):
+            m = model if kind == "grouped" else _build(path, kind, bf16=True).cuda()
+            gpu = torch.log_softmax(_forward(m, toks.cuda()).float(), -1).cpu()
+            gaps[kind] = (gpu - cpu).abs().mean().item()
+    # bf16 puts ~0.1 between either GPU path and fp32 here (all 512 entries of a random model's
+    # logprobs); the grouped path is no further from fp32 than megatron's loop over experts
+    assert gaps["grouped"] < 0.2 and gaps["grouped"] <= 1.25 * gaps["sequential"] + 0.01, gaps

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
-from test_rollout_generator import FakeSink
+from test_rollout_generator import FakeSink, rollout_args
 
 from buffer.record import Status
 from pipeline.config import from_dict
@@ -78,7 +78,13 @@ def _cfg(**rollout):
 def _run(cfg, engine, tok, groups=1):
     sink = FakeSink()
     gen = Generator(
-        cfg, sink, engine, "mt", batch_groups=0, source=PromptSource(cfg.rollout.data, tok), tokenizer=tok
+        *rollout_args(cfg),
+        sink,
+        engine,
+        "mt",
+        batch_groups=0,
+        source=PromptSource(cfg.rollout.data, tok),
+        tokenizer=tok,
     )
     stats = asyncio.run(asyncio.wait_for(gen.run(max_groups=groups), 60))
     return sink, stats

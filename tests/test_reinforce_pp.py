@@ -99,9 +99,10 @@ def test_trainer_feeds_the_reference_kl_into_the_advantage(tmp_path):
     """kl_in_reward_coef > 0 builds the reference. At the first step the policy is the reference, so the
     KL and the step equal those without it; at the second the policy has moved, kl/value > 0 and the
     advantages differ."""
+    from trainer_setup import make_trainer
+
     from pipeline.config import RunConfig
     from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
-    from stages.trainer.trainer import Trainer
 
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
     batch = make_batch(2, 4, seed=7)
@@ -110,8 +111,8 @@ def test_trainer_feeds_the_reference_kl_into_the_advantage(tmp_path):
         cfg = RunConfig()
         cfg.trainer.batch_groups, cfg.trainer.lr = 2, 1e-2
         cfg.trainer.loss.advantage, cfg.trainer.loss.kl_in_reward_coef = "reinforce_pp", coef
-        tr = Trainer(cfg, ListSource([]), path, str(tmp_path / f"run{coef}"))
-        assert (tr.ref is not None) == (coef > 0)
+        tr = make_trainer(cfg, ListSource([]), path, str(tmp_path / f"run{coef}"))
+        assert (tr.backend.ref is not None) == (coef > 0)
         out[coef] = [tr.train_on_batch(batch) for _ in range(2)]
     (a1, a2), (b1, b2) = out[0.0], out[1.0]
     assert b1["kl/value"] == pytest.approx(0.0, abs=1e-6)

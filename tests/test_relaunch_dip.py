@@ -14,7 +14,7 @@ from stages.rollout.engine import Engine, GenResult
 from stages.rollout.engine_pool import EnginePool
 from stages.rollout.generator import Generator
 from stages.rollout.sglang_engine import SGLangEngine
-from tests.test_rollout_generator import FakeSink, make_cfg
+from tests.test_rollout_generator import FakeSink, make_cfg, rollout_args
 
 
 def test_a_restart_shows_its_older_version_with_its_count_before_the_server_is_up(tmp_path, monkeypatch):
@@ -76,7 +76,7 @@ def _started(tmp_path_factory, step, after_s: float = 1.0, **rollout) -> tuple[i
     window fills): before, during a relaunch of one engine, and `after_s` after `step(relaunched)`."""
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=64, **rollout)  # run.max_staleness = 1
     steady, relaunched = Quick(5), Quick(5)
-    gen = Generator(cfg, FakeSink(), EnginePool([steady, relaunched]), "pool", batch_groups=2)
+    gen = Generator(*rollout_args(cfg), FakeSink(), EnginePool([steady, relaunched]), "pool", batch_groups=2)
 
     async def run():
         task = asyncio.create_task(gen.run())

@@ -9,7 +9,8 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from pipeline.orchestration.launcher import RENDEZVOUS_ATTEMPTS, StageFailed, port_taken, retry_if_port_taken
+from pipeline.orchestration.calls import StageFailed
+from pipeline.orchestration.supervisors import RENDEZVOUS_ATTEMPTS, port_taken, retry_if_port_taken
 
 # what the launcher raised in CI, word for word
 CI_ERROR = (

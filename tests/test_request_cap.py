@@ -12,7 +12,7 @@ from stages.rollout.build import build_engine
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.generator import Generator
 from stages.rollout.sglang_engine import SGLangEngine
-from tests.test_rollout_generator import FakeSink, make_cfg
+from tests.test_rollout_generator import FakeSink, make_cfg, rollout_args
 
 
 class TailEngine(Engine):
@@ -70,7 +70,9 @@ def _run(gen: Generator, max_groups: int) -> tuple[dict, int]:
 def test_the_request_cap_holds_and_groups_refill_as_their_sequences_finish(tmp_path_factory):
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=16, max_inflight_requests=8)
     engine = TailEngine()
-    stats, peak_groups = _run(Generator(cfg, FakeSink(), engine, "cap", batch_groups=0), max_groups=12)
+    stats, peak_groups = _run(
+        Generator(*rollout_args(cfg), FakeSink(), engine, "cap", batch_groups=0), max_groups=12
+    )
     assert stats["groups_finished"] == 12
     # never more than the cap, not even in the first burst, when no group has sent its requests yet
     assert engine.peak <= 8, engine.peak
@@ -82,7 +84,9 @@ def test_the_request_cap_holds_and_groups_refill_as_their_sequences_finish(tmp_p
 def test_without_a_request_cap_the_group_cap_alone_bounds_them(tmp_path_factory):
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=2)
     engine = TailEngine()
-    stats, peak_groups = _run(Generator(cfg, FakeSink(), engine, "nocap", batch_groups=0), max_groups=6)
+    stats, peak_groups = _run(
+        Generator(*rollout_args(cfg), FakeSink(), engine, "nocap", batch_groups=0), max_groups=6
+    )
     assert stats["groups_finished"] == 6 and peak_groups == 2 and engine.peak <= 8
 
 
@@ -93,11 +97,11 @@ def test_a_request_cap_below_the_group_size_is_refused_naming_both(tmp_path_fact
 
 def test_the_torch_engine_counts_each_request_until_its_answer(tmp_path_factory):
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=4, max_inflight_requests=4)
-    engine = build_engine(cfg)
+    engine = build_engine(*rollout_args(cfg))
     peaks: list[int] = []
 
     async def go():
-        gen = Generator(cfg, FakeSink(), engine, "torch", batch_groups=0)
+        gen = Generator(*rollout_args(cfg), FakeSink(), engine, "torch", batch_groups=0)
 
         async def watch():
             while True:
@@ -253,7 +257,7 @@ def test_the_torch_engine_drops_a_cancelled_request_and_counts_it_until_then(tmp
     still queued) and counts them as in flight until it has, so the cap never admits past what it
     really decodes."""
     cfg = make_cfg(tmp_path_factory)
-    engine = build_engine(cfg)
+    engine = build_engine(*rollout_args(cfg))
 
     async def go():
         params = SamplingParams(max_new_tokens=64, ignore_eos=True)

@@ -16,6 +16,7 @@ from pipeline.config import from_dict
 from stages.reward.registry import register_reward
 from stages.rollout.build import build_engine
 from stages.rollout.generator import Generator
+from stages.rollout.run import RolloutRun
 
 torch.set_num_threads(1)
 
@@ -34,6 +35,15 @@ def make_cfg(tmp_path_factory, **rollout):
         },
     }
     return from_dict(tree)
+
+
+def rollout_args(cfg) -> tuple:
+    """A run config's rollout section, model section and RolloutRun: what Generator and build_engine take
+    (the launcher makes them the same way)."""
+    run = RolloutRun(
+        seed=cfg.run.seed, max_staleness=cfg.run.max_staleness, routing_replay=cfg.trainer.routing_replay
+    )
+    return cfg.rollout, cfg.model, run
 
 
 class FakeSink:
@@ -89,14 +99,14 @@ def cfg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(cfg):
-    eng = build_engine(cfg)
+    eng = build_engine(*rollout_args(cfg))
     yield eng
     eng.close()
 
 
 def test_streams_scored_groups(cfg, engine):
     sink = FakeSink()
-    gen = Generator(cfg, sink, engine, "g0", batch_groups=0)
+    gen = Generator(*rollout_args(cfg), sink, engine, "g0", batch_groups=0)
     stats = asyncio.run(gen.run(max_groups=6))
     assert stats["groups_started"] == stats["groups_finished"] == 6 and stats["samples"] == 24
     assert len(sink.order) == 6  # one put per group, as each finished
@@ -116,7 +126,7 @@ def test_streams_scored_groups(cfg, engine):
 def test_staleness_admission_under_slow_trainer(cfg, engine):
     sink = FakeSink()
     engine.update_weights([], version=0)
-    gen = Generator(cfg, sink, engine, "slow", batch_groups=2)
+    gen = Generator(*rollout_args(cfg), sink, engine, "slow", batch_groups=2)
     trainer = FakeTrainer(sink, engine, batch_groups=2, gen_id="slow", step_s=0.05)
     trainer.start()
     try:
@@ -144,7 +154,9 @@ def test_raising_reward_fails_sample_and_continues(tmp_path_factory, engine):
     register_reward("test_flaky", flaky)
     cfg = make_cfg(tmp_path_factory, reward={"fn": "test_flaky"})
     sink = FakeSink()
-    stats = asyncio.run(Generator(cfg, sink, engine, "flaky", batch_groups=0).run(max_groups=3))
+    stats = asyncio.run(
+        Generator(*rollout_args(cfg), sink, engine, "flaky", batch_groups=0).run(max_groups=3)
+    )
     assert stats["groups_finished"] == 3 and stats["samples_failed"] == 3 and len(calls) == 12
     for samples in sink.groups.values():
         for s in samples:
@@ -161,7 +173,7 @@ def test_custom_async_reward_by_module_path(tmp_path_factory, engine, tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = make_cfg(tmp_path_factory, reward={"fn": "my_rewards:length_reward"})
     sink = FakeSink()
-    asyncio.run(Generator(cfg, sink, engine, "mod", batch_groups=0).run(max_groups=2))
+    asyncio.run(Generator(*rollout_args(cfg), sink, engine, "mod", batch_groups=0).run(max_groups=2))
     for samples in sink.groups.values():
         assert all(s.reward == s.response_len for s in samples)
 
@@ -183,7 +195,7 @@ def test_engine_error_fails_group_and_retries(cfg, engine):
     cfg1 = msgspec_replace(cfg, engine_retries=1, max_inflight_groups=1)
     sink = FakeSink()
     flaky = Flaky(engine)
-    stats = asyncio.run(Generator(cfg1, sink, flaky, "err", batch_groups=0).run(max_groups=3))
+    stats = asyncio.run(Generator(*rollout_args(cfg1), sink, flaky, "err", batch_groups=0).run(max_groups=3))
     assert stats["groups_failed"] == 1 and stats["engine_errors"] == 3 and stats["groups_finished"] == 2
 
 
@@ -191,7 +203,12 @@ def test_filter_drops_uniform_groups(cfg, engine):
     cfg1 = msgspec_replace(cfg, filter="nonzero_std")
     sink = FakeSink()
     gen = Generator(
-        cfg1, sink, engine, "flt", batch_groups=0, group_filter=lambda s: s[0].group_id != "flt-0"
+        *rollout_args(cfg1),
+        sink,
+        engine,
+        "flt",
+        batch_groups=0,
+        group_filter=lambda s: s[0].group_id != "flt-0",
     )
     stats = asyncio.run(gen.run(max_groups=3))
     assert stats["groups_filtered"] == 1 and "flt-0" not in sink.groups and len(sink.groups) == 2
@@ -207,7 +224,7 @@ def test_streams_to_real_buffer_server(cfg, engine, tmp_path):
     try:
         client.set_version(3)
         engine.update_weights([], version=3)  # the engine runs the announced trainer's weights
-        gen = Generator(cfg, client, engine, "real", batch_groups=0)
+        gen = Generator(*rollout_args(cfg), client, engine, "real", batch_groups=0)
         stats = asyncio.run(gen.run(max_groups=4))
         assert stats["groups_finished"] == 4 and stats["trainer_version"] >= 3
         batch = client.fetch(
@@ -256,7 +273,7 @@ def test_evicted_groups_free_their_admission_places(cfg, engine):
     window = (cfg.run.max_staleness + 1) * 2
 
     async def run(sink, expect):
-        gen = Generator(cfg, sink, engine, "gen-evict", batch_groups=2)
+        gen = Generator(*rollout_args(cfg), sink, engine, "gen-evict", batch_groups=2)
         task = asyncio.create_task(gen.run())
         await started_when_settled(gen, expect)  # the buffer is asked every EVICTED_POLL_S meanwhile
         gen.stop()
@@ -277,7 +294,9 @@ def test_a_generator_held_back_for_long_says_why(cfg, engine, monkeypatch, caplo
     engine.update_weights([], version=0)
 
     async def run():
-        gen = Generator(cfg, FakeSink(), engine, "lonely", batch_groups=1)  # no trainer ever consumes
+        gen = Generator(
+            *rollout_args(cfg), FakeSink(), engine, "lonely", batch_groups=1
+        )  # no trainer ever consumes
         task = asyncio.create_task(gen.run())
         await asyncio.sleep(2.0)
         gen.stop()
@@ -302,7 +321,7 @@ def test_a_generator_that_keeps_admitting_does_not_warn(cfg, engine, monkeypatch
     engine.update_weights([], version=0)
 
     async def run():
-        gen = Generator(cfg, FakeSink(), engine, "busy", batch_groups=1)
+        gen = Generator(*rollout_args(cfg), FakeSink(), engine, "busy", batch_groups=1)
         task = asyncio.create_task(gen.run())
         for v in range(1, 16):  # a trainer pushing every 0.1 s: each push admits one more group
             await asyncio.sleep(0.1)
@@ -325,7 +344,7 @@ def test_weights_that_go_back_reopen_admission(cfg, engine):
 
     async def run():
         engine.update_weights([], version=5)  # 5 versions trained: room for (5 + s + 1) * 2 groups
-        gen = Generator(cfg, FakeSink(), engine, "gen-back", batch_groups=2)
+        gen = Generator(*rollout_args(cfg), FakeSink(), engine, "gen-back", batch_groups=2)
         task = asyncio.create_task(gen.run())
         first = await started_when_settled(gen, (5 + cfg.run.max_staleness + 1) * 2)
         engine.update_weights([], version=2)  # the restarted trainer's checkpoint
@@ -350,7 +369,7 @@ def _relaunch_run(cfg, engine, monkeypatch, gen_id: str, pushed_after: int) -> t
 
     async def run():
         engine.update_weights([], version=5)
-        gen = Generator(cfg, FakeSink(), engine, gen_id, batch_groups=2)
+        gen = Generator(*rollout_args(cfg), FakeSink(), engine, gen_id, batch_groups=2)
         task = asyncio.create_task(gen.run())
         first = await started_when_settled(gen, (5 + cfg.run.max_staleness + 1) * 2)
         relaunched[0] += 1  # the engine watch relaunched the server from the base model

@@ -11,7 +11,7 @@ import textwrap
 import msgspec
 import pytest
 from test_multiturn import EOS, ScriptedEngine, _cfg, _run
-from test_rollout_generator import FakeSink
+from test_rollout_generator import FakeSink, rollout_args
 
 from buffer import wire
 from buffer.record import Status
@@ -150,7 +150,7 @@ def test_a_rollout_fn_is_held_by_admission_control(tok, hooks_file):
     groups and no more, whoever runs the loop."""
     cfg = _cfg(group_size=2, rollout_fn=f"{hooks_file}:my_rollout", generate_kwargs={"tag": "x"})
     gen = Generator(
-        cfg,
+        *rollout_args(cfg),
         FakeSink(),
         ScriptedEngine([(ANSWER, "stop", None)]),
         "adm",
@@ -193,7 +193,9 @@ def test_bad_hook_specs_name_the_key(tmp_path, hooks_file):
         load_hook(f"{hooks_file}:nope", "rollout.filter")
     cfg = from_dict({"rollout": {"generate_fn": f"{hooks_file}:keep_first_group"}})
     with pytest.raises(HookError, match="must be an `async def` function"):
-        Generator(cfg, FakeSink(), ScriptedEngine([]), "g", 0, source=iter(()), tokenizer=object())
+        Generator(
+            *rollout_args(cfg), FakeSink(), ScriptedEngine([]), "g", 0, source=iter(()), tokenizer=object()
+        )
 
 
 def _source(cfg, tokenizer):
@@ -261,7 +263,9 @@ def _run_consumed(cfg, tok, engine=None, groups=4, timeout_s=10.0):
     wait instead of hanging the suite)."""
     engine = engine or ScriptedEngine([(ANSWER, "stop", None)])
     sink = ConsumingSink(engine)
-    gen = Generator(cfg, sink, engine, "c", batch_groups=1, source=_source(cfg, tok), tokenizer=tok)
+    gen = Generator(
+        *rollout_args(cfg), sink, engine, "c", batch_groups=1, source=_source(cfg, tok), tokenizer=tok
+    )
     stats = asyncio.run(asyncio.wait_for(gen.run(max_groups=groups), timeout_s))
     return sink, stats
 
@@ -294,7 +298,13 @@ def test_a_rollout_fn_holding_finished_groups_is_named_when_held_back(tok, hooks
     cfg = _strict(rollout_fn=f"{hooks_file}:holds_finished_groups")
     engine = ScriptedEngine([(ANSWER, "stop", None)])
     gen = Generator(
-        cfg, ConsumingSink(engine), engine, "h", batch_groups=1, source=_source(cfg, tok), tokenizer=tok
+        *rollout_args(cfg),
+        ConsumingSink(engine),
+        engine,
+        "h",
+        batch_groups=1,
+        source=_source(cfg, tok),
+        tokenizer=tok,
     )
 
     async def run():

@@ -91,9 +91,10 @@ def _hf_logprobs(hf, prompt: list[int], response: list[int]) -> torch.Tensor:
 
 
 def _trainer(path, run_dir, **trainer):
+    from trainer_setup import make_trainer
+
     from pipeline.config import RunConfig
     from stages.trainer.testing import ListSource
-    from stages.trainer.trainer import Trainer
 
     cfg = RunConfig()
     cfg.rollout.sampling.temperature = 1.0
@@ -102,7 +103,7 @@ def _trainer(path, run_dir, **trainer):
     cfg.trainer.old_logprobs = "separate_pass"  # logp_old from its own (replayed) forward
     for k, v in trainer.items():
         setattr(cfg.trainer, k, v)
-    return Trainer(cfg, ListSource([]), path, str(run_dir))
+    return make_trainer(cfg, ListSource([]), path, str(run_dir))
 
 
 def _generate(path, requests, **engine_kw):
@@ -445,10 +446,10 @@ def test_replaying_the_engines_routing_gives_its_logprobs(moe_path, engine_batch
     tr = _trainer(moe_path, tmp_path / "run")
     tb = to_token_batch(batch)
     positions = sum(s.prompt_len + s.response_len - 1 for s in engine_batch)
-    lp = tr._logprobs(tr.policy.model, tb, tr._pack(tb, list(range(tb.n))))
+    lp = tr.backend.logprobs(tb, tr.backend.pack(tb, list(range(tb.n))))
     assert (lp - tb.rollout_logprobs).abs().max().item() <= 2e-5
-    assert tr.replay.metrics() == {"routing/replayed": 2.0 * positions, "routing/agreement": 1.0}
-    assert all(t.target is None for _, t in tr.replay.routers)  # no stale targets after the schedule
+    assert tr.backend.replay.metrics() == {"routing/replayed": 2.0 * positions, "routing/agreement": 1.0}
+    assert all(t.target is None for _, t in tr.backend.replay.routers)  # no stale targets after the schedule
 
     m = tr.train_on_batch(batch)  # separate logp_old pass + the training forward, both replayed
     assert m["routing/replayed"] == 2 * 2.0 * positions and m["routing/agreement"] == 1.0
@@ -491,7 +492,7 @@ def test_replaying_altered_routing_matches_forced_hf_forward(tmp_path, norm_topk
 
     tr = _trainer(path, tmp_path / "run")
     tb = to_token_batch(samples_to_batch(altered))
-    lp = tr._logprobs(tr.policy.model, tb, tr._pack(tb, list(range(tb.n)))).double()
+    lp = tr.backend.logprobs(tb, tr.backend.pack(tb, list(range(tb.n)))).double()
     per_sample = list(lp.split(np.diff(tb.response_off).tolist()))
     for i, (got, ref, own) in enumerate(zip(per_sample, reference, unreplayed)):
         assert (got - ref).abs().max().item() <= 5e-5, i
@@ -501,11 +502,11 @@ def test_replaying_altered_routing_matches_forced_hf_forward(tmp_path, norm_topk
         [(got - own).abs() for i, (got, own) in enumerate(zip(per_sample, unreplayed)) if i != 2]
     )
     assert moved.max().item() > 0.1, "replaying other experts left the logprobs as they were"
-    (l0, t0), (l1, t1) = sorted(tr.replay.routers, key=lambda x: x[0])
+    (l0, t0), (l1, t1) = sorted(tr.backend.replay.routers, key=lambda x: x[0])
     recorded = sum(s.prompt_len + s.response_len - 1 for i, s in enumerate(altered) if i != 2)
     assert int(t0.recorded) == int(t1.recorded) == recorded
     assert int(t0.agreed) == 0
-    m = tr.replay.metrics()
+    m = tr.backend.replay.metrics()
     assert m["routing/replayed"] == 2.0 * recorded and m["routing/agreement"] < 1.0
 
 
@@ -521,7 +522,7 @@ def test_expert_ids_past_the_model_are_refused(moe_path, engine_batch, tmp_path)
         tr.train_on_batch(samples_to_batch(bad))
     short = [msgspec.structs.replace(s, routed_experts=s.routed_experts[: -2 * 4]) for s in engine_batch]
     with pytest.raises(ValueError, match="routed_experts holds .* expert ids for .* positions"):
-        tr.replay.check_batch(to_token_batch(samples_to_batch(short)))
+        tr.backend.replay.check_batch(to_token_batch(samples_to_batch(short)))
 
 
 # -- 4. dense models ---------------------------------------------------------------------------------
@@ -577,6 +578,6 @@ def test_perf_counts_the_active_parameters_of_an_moe_model(moe_path, tmp_path):
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     dense = sum(p.numel() for n, p in hf.named_parameters() if ".experts." not in n)
     want = dense + experts * hc.num_experts_per_tok // hc.num_experts
-    got = _trainer(moe_path, tmp_path / "run", routing_replay=False)._active_params()
+    got = _trainer(moe_path, tmp_path / "run", routing_replay=False).backend.active_params()
     assert got == pytest.approx(want, rel=0.01)  # megatron pads the vocabulary a little
     assert got < dense + experts

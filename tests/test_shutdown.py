@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pipeline.config import load_config
-from pipeline.orchestration.launcher import Pipeline, finish_limit_s
+from pipeline.orchestration.driver import Pipeline, finish_limit_s
 
 
 def _slow_trainer(seconds: float):
@@ -28,7 +28,7 @@ def _slow_trainer(seconds: float):
 def _shutdown(tmp_path, trainer, *overrides) -> dict:
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "metrics.tensorboard=false", *overrides])
     pipe = Pipeline(cfg, tmp_path / "run")
-    pipe.trainers = [trainer]
+    pipe.trainer_group.ranks = [trainer]
     return pipe.shutdown(failed=False)
 
 

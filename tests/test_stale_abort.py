@@ -8,7 +8,7 @@ import asyncio
 
 from stages.rollout.engine import Engine, GenResult
 from stages.rollout.generator import Generator
-from tests.test_rollout_generator import FakeSink, make_cfg
+from tests.test_rollout_generator import FakeSink, make_cfg, rollout_args
 
 
 class OneLongGroup(Engine):
@@ -46,7 +46,7 @@ def _run(cfg, engine, versions: list[tuple[float, int]]):
     version moves as `versions` says ((delay, version) pairs); returns stats, sink, and whether the
     first group was still in flight after each move."""
     sink = FakeSink()
-    gen = Generator(cfg, sink, engine, "g", batch_groups=2)
+    gen = Generator(*rollout_args(cfg), sink, engine, "g", batch_groups=2)
     seen = []
 
     async def move():
@@ -89,7 +89,7 @@ def test_a_group_aborted_before_it_first_ran_gives_its_places_back(tmp_path_fact
     is cancelled before it ever ran. Its group and request places must come back all the same."""
     cfg = make_cfg(tmp_path_factory, max_inflight_groups=4, max_inflight_requests=8)
     engine = OneLongGroup(long_s=30.0)
-    gen = Generator(cfg, FakeSink(), engine, "g", batch_groups=2)
+    gen = Generator(*rollout_args(cfg), FakeSink(), engine, "g", batch_groups=2)
 
     async def go():
         gen._wake = asyncio.Event()

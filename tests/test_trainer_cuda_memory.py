@@ -7,14 +7,15 @@ import os
 
 import pytest
 
-from pipeline.config import RunConfig
+from stages.trainer.config import TrainerConfig
 from stages.trainer.cuda_memory import EXPANDABLE, choose_allocator
+from stages.weights.config import WeightsConfig
 
 
-def _cfg(device: str, transport: str) -> RunConfig:
-    cfg = RunConfig()
-    cfg.trainer.device, cfg.weights.transport = device, transport
-    return cfg
+def _cfg(device: str, transport: str) -> tuple[TrainerConfig, WeightsConfig]:
+    trainer, weights = TrainerConfig(), WeightsConfig()
+    trainer.device, weights.transport = device, transport
+    return trainer, weights
 
 
 @pytest.mark.parametrize(
@@ -29,14 +30,14 @@ def _cfg(device: str, transport: str) -> RunConfig:
 )
 def test_expandable_segments_only_where_no_cuda_ipc_reads_the_trainers_memory(device, transport, expected):
     env: dict[str, str] = {}
-    assert choose_allocator(_cfg(device, transport), env) == expected
+    assert choose_allocator(*_cfg(device, transport), env) == expected
     assert env.get("PYTORCH_CUDA_ALLOC_CONF") == expected
 
 
 @pytest.mark.parametrize("key", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_the_users_allocator_setting_is_kept(key):
     env = {key: "max_split_size_mb:512"}
-    assert choose_allocator(_cfg("cuda", "nccl"), env) is None
+    assert choose_allocator(*_cfg("cuda", "nccl"), env) is None
     assert env == {key: "max_split_size_mb:512"}
 
 
@@ -50,5 +51,5 @@ def test_the_processs_allocator_is_told_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
-    assert choose_allocator(_cfg("cuda", "nccl")) == EXPANDABLE
+    assert choose_allocator(*_cfg("cuda", "nccl")) == EXPANDABLE
     assert told == [EXPANDABLE] and os.environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}

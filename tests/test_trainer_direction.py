@@ -118,13 +118,12 @@ def test_one_step_raises_logprobs_of_positive_advantage_tokens(
     """After one step, sum_t A_t * (logp_after - logp_before) > 0: the trainer climbs the policy-gradient
     objective (samples better than their group mean become likelier, worse ones less likely). Logprobs
     come from independent HF forwards of the initial and of the exported trained weights."""
+    from trainer_setup import make_trainer
     from transformers import AutoModelForCausalLM
-
-    from stages.trainer.trainer import Trainer
 
     samples = _samples(hf_initial, seed=1)
     cfg = _cfg(optimizer=optimizer, lr=lr, grad_clip=BIG_CLIP)
-    tr = Trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path / "run"))
+    tr = make_trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path / "run"))
     m = tr.step()
     assert tr.version == 1 and m["grad_norm"] > 0
     out = tr.save_hf(str(tmp_path / "hf"))
@@ -155,12 +154,12 @@ def test_off_policy_metrics_measure_the_rollout_gap(model_path, hf_initial, tmp_
     |logp_old - logp_rollout| = |d| and TIS weights min(exp(d), cap) — i.e. logp_old is recomputed
     with the trainer's weights (not copied from the rollout) and the weight is the ratio, not its
     inverse or negation."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     samples = _samples(hf_initial, seed=2, shift=shift)
     ntok = sum(s.response_len for s in samples)
     cfg = _loss_cfg(_cfg(), correction="tis", tis_cap=2.0, tis_low=0.0)
-    tr = Trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
+    tr = make_trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
     m = tr.step()
     assert m["tokens/trained"] == ntok  # every response token is trained: the means are over all of them
     assert abs(m["logp/abs_diff_train_rollout"] - abs(shift)) <= 1e-3
@@ -179,11 +178,13 @@ def test_off_policy_metrics_measure_the_rollout_gap(model_path, hf_initial, tmp_
 def test_lr_zero_freezes_the_weights(model_path, hf_initial, tmp_path):
     """lr = 0 computes gradients but leaves every parameter bit-identical (a user freezing the policy,
     e.g. to measure metrics only, gets exactly the initial weights)."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     cfg = _cfg(grad_clip=BIG_CLIP)
     cfg.trainer.lr = 0.0  # set after construction: the config's own check may (today) demand lr > 0
-    tr = Trainer(cfg, ListSource([samples_to_batch(_samples(hf_initial, seed=3))]), model_path, str(tmp_path))
+    tr = make_trainer(
+        cfg, ListSource([samples_to_batch(_samples(hf_initial, seed=3))]), model_path, str(tmp_path)
+    )
     before = _params(tr)
     m = tr.step()
     assert m["lr"] == 0.0
@@ -197,13 +198,13 @@ def test_lr_zero_freezes_the_weights(model_path, hf_initial, tmp_path):
 def test_update_size_is_proportional_to_lr(model_path, hf_initial, tmp_path):
     """Plain SGD from the same weights on the same batch: the step really is applied (weights change)
     and doubling lr doubles the parameter change (no clipping: grad_clip is huge)."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     batch = samples_to_batch(_samples(hf_initial, seed=4))
     norms, grads = {}, {}
     for lr in (1e-2, 2e-2):
         cfg = _cfg(optimizer="sgd", lr=lr, grad_clip=BIG_CLIP)
-        tr = Trainer(cfg, ListSource([batch]), model_path, str(tmp_path / f"lr{lr}"))
+        tr = make_trainer(cfg, ListSource([batch]), model_path, str(tmp_path / f"lr{lr}"))
         before = _params(tr)
         m = tr.step()
         assert m["lr"] == pytest.approx(lr)
@@ -233,10 +234,10 @@ GOLDEN_LOSS_2 = -0.21081215480588517
 
 def test_golden_loss_and_grad_norm(model_path, tmp_path):
     """A fixed batch on fixed weights gives the recorded loss and gradient norm (rel 1e-4)."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     batch = make_batch(2, 4, seed=7)
-    tr = Trainer(_cfg(), ListSource([]), model_path, str(tmp_path))
+    tr = make_trainer(_cfg(), ListSource([]), model_path, str(tmp_path))
     m1 = tr.train_on_batch(batch)
     m2 = tr.train_on_batch(batch)
     got = (m1["loss"], m1["grad_norm"], m2["loss"])

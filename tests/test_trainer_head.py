@@ -96,12 +96,12 @@ def test_entropy_metric_of_a_one_row_micro_batch_is_the_real_entropy(model_path,
     """A micro-batch of one packed row: the entropy metric equals HF's softmax entropy (megatron's
     vocab_parallel_cross_entropy used to overwrite the logits in place there, giving the entropy of
     the probabilities instead: ~6.2 where the answer was ~1.3-2.6)."""
+    from trainer_setup import make_trainer
     from transformers import AutoModelForCausalLM
 
     from buffer.record import samples_to_batch
     from pipeline.config import RunConfig
     from stages.trainer.testing import ListSource
-    from stages.trainer.trainer import Trainer
 
     samples = _one_group(2, seed=4)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -115,7 +115,7 @@ def test_entropy_metric_of_a_one_row_micro_batch_is_the_real_entropy(model_path,
     cfg = RunConfig()
     # 16-token rows, one row per micro-batch: the case where the transpose of [1, s, V] is contiguous
     cfg.trainer.batch_groups, cfg.trainer.micro_batch_tokens, cfg.trainer.lr = 1, 16, 0.0
-    tr = Trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
+    tr = make_trainer(cfg, ListSource([samples_to_batch(samples)]), model_path, str(tmp_path))
     got = tr.step()["entropy"]
     assert 0 < want < math.log(512)
     assert got == pytest.approx(want, rel=1e-4)

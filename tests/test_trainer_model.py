@@ -159,9 +159,9 @@ def test_a_direct_push_sends_the_live_weights_as_gathered_and_refuses_a_sender_t
     source cannot give it: refused, naming the fix."""
     from types import SimpleNamespace
 
-    from stages.trainer.export import export_hf_state, iter_hf_state
+    from stages.trainer.export import PolicyExport, export_hf_state, iter_hf_state
     from stages.trainer.model import build_policy
-    from stages.trainer.trainer import Trainer
+    from stages.weights.publisher import WeightPublisher
 
     policy = build_policy(make_tiny_hf(str(tmp_path / "q"), "qwen2"), ddp=False)
     plain = export_hf_state(policy)
@@ -171,26 +171,28 @@ def test_a_direct_push_sends_the_live_weights_as_gathered_and_refuses_a_sender_t
             self.got, self.expect = {n: t.clone() for n, t in named}, expect_bytes
             return {"version": version, "seconds": 0.25, "engines": 1, "bytes": 10}
 
-    t = SimpleNamespace(
-        policy=policy, rank=0, sender=Direct(), version=4, _direct_result=None, pending_push=None
+    cpu = torch.device("cpu")
+    t = WeightPublisher(
+        SimpleNamespace(snapshot="direct"), PolicyExport(policy), rank=0, device=cpu, sender=Direct()
     )
-    t._model_bytes = lambda: Trainer._model_bytes(t)
-    out = Trainer._push_direct(t)
+    out = t._push_direct(4)
     assert out == {"push/prev_seconds": 0.25, "push/prev_engines": 1, "push/prev_bytes": 10}
     assert set(t.sender.got) == set(plain) and all(torch.equal(t.sender.got[k], plain[k]) for k in plain)
     # the size hint for the push's bucket buffer covers what was pushed
     assert t.sender.expect >= sum(x.numel() * x.element_size() for x in plain.values())
     assert dict(iter_hf_state(policy)).keys() == plain.keys()
-    assert Trainer.wait_push(t)["seconds"] == 0.25  # sync mode waits for it: it is already done
-    assert Trainer.wait_push(t) is None
+    assert t.wait()["seconds"] == 0.25  # sync mode waits for it: it is already done
+    assert t.wait() is None
 
     class Keeps:  # the CPU transport's sender: push() only
         def push(self, version, named):
             raise AssertionError("not called")
 
-    keeps = SimpleNamespace(policy=policy, rank=0, sender=Keeps(), version=4, _direct_result=None)
+    keeps = WeightPublisher(
+        SimpleNamespace(snapshot="direct"), PolicyExport(policy), rank=0, device=cpu, sender=Keeps()
+    )
     with pytest.raises(ValueError, match="weights.snapshot=direct pushes into SGLang servers"):
-        Trainer._push_direct(keeps)
+        keeps._push_direct(4)
 
 
 def test_auto_pushes_direct_where_the_gpu_copy_does_not_go_and_a_direct_push_can():
@@ -200,7 +202,7 @@ def test_auto_pushes_direct_where_the_gpu_copy_does_not_go_and_a_direct_push_can
     transport, which cannot take a direct push, keep the host copy. Decided once, by rank 0, for all."""
     from types import SimpleNamespace
 
-    from stages.trainer.trainer import Trainer
+    from stages.weights.publisher import WeightPublisher
 
     class SGLangLike:
         def push_now(self, version, named, expect_bytes=None): ...
@@ -211,20 +213,20 @@ def test_auto_pushes_direct_where_the_gpu_copy_does_not_go_and_a_direct_push_can
     def goes_direct(
         snapshot="auto", *, fits=False, pp=1, sender=SGLangLike(), device="cuda", rank=0, rank0_said=None
     ):
-        t = SimpleNamespace(
-            cfg=SimpleNamespace(weights=SimpleNamespace(snapshot=snapshot)),
-            tc=SimpleNamespace(pp=pp),
+        t = WeightPublisher(
+            SimpleNamespace(snapshot=snapshot),
+            None,
             rank=rank,
-            sender=sender,
             device=torch.device(device),
-            _pushes_direct=None,
-            _copy_fits_gpu=lambda: fits,
-            # rank 0's answer on every rank (a broadcast); alone, a rank's own
-            _rank0_says=lambda yes: yes if rank0_said is None else rank0_said,
+            stages=pp,
+            sender=sender,
         )
-        first = Trainer._goes_direct(t)
-        t.cfg.weights.snapshot, t._copy_fits_gpu = "gpu", lambda: True  # decided once: not asked again
-        assert Trainer._goes_direct(t) is first
+        t._copy_fits_gpu = lambda: fits
+        # rank 0's answer on every rank (a broadcast); alone, a rank's own
+        t._rank0_says = lambda yes: yes if rank0_said is None else rank0_said
+        first = t.goes_direct()
+        t.wc.snapshot, t._copy_fits_gpu = "gpu", lambda: True  # decided once: not asked again
+        assert t.goes_direct() is first
         return first
 
     assert goes_direct() is True

@@ -32,10 +32,10 @@ def _cfg(**trainer):
 
 
 def test_steps_versions_and_metrics(model_path, tmp_path):
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     src = ListSource([make_batch(2, 4, seed=i, version=0) for i in range(3)])
-    tr = Trainer(_cfg(micro_batch_tokens=64), src, model_path, str(tmp_path))
+    tr = make_trainer(_cfg(micro_batch_tokens=64), src, model_path, str(tmp_path))
     for want in (1, 2, 3):
         m = tr.step()
         assert m["version"] == tr.version == want
@@ -65,27 +65,27 @@ def test_steps_versions_and_metrics(model_path, tmp_path):
 def test_perf_metrics_follow_the_six_n_convention(model_path, tmp_path):
     """perf/tflops = 6 x parameters x tokens / train seconds (8 x with the separate logp_old pass), as
     slime's perf/actor_train_tflops; perf/mfu against trainer.peak_tflops, absent without it."""
+    from trainer_setup import make_trainer
     from transformers import AutoModelForCausalLM
-
-    from stages.trainer.trainer import Trainer
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
     for mode, k in (("from_train_forward", 6), ("separate_pass", 8)):
         src = ListSource([make_batch(2, 4, seed=1, version=0)])
-        tr = Trainer(_cfg(peak_tflops=0.5, old_logprobs=mode), src, model_path, str(tmp_path / mode))
+        tr = make_trainer(_cfg(peak_tflops=0.5, old_logprobs=mode), src, model_path, str(tmp_path / mode))
         m = tr.step()
         want = k * params * m["tokens/total"] / m["time/train_s"] / 1e12
         assert m["perf/tflops"] == pytest.approx(want, rel=0.05), mode  # tied head counted once
         assert m["perf/mfu"] == pytest.approx(m["perf/tflops"] / 0.5)
-    m = Trainer(_cfg(), ListSource([make_batch(2, 4, version=0)]), model_path, str(tmp_path / "p")).step()
+    m = make_trainer(
+        _cfg(), ListSource([make_batch(2, 4, version=0)]), model_path, str(tmp_path / "p")
+    ).step()
     assert "perf/tflops" in m and "perf/mfu" not in m
 
 
 def test_logp_old_is_the_trainers_own(model_path, tmp_path):
     """With rollout logprobs taken from an HF forward of the same weights, TIS weights are 1."""
+    from trainer_setup import make_trainer
     from transformers import AutoModelForCausalLM
-
-    from stages.trainer.trainer import Trainer
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     samples = make_samples(2, 3, seed=5)
@@ -96,7 +96,7 @@ def test_logp_old_is_the_trainers_own(model_path, tmp_path):
         s.rollout_logprobs = (
             lp[len(p) - 1 : -1].gather(-1, torch.tensor(y)[:, None]).squeeze(-1).numpy().tobytes()
         )
-    tr = Trainer(
+    tr = make_trainer(
         _cfg(micro_batch_tokens=32), ListSource([samples_to_batch(samples)]), model_path, str(tmp_path)
     )
     m = tr.step()
@@ -108,9 +108,9 @@ def test_logp_old_is_the_trainers_own(model_path, tmp_path):
 
 
 def test_errors_are_clear(model_path, tmp_path):
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
-    tr = Trainer(_cfg(fetch_timeout_s=0.1), ListSource([]), model_path, str(tmp_path))
+    tr = make_trainer(_cfg(fetch_timeout_s=0.1), ListSource([]), model_path, str(tmp_path))
     with pytest.raises(TimeoutError, match=r"list-source \(tests\) within trainer.fetch_timeout_s=0.1s"):
         tr.step()
     with pytest.raises(ValueError, match="empty batch"):
@@ -124,16 +124,17 @@ def test_errors_are_clear(model_path, tmp_path):
     with pytest.raises(ValueError, match=r"no response tokens at all \(statuses: \['aborted'\]"):
         tr.train_on_batch(samples_to_batch(aborted))
     with pytest.raises(ValueError, match="micro_batch_tokens"):
-        Trainer(_cfg(micro_batch_tokens=8), ListSource([]), model_path, str(tmp_path / "b")).train_on_batch(
-            make_batch(1, 2)
-        )
+        make_trainer(
+            _cfg(micro_batch_tokens=8), ListSource([]), model_path, str(tmp_path / "b")
+        ).train_on_batch(make_batch(1, 2))
 
 
 def test_killed_trainer_resumes_at_next_version_without_reusing_samples(model_path, tmp_path):
+    from trainer_setup import make_trainer
+
     from buffer.config import BufferConfig
     from buffer.inproc import InProcBuffer
     from stages.trainer.checkpoint import latest_path
-    from stages.trainer.trainer import Trainer
 
     class Recording:
         def __init__(self, inner):
@@ -157,14 +158,14 @@ def test_killed_trainer_resumes_at_next_version_without_reusing_samples(model_pa
     cfg = _cfg(checkpoint_every=1)
     cfg.run.max_staleness = 100
     first = Recording(buf)
-    tr = Trainer(cfg, first, model_path, str(tmp_path / "run"))
+    tr = make_trainer(cfg, first, model_path, str(tmp_path / "run"))
     tr.step(), tr.step()
     saved = {n: p.detach().clone() for n, p in tr.policy.model.named_parameters()}
     del tr  # "killed": no close(), the last checkpoint is the one written after step 2
     assert latest_path(str(tmp_path / "run")).endswith("step_000002")
     buf2 = InProcBuffer(cfg=bcfg, directory=tmp_path / "buf")  # the buffer restarts too, from its files
     second = Recording(buf2)
-    tr2 = Trainer(cfg, second, model_path, str(tmp_path / "run"))
+    tr2 = make_trainer(cfg, second, model_path, str(tmp_path / "run"))
     assert tr2.version == 2
     for n, p in tr2.policy.model.named_parameters():
         assert torch.equal(p, saved[n]), n
@@ -267,11 +268,11 @@ def test_several_updates_per_batch_move_the_ratio_and_clip(model_path, tmp_path)
     """trainer.ppo_epochs x mini_batches: the first update sees ratio 1 (logp_old = the weights before
     it), later ones see the policy move away from logp_old, so PPO clipping acts; one version per batch.
     With one update per batch clipping never acts (the issue's finding)."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     def run(**kw):
         src = ListSource([make_batch(4, 4, seed=3, version=0)])
-        tr = Trainer(_cfg(batch_groups=4, lr=0.05, **kw), src, model_path, str(tmp_path / str(kw)))
+        tr = make_trainer(_cfg(batch_groups=4, lr=0.05, **kw), src, model_path, str(tmp_path / str(kw)))
         return tr, tr.step()
 
     tr, one = run()
@@ -289,14 +290,14 @@ def test_a_resumed_trainer_takes_the_step_the_uninterrupted_one_takes(model_path
     """The checkpoint holds the optimizer's state as well as the weights: Adam's moments, SGD's momentum
     (megatron 0.16 could not load SGD's at all). From step 2's checkpoint, a new trainer's step 3 on the
     same batch lands on the weights of the trainer that was never stopped."""
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     batches = [make_batch(2, 4, seed=i) for i in range(3)]
-    first = Trainer(
+    first = make_trainer(
         _cfg(optimizer=optimizer, checkpoint_every=1), ListSource(batches), model_path, str(tmp_path)
     )
     first.step(), first.step()
-    second = Trainer(_cfg(optimizer=optimizer), ListSource(batches[2:]), model_path, str(tmp_path))
+    second = make_trainer(_cfg(optimizer=optimizer), ListSource(batches[2:]), model_path, str(tmp_path))
     assert second.version == 2
     first.step(), second.step()
     for (name, a), (_, b) in zip(
@@ -309,10 +310,11 @@ def test_a_checkpoint_saved_before_any_step_resumes(model_path, tmp_path):
     """A run that ends before its first step (a time limit, Ctrl-C) still saves, at version 0, with no
     optimizer state made yet: a re-run in its directory resumes from it and trains (it failed on the
     optimizer's keys, which such a checkpoint does not have)."""
-    from stages.trainer.checkpoint import latest_path
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
-    Trainer(_cfg(), ListSource([]), model_path, str(tmp_path)).close()
+    from stages.trainer.checkpoint import latest_path
+
+    make_trainer(_cfg(), ListSource([]), model_path, str(tmp_path)).close()
     assert latest_path(str(tmp_path)).endswith("step_000000")
-    again = Trainer(_cfg(), ListSource([make_batch(2, 4, seed=0)]), model_path, str(tmp_path))
+    again = make_trainer(_cfg(), ListSource([make_batch(2, 4, seed=0)]), model_path, str(tmp_path))
     assert again.version == 0 and again.step()["version"] == 1

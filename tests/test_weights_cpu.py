@@ -13,7 +13,8 @@ import torch
 from buffer.record import Sample, samples_to_batch
 from pipeline.config import RunConfig
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
-from stages.weights.base import WeightPushError, buckets
+from stages.weights.base import WeightPushError
+from stages.weights.buckets import buckets
 from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
 
 
@@ -64,16 +65,17 @@ def test_push_failure_and_timeout_raise():
 
 
 def test_trainer_push_lands_in_torch_engine(tmp_path):
+    from trainer_setup import make_trainer
+
     from stages.rollout.engine import GenRequest, SamplingParams
     from stages.rollout.torch_engine import TorchEngine
     from stages.trainer.packing import pack, to_token_batch
-    from stages.trainer.trainer import Trainer
 
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
     cfg = RunConfig()
     cfg.trainer.batch_groups, cfg.trainer.lr = 2, 1e-2
     cfg.weights.push_every = 1
-    trainer = Trainer(
+    trainer = make_trainer(
         cfg, ListSource([make_batch(2, 4, seed=i) for i in range(2)]), path, str(tmp_path / "run")
     )
     sender = ZmqWeightSender(timeout_s=30, min_engines=1)
@@ -98,7 +100,7 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
             versions=res.versions,
         )
         tb = to_token_batch(samples_to_batch([s]))
-        mine = trainer._logprobs(trainer.policy.model, tb, pack(tb, [0], 4096))
+        mine = trainer.backend.logprobs(tb, pack(tb, [0], 4096))
         assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
     finally:
         receiver.close(), sender.close(), engine.close()
@@ -109,7 +111,7 @@ def test_push_runs_in_background_while_training(tmp_path):
     engine blocks on an event (no wall-clock bounds): the step finishes while it is still held."""
     import threading
 
-    from stages.trainer.trainer import Trainer
+    from trainer_setup import make_trainer
 
     gate = threading.Event()
 
@@ -122,14 +124,14 @@ def test_push_runs_in_background_while_training(tmp_path):
     cfg = RunConfig()
     cfg.trainer.batch_groups = 1
     src = ListSource([make_batch(1, 2, seed=i) for i in range(2)])
-    trainer = Trainer(cfg, src, path, str(tmp_path / "run"))
+    trainer = make_trainer(cfg, src, path, str(tmp_path / "run"))
     sender = ZmqWeightSender(timeout_s=60, min_engines=1)
     engine = SlowEngine()
     receiver = WeightReceiver(sender.address, engine, name="slow")
     trainer.attach_sender(sender)
     try:
         trainer.step()  # returns although the engine has not applied version 1
-        assert not gate.is_set() and not trainer.pending_push.done() and engine.version == 0
+        assert not gate.is_set() and not trainer.publisher.pending.done() and engine.version == 0
         out = {}
         second = threading.Thread(target=lambda: out.update(m=trainer.step()))
         second.start()  # its push must wait for version 1 to be applied
@@ -237,7 +239,7 @@ def test_packed_buckets_hold_one_buffer_and_let_each_gathered_tensor_go():
     ran out of memory beside the training state."""
     import weakref
 
-    from stages.weights.base import buckets_marking_last
+    from stages.weights.buckets import buckets_marking_last
 
     alive = []
 
@@ -271,7 +273,7 @@ def test_packed_buckets_stay_whole_when_the_size_hint_is_short_and_take_any_stri
     hint fall short, a bucket ends where the buffer does (its tensors must all lie in the one buffer it
     sends), and a tensor larger than the buffer gets one of its own. Transposed and strided views are
     packed as they are."""
-    from stages.weights.base import buckets_marking_last
+    from stages.weights.buckets import buckets_marking_last
 
     base = torch.arange(512, dtype=torch.float32)
     named = [
@@ -295,7 +297,7 @@ def test_packed_buckets_stay_whole_when_the_size_hint_is_short_and_take_any_stri
 def test_a_packed_bucket_refuses_a_tensor_its_dtype_cannot_view():
     """A bf16 tensor of odd size followed by an fp32 one: the fp32 bytes would start at an offset that
     is no multiple of 4, which no view (and no SGLang server) can read as fp32: refused, naming it."""
-    from stages.weights.base import buckets_marking_last
+    from stages.weights.buckets import buckets_marking_last
 
     named = [("odd", torch.zeros(3, dtype=torch.bfloat16)), ("f32", torch.zeros(2))]
     with pytest.raises(WeightPushError, match=r"f32 \(torch.float32\) would start at byte 6"):
@@ -306,7 +308,7 @@ def test_a_direct_push_bucket_is_cut_to_half_the_free_memory_beside_training():
     """weights.snapshot=direct packs its bucket on the trainer's GPU beside the whole training state
     (a 7B TP=2 trainer holds ~69 GiB of 80): the bucket is weights.bucket_mb while the GPU has twice
     that free, else half of what it has, the other half left for the gathered tensor ahead."""
-    from stages.weights.base import bucket_that_fits
+    from stages.weights.buckets import bucket_that_fits
 
     gib = 1 << 30
     assert bucket_that_fits(4 * gib, 64 * gib) == 4 * gib

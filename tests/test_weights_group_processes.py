@@ -203,7 +203,7 @@ def weight_group(monkeypatch, request):
 
 def _gloo_sender(urls: list[str], group_name: str, receive: str = "per_tensor"):
     """The NCCL sender with its weight group on gloo and its buckets on CPU."""
-    from stages.weights.sglang_transport import NcclSGLangSender
+    from stages.weights.nccl_sender import NcclSGLangSender
 
     class GlooSender(NcclSGLangSender):
         def _new_group(self, init_method, world, name):

@@ -109,7 +109,7 @@ def _check_push(sender_cls, gpu: int, tmp_path, **kw):
     not os.environ.get("SLIPSTREAM_GPU_TESTS"), reason="set SLIPSTREAM_GPU_TESTS=1 on a GPU machine"
 )
 def test_cuda_ipc_push_colocated(tmp_path):
-    from stages.weights.sglang_transport import CudaIpcSGLangSender
+    from stages.weights.cuda_ipc_sender import CudaIpcSGLangSender
 
     _check_push(CudaIpcSGLangSender, 0, tmp_path)
 
@@ -123,6 +123,6 @@ def test_nccl_push_to_second_gpu(tmp_path, receive):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("the NCCL transport needs the engine on a second GPU")
-    from stages.weights.sglang_transport import NcclSGLangSender
+    from stages.weights.nccl_sender import NcclSGLangSender
 
     _check_push(NcclSGLangSender, 1, tmp_path, receive=receive)

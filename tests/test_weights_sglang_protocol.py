@@ -15,7 +15,9 @@ import torch
 from http_stub import JsonHandler  # tests/ is on sys.path under pytest
 
 from stages.weights.base import WeightPushError
-from stages.weights.sglang_transport import NcclSGLangSender, _SGLangSender, check_flat_layout
+from stages.weights.buckets import check_flat_layout
+from stages.weights.nccl_sender import NcclSGLangSender
+from stages.weights.sglang_transport import _SGLangSender
 
 
 class Recorder(ThreadingHTTPServer):
@@ -264,87 +266,83 @@ class _Sender:
 
 
 def _trainer(source, sender, fetch_timeout_s=1.0):
+    """The trainer's batch feed at version 3 with its weight publisher (rank 0's); pushes are counted."""
     from types import SimpleNamespace
 
-    from stages.trainer.trainer import Trainer
+    from stages.trainer.feed import BatchFeed
+    from stages.weights.publisher import WeightPublisher
 
-    t = SimpleNamespace(
-        rank=0,
-        source=source,
-        sender=sender,
-        pending_push=None,
-        version=3,
-        pushes=0,
-        tc=SimpleNamespace(batch_groups=2, fetch_timeout_s=fetch_timeout_s),
-        cfg=SimpleNamespace(run=SimpleNamespace(max_staleness=2)),
-    )
-    t._catch_up = lambda: Trainer._catch_up(t)
-    t._fetch_catching_up = lambda deadline: Trainer._fetch_catching_up(t, deadline)
+    cpu = torch.device("cpu")
+    publisher = WeightPublisher(SimpleNamespace(snapshot="auto"), None, rank=0, device=cpu, sender=sender)
+    tc = SimpleNamespace(batch_groups=2, fetch_timeout_s=fetch_timeout_s)
+    t = BatchFeed(source, tc, SimpleNamespace(max_staleness=2), publisher, rank=0, device=cpu)
+    t.sender, t.pushes = sender, 0
 
-    def push_weights():
+    def push(version):
         t.pushes += 1
         return {}
 
-    t.push_weights = push_weights
+    publisher.push = push
     return t
 
 
 def test_the_trainer_catches_up_while_it_waits_for_data(monkeypatch):
-    """Trainer._fetch_catching_up: with a sender, the wait for a batch is cut into CATCH_UP_EVERY_S
+    """BatchFeed._fetch_catching_up: with a sender, the wait for a batch is cut into CATCH_UP_EVERY_S
     slices, each after asking for a catch-up push (started when an engine is behind); without, one wait;
     and a source that answers None at once (a finished replay) ends the wait, without a busy loop."""
     import time
 
-    from stages.trainer import trainer as trainer_module
-    from stages.trainer.trainer import Trainer
+    from stages.trainer import feed as feed_module
+    from stages.trainer.feed import Delivery, Got
 
-    monkeypatch.setattr(trainer_module, "CATCH_UP_EVERY_S", 0.05)
+    monkeypatch.setattr(feed_module, "CATCH_UP_EVERY_S", 0.05)
     t = _trainer(_Source(empty=2), _Sender(behind=2))
-    assert Trainer._fetch_catching_up(t, time.monotonic() + 1.0) == "batch"
+    assert t._fetch_catching_up(time.monotonic() + 1.0, 3) == Delivery(Got.BATCH, "batch")
     assert t.source.waits == pytest.approx([0.05] * 3, abs=0.01)
-    assert t.sender.calls == 3 and t.pending_push is not None
+    assert t.sender.calls == 3 and t.publisher.pending is not None
     # nobody behind: still slices, since a server relaunched between pushes is only found by asking
     calm = _trainer(_Source(empty=1), _Sender())
-    assert Trainer._fetch_catching_up(calm, time.monotonic() + 1.0) == "batch" and calm.sender.calls == 2
-    assert calm.pending_push is None
+    assert calm._fetch_catching_up(time.monotonic() + 1.0, 3) == Delivery(Got.BATCH, "batch")
+    assert calm.sender.calls == 2 and calm.publisher.pending is None
     alone = _trainer(_Source(empty=0), None)  # no sender (a trainer alone): one wait
-    assert Trainer._fetch_catching_up(alone, time.monotonic() + 1.0) == "batch"
+    assert alone._fetch_catching_up(time.monotonic() + 1.0, 3) == Delivery(Got.BATCH, "batch")
     assert alone.source.waits == pytest.approx([1.0], abs=0.05)
     done = _trainer(_Source(empty=0, finished=True), _Sender())
-    assert Trainer._fetch_catching_up(done, time.monotonic() + 5.0) is None and len(done.source.waits) == 1
+    assert done._fetch_catching_up(time.monotonic() + 5.0, 3) == Delivery(Got.TIMEOUT)
+    assert len(done.source.waits) == 1
 
 
 def test_the_trainer_pushes_again_to_a_server_relaunched_since_its_last_push(monkeypatch):
-    """Trainer._fetch: after a wait that came back empty, the sender is asked for a server running
+    """BatchFeed.fetch: after a wait that came back empty, the sender is asked for a server running
     older weights with nothing kept for it (needs_push); then every rank snapshots and rank 0 pushes
     the current weights, and the wait goes on within the same fetch_timeout_s. With data there at once,
     nobody is asked anything."""
-    from stages.trainer import trainer as trainer_module
-    from stages.trainer.trainer import Trainer
+    from stages.trainer import feed as feed_module
 
-    monkeypatch.setattr(trainer_module, "CATCH_UP_EVERY_S", 0.05)
-    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(feed_module, "CATCH_UP_EVERY_S", 0.05)
+    monkeypatch.setattr(feed_module.dist, "get_world_size", lambda: 1)
     t = _trainer(_Source(empty=1), _Sender(stale=1))
-    assert Trainer._fetch(t) == "batch"
+    assert t.fetch(3) == "batch"
     assert t.pushes == 1 and len(t.source.waits) == 2 and t.sender.asked == 1
     quiet = _trainer(_Source(empty=0), _Sender(stale=1))
-    assert Trainer._fetch(quiet) == "batch" and quiet.pushes == 0 and quiet.sender.asked == 0
+    assert quiet.fetch(3) == "batch" and quiet.pushes == 0 and quiet.sender.asked == 0
 
 
 def _two_ranks(monkeypatch, answers: list) -> list:
-    """Trainer._fetch as one of two ranks: the broadcast hands out `answers` in turn (what rank 0
+    """BatchFeed.fetch as one of two ranks: the broadcast hands out `answers` in turn (what rank 0
     decided), and records what this rank put in."""
-    from stages.trainer import trainer as trainer_module
+    from stages.trainer import feed as feed_module
+    from stages.trainer.feed import Got
 
     sent, answers = [], iter(answers)
 
     def broadcast(payload, src, device=None):
         sent.append(payload[0])
-        if payload[0] is None or payload[0][0] != "error":
+        if payload[0] is None or payload[0].got is not Got.ERROR:
             payload[0] = next(answers)
 
-    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(trainer_module.dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(feed_module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(feed_module.dist, "broadcast_object_list", broadcast)
     return sent
 
 
@@ -354,12 +352,14 @@ def test_every_rank_takes_part_in_the_push_again_and_hears_of_rank_0s_failure(mo
     other ranks would wait in the broadcast until the process group's timeout."""
     import pyarrow as pa
 
-    from stages.trainer.trainer import Trainer, _to_ipc
+    from stages.trainer.feed import Delivery, Got, _to_ipc
 
-    _two_ranks(monkeypatch, [("push", None), ("ok", _to_ipc(pa.record_batch({"x": [7]})))])
+    _two_ranks(
+        monkeypatch, [Delivery(Got.PUSH_AGAIN), Delivery(Got.BATCH, _to_ipc(pa.record_batch({"x": [7]})))]
+    )
     other = _trainer(None, None)
     other.rank, other.device = 1, torch.device("cpu")
-    assert Trainer._fetch(other).column("x").to_pylist() == [7] and other.pushes == 1
+    assert other.fetch(3).column("x").to_pylist() == [7] and other.pushes == 1
 
     class Gone:
         def fetch(self, *a):
@@ -369,11 +369,11 @@ def test_every_rank_takes_part_in_the_push_again_and_hears_of_rank_0s_failure(mo
     first = _trainer(Gone(), None)
     first.device = torch.device("cpu")
     with pytest.raises(ConnectionError, match="is gone"):
-        Trainer._fetch(first)
-    assert sent == [("error", "ConnectionError: buffer at tcp://x is gone")]
-    _two_ranks(monkeypatch, [("error", "ConnectionError: buffer at tcp://x is gone")])
+        first.fetch(3)
+    assert sent == [Delivery(Got.ERROR, "ConnectionError: buffer at tcp://x is gone")]
+    _two_ranks(monkeypatch, [Delivery(Got.ERROR, "ConnectionError: buffer at tcp://x is gone")])
     with pytest.raises(RuntimeError, match="rank 0 failed while fetching a batch: ConnectionError"):
-        Trainer._fetch(other)
+        other.fetch(3)
 
 
 class GroupSender(NcclSGLangSender):
@@ -522,7 +522,7 @@ def test_a_server_relaunched_between_two_pushes_is_noticed_and_joins_a_new_group
 def test_the_nccl_bucket_is_the_tensors_bytes_back_to_back():
     """SGLang rebuilds each tensor from the flat bucket by its name, dtype and shape, in order: the
     layout is each tensor's bytes back to back (bf16 and fp32 mixed, a non-contiguous one included)."""
-    from stages.weights.sglang_transport import flat_bucket
+    from stages.weights.nccl_sender import flat_bucket
 
     a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     b = torch.arange(4, dtype=torch.float32) / 3
@@ -633,7 +633,7 @@ def test_weight_buckets_default_by_transport_and_an_explicit_size_wins():
     bytes: 30 buckets of 512 MB made a 7B NCCL push 4x its raw broadcast); the ZeroMQ transport keeps
     small ones; `weights.bucket_mb` set by the user applies to every transport."""
     from pipeline.config import ConfigError, load_config
-    from stages.weights.base import make_sender
+    from stages.weights import make_sender
 
     w = load_config(None, []).weights
     assert [w.bucket_mb_for(t) for t in ("cpu", "cuda_ipc", "nccl")] == [64, 1024, 4096]
@@ -655,7 +655,7 @@ def test_the_nccl_receive_chosen_in_the_config_is_the_one_the_pushes_ask_the_ser
     of large tensors (a 7B model's), flat for one of small tensors (a 135M model's), where the NCCL
     calls cost more than the flat receive's copies. A misspelt value is refused naming the choices."""
     from pipeline.config import ConfigError, load_config
-    from stages.weights.base import make_sender
+    from stages.weights import make_sender
     from stages.weights.config import PER_TENSOR_MIN_MEAN_MB
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
@@ -729,7 +729,7 @@ def test_a_broadcast_that_a_dead_server_will_never_finish_is_given_up_at_once_or
     import time
 
     from stages.weights.base import WeightPushError
-    from stages.weights.sglang_transport import await_broadcast
+    from stages.weights.nccl_sender import await_broadcast
 
     class Stuck:  # a broadcast whose peer is gone
         def is_completed(self):
@@ -786,7 +786,7 @@ def test_a_broadcast_to_a_server_that_died_aborts_the_weight_group_and_names_the
     import torch
 
     from stages.weights.base import WeightPushError
-    from stages.weights.sglang_transport import NcclSGLangSender
+    from stages.weights.nccl_sender import NcclSGLangSender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the sender's CUDA check
 

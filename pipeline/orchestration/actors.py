@@ -11,8 +11,14 @@ import json
 import os
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from buffer.config import BufferConfig
+    from buffer.curve import CurveKeys
+    from pipeline.config import RunConfig
 
 
 def _quiet() -> None:
@@ -32,19 +38,25 @@ def _threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
-def _reachable(cfg):
-    """cfg with this node's IP in place of the loopback binds (buffer, CPU weight transport, SGLang
-    servers): on a cluster of several nodes every stage must be reachable from the others."""
-    import msgspec
-
+def _on_this_node(address: str) -> str:
+    """A loopback bind moved to this node's IP: on a cluster of several nodes every stage must be
+    reachable from the others."""
     from buffer.net import on_host
 
-    ip, rep = ray.util.get_node_ip_address(), msgspec.structs.replace
+    return on_host(address, ray.util.get_node_ip_address())
+
+
+def _reachable(cfg: RunConfig) -> RunConfig:
+    """cfg with this node's IP in place of the loopback binds (buffer, CPU weight transport, SGLang
+    servers)."""
+    import msgspec
+
+    rep = msgspec.structs.replace
     return rep(
         cfg,
-        buffer=rep(cfg.buffer, bind=on_host(cfg.buffer.bind, ip)),
-        weights=rep(cfg.weights, bind=on_host(cfg.weights.bind, ip)),
-        rollout=rep(cfg.rollout, sglang=rep(cfg.rollout.sglang, host=on_host(cfg.rollout.sglang.host, ip))),
+        buffer=rep(cfg.buffer, bind=_on_this_node(cfg.buffer.bind)),
+        weights=rep(cfg.weights, bind=_on_this_node(cfg.weights.bind)),
+        rollout=rep(cfg.rollout, sglang=rep(cfg.rollout.sglang, host=_on_this_node(cfg.rollout.sglang.host))),
     )
 
 
@@ -70,15 +82,19 @@ class _Located:
 class BufferActor(_Located):
     """Hosts the ZeroMQ buffer server in a thread; its data lives in the run directory."""
 
-    def __init__(self, cfg, directory: str, reachable: bool = False, curve=None):
+    def __init__(
+        self, bc: BufferConfig, directory: str, reachable: bool = False, curve: CurveKeys | None = None
+    ):
         import threading
+
+        import msgspec
 
         from buffer.memory import reserve
         from buffer.server import BufferServer
 
-        cfg = _reachable(cfg) if reachable else cfg
-        self.memory = reserve(cfg.buffer.reserve_mb)  # before the server's socket exists
-        self.server = BufferServer(cfg.buffer, directory if cfg.buffer.durable else None, curve=curve).start()
+        bc = msgspec.structs.replace(bc, bind=_on_this_node(bc.bind)) if reachable else bc
+        self.memory = reserve(bc.reserve_mb)  # before the server's socket exists
+        self.server = BufferServer(bc, directory if bc.durable else None, curve=curve).start()
         self.stopped = threading.Event()
 
     @ray.method(concurrency_group="watch")
@@ -115,7 +131,7 @@ class GeneratorActor(_Located):
 
     def __init__(
         self,
-        cfg,
+        cfg: RunConfig,
         index: int,
         buffer_address: str,
         weights_address: str | None,
@@ -123,10 +139,11 @@ class GeneratorActor(_Located):
         cpus: int = 1,
         state_path: str = "",
         reachable: bool = False,
-        curve=None,
+        curve: CurveKeys | None = None,
     ):
         _threads(cpus)
         from buffer.client import BufferClient
+        from pipeline.config import rollout_run
         from pipeline.orchestration.placement import local_gpus, rollout_on_gpus
         from stages.rollout.build import build_engine
         from stages.rollout.generator import Generator
@@ -139,7 +156,10 @@ class GeneratorActor(_Located):
         cfg = rollout_on_gpus(cfg, local_gpus(), f"generator gen-{index}")  # the engines on Ray's GPUs
         cfg = _reachable(cfg) if reachable else cfg  # SGLang servers the trainer can reach
         # SGLang logs as <log_dir>/sglang-gen<index>-<engine>.log: one directory for every generator
-        self.engine = build_engine(cfg, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}")
+        run = rollout_run(cfg)  # the run-wide values the stage takes (sync mode's staleness bound among them)
+        self.engine = build_engine(
+            cfg.rollout, cfg.model, run, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}"
+        )
         # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
         self.receiver = (
             WeightReceiver(weights_address, self.engine, name=generator_id, curve=curve)
@@ -149,7 +169,7 @@ class GeneratorActor(_Located):
         self.sink = BufferClient(
             buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
         )
-        self.gen = Generator(cfg, self.sink, self.engine, generator_id, batch_groups)
+        self.gen = Generator(cfg.rollout, cfg.model, run, self.sink, self.engine, generator_id, batch_groups)
         self.cfg, self.evaluator = cfg, None  # the evaluator is made at the first evaluate()
         # the data position (epoch, index in the epoch's order) continues across incarnations and re-runs
         # in the same directory: a healed generator or a resumed run does not start the prompts over
@@ -230,7 +250,7 @@ class TrainerActor(_Located):
     def setup(
         self,
         rank: int,
-        cfg,
+        cfg: RunConfig,
         master: str,
         buffer_address: str,
         model_path: str,
@@ -238,7 +258,7 @@ class TrainerActor(_Located):
         num_engines: int,
         engine_urls: list[str] | None = None,
         reachable: bool = False,
-        curve=None,
+        curve: CurveKeys | None = None,
         push_now: bool = False,
     ) -> None:
         """`push_now`: send this trainer's weights to the engines at once even at version 0 (a trainer
@@ -262,11 +282,12 @@ class TrainerActor(_Located):
             MASTER_PORT=port,
         )
         from buffer.client import BufferClient
+        from pipeline.config import sync_mode, trainer_run
         from stages.trainer.cuda_memory import choose_allocator
         from stages.trainer.trainer import Trainer
-        from stages.weights.base import make_sender
+        from stages.weights import make_sender
 
-        choose_allocator(cfg)  # before anything allocates CUDA memory in this process
+        choose_allocator(cfg.trainer, cfg.weights)  # before anything allocates CUDA memory in this process
         if gpus:  # before the sender: an NCCL sender forms its group on the current device
             import torch
 
@@ -289,14 +310,22 @@ class TrainerActor(_Located):
                 # an engine watch relaunches a dead server within about this long (0: no watch)
                 restart_grace_s=sg.startup_timeout_s + 2 * sg.health_check_s if sg.health_check_s else 0.0,
             )
-        self.trainer = Trainer(cfg, self.source, model_path, run_dir, sender=self.sender)
+        # its own section and the run-wide values it takes (sync mode's staleness bound among them)
+        self.trainer = Trainer(
+            cfg.trainer,
+            trainer_run(cfg, run_dir),
+            self.source,
+            model_path,
+            weights=cfg.weights,
+            sender=self.sender,
+        )
         if self.trainer.version > 0 or push_now:
             # resumed from a checkpoint: the engines start from the base model at version 0, and their
             # groups would all be too stale; send them the checkpoint's weights first (in the background:
             # the sender waits for the engines to connect, and they are started after the trainer).
             # Collective: every rank takes part in gathering the weights.
             self.trainer.push_weights()
-        self.sync = cfg.run.mode == "sync"
+        self.sync = sync_mode(cfg)
         self._idle_s = 0.0
         self._t0 = time.perf_counter()
 

@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from buffer.record import Sample, Status
 from stages.rollout.engine import SamplingParams
+
+if TYPE_CHECKING:
+    from pipeline.config import EvalDataset, RunConfig
+    from stages.rollout.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +44,10 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 class EvalSet:
     """One eval.datasets entry, bound to an engine."""
 
-    def __init__(self, cfg, spec, engine, tokenizer=None):
+    def __init__(self, cfg: RunConfig, spec: EvalDataset, engine: Engine, tokenizer: Any = None):
         from stages.reward.registry import RewardScorer, resolve_reward_fn
         from stages.rollout.build import load_source
-        from stages.rollout.hooks import GenerateFn
+        from stages.rollout.generate_fn import GenerateFn
 
         data = cfg.rollout.data
         source = spec.source or data.source
@@ -54,9 +59,7 @@ class EvalSet:
         data = msgspec.structs.replace(
             data, source=source, task_kwargs=task_kwargs, seed=data.seed + 7919, shuffle=True
         )
-        prompts, self.tok = load_source(
-            msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, data=data)), tokenizer
-        )
+        prompts, self.tok = load_source(data, cfg.model, tokenizer)
         self.spec, self.engine = spec, engine
         self.prompts = [next(prompts) for _ in range(spec.num_prompts)]
         same_reward = not spec.reward or spec.reward == cfg.rollout.reward.fn
@@ -91,8 +94,8 @@ class EvalSet:
         )
 
     async def evaluate(self) -> dict:
-        from stages.rollout.generator import score_samples
         from stages.rollout.hooks import gather_or_cancel
+        from stages.rollout.scoring import score_samples
 
         got = await gather_or_cancel(*(self._prompt(i, p) for i, p in enumerate(self.prompts)))
         groups = [g for g in got if g is not None]
@@ -127,7 +130,7 @@ class EvalSet:
 class Evaluator:
     """Every eval set of cfg on one engine (a training generator's: see GeneratorActor.evaluate)."""
 
-    def __init__(self, cfg, engine, tokenizer=None):
+    def __init__(self, cfg: RunConfig, engine: Engine, tokenizer: Any = None):
         self.engine = engine
         self.sets = [EvalSet(cfg, spec, engine, tokenizer) for spec in cfg.eval.sets()]
 

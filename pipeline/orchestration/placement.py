@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
 
 
 class PlacementError(RuntimeError):
@@ -44,12 +48,12 @@ class Plan:
         return sum(b.get("GPU", 0) for b in self.bundles)
 
 
-def trainer_on_gpu(cfg, cluster_gpus: float) -> bool:
+def trainer_on_gpu(cfg: RunConfig, cluster_gpus: float) -> bool:
     """trainer.device=auto trains on GPUs when the Ray cluster has any."""
     return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and cluster_gpus > 0)
 
 
-def engine_gpus(cfg) -> int:
+def engine_gpus(cfg: RunConfig) -> int:
     """GPUs one generator's engines need of their own (0: CPU engines, or colocated on the trainer's)."""
     r = cfg.rollout
     if cfg.cluster.colocate:
@@ -59,7 +63,7 @@ def engine_gpus(cfg) -> int:
     return 1 if r.device.startswith("cuda") else 0
 
 
-def make_plan(cfg, cluster_gpus: float) -> Plan:
+def make_plan(cfg: RunConfig, cluster_gpus: float) -> Plan:
     tc, r = cfg.trainer, cfg.rollout
     ranks = tc.ranks
     on_gpu = trainer_on_gpu(cfg, cluster_gpus)
@@ -96,7 +100,7 @@ def make_plan(cfg, cluster_gpus: float) -> Plan:
     )
 
 
-def check_fits(plan: Plan, cfg, resources: dict, nodes: list[dict]) -> None:
+def check_fits(plan: Plan, cfg: RunConfig, resources: dict, nodes: list[dict]) -> None:
     """Fail now, naming the keys and what Ray has, rather than after run.timeout_s of waiting for a
     placement group that can never be ready."""
     tc, r = cfg.trainer, cfg.rollout
@@ -164,7 +168,7 @@ def local_gpus() -> list[int]:
     return sorted(visible.index(i) if visible and i in visible else int(i) for i in ids)
 
 
-def rollout_on_gpus(cfg, gpus: list[int], name: str):
+def rollout_on_gpus(cfg: RunConfig, gpus: list[int], name: str) -> RunConfig:
     """cfg with this generator's engines on the GPUs Ray gave it: SGLang engine i on
     gpus[i*tp:(i+1)*tp] (SGLang takes a base GPU and counts up, so they must be consecutive), a torch
     engine on gpus[0]. No GPUs: cfg unchanged (CPU engines, or a run outside Ray)."""
@@ -187,7 +191,7 @@ def rollout_on_gpus(cfg, gpus: list[int], name: str):
     return cfg
 
 
-def plan_cfg(cfg, plan: Plan):
+def plan_cfg(cfg: RunConfig, plan: Plan) -> RunConfig:
     """The config the trainer ranks run with: the device the plan chose, and weights.transport=auto
     made explicit for SGLang engines (CUDA IPC when colocated, NCCL to GPUs of their own). The sender's
     own auto rule counts the GPUs its process sees, which says nothing about where the engines are."""

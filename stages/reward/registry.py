@@ -26,6 +26,7 @@ from typing import Any
 
 from buffer.record import Sample, Status
 from stages.reward import builtin
+from stages.reward.config import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class RewardScorer:
         self.failures = 0
 
     @classmethod
-    def from_config(cls, cfg) -> RewardScorer:
-        """From a stages.rollout.config.RewardConfig."""
+    def from_config(cls, cfg: RewardConfig) -> RewardScorer:
+        """From the `rollout.reward:` section."""
         return cls(resolve_reward_fn(cfg.fn), kwargs=cfg.kwargs, batched=getattr(cfg, "batched", False))
 
     async def score(self, samples: list[Sample], responses: list[str]) -> None:

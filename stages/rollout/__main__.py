@@ -14,6 +14,10 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stages.rollout.config_file import RolloutStageConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +58,7 @@ class ArrowFileSink:
         self._writer.close()
 
 
-async def run_generators(cfg, args) -> list[dict]:
+async def run_generators(cfg: RolloutStageConfig, args: argparse.Namespace) -> list[dict]:
     """Build one engine + generator per rollout.num_generators and run them until done or Ctrl-C."""
     import asyncio
     import signal
@@ -64,7 +68,7 @@ async def run_generators(cfg, args) -> list[dict]:
     from stages.rollout.generator import Generator
 
     n = cfg.rollout.num_generators
-    bg = cfg.trainer.batch_groups  # generator i's share of a batch; the shares add up to batch_groups
+    bg = cfg.batch_groups  # generator i's share of a batch; the shares add up to batch_groups
     shares = [0 if args.dry_run else bg // n + (i < bg % n) for i in range(n)]
     gens, sinks, receivers = [], [], []
     for i in range(n):
@@ -75,12 +79,12 @@ async def run_generators(cfg, args) -> list[dict]:
             from buffer.client import BufferClient
 
             sink = BufferClient(args.buffer, producer=f"{args.id_prefix}-{i}")
-        engine = build_engine(cfg, seed=cfg.run.seed * 1000 + i)
+        engine = build_engine(cfg.rollout, cfg.model, cfg.run, seed=cfg.run.seed * 1000 + i)
         if args.weights:
             from stages.weights.zmq_transport import WeightReceiver
 
             receivers.append(WeightReceiver(args.weights, engine, name=f"{args.id_prefix}-{i}"))
-        gen = Generator(cfg, sink, engine, f"{args.id_prefix}-{i}", shares[i])
+        gen = Generator(cfg.rollout, cfg.model, cfg.run, sink, engine, f"{args.id_prefix}-{i}", shares[i])
         state = Path(f"{args.state}.{i}" if args.state and n > 1 else args.state or "")
         if args.state and state.exists():
             gen.load_state_dict(json.loads(state.read_text()))
@@ -103,9 +107,13 @@ async def run_generators(cfg, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.config import load_config_or_exit
+    from stages.rollout import config_file
 
-    cfg = load_config_or_exit(args.config, args.overrides, "stages.rollout")
+    try:
+        cfg = config_file.load(args.config, args.overrides)
+    except config_file.ConfigError as e:  # a bad config prints the reason and exits with status 2
+        print(f"stages.rollout: config error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import asyncio
 

@@ -1,33 +1,46 @@
-"""Builders from a RunConfig: the engine (`build_engine`) and the prompt source (`load_source`)."""
+"""Builders from the rollout stage's config: the engine (`build_engine`) and the prompt source
+(`load_source`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from stages.models import ModelConfig, load_tokenizer, resolve_model
+from stages.rollout.config import DataConfig, RolloutConfig
+from stages.rollout.data import PromptSource
 from stages.rollout.engine import Engine
+from stages.rollout.run import RolloutRun
 
 
-def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = "sglang") -> Engine:
-    """The inference engine that cfg.rollout.engine names, loaded with cfg.model's weights.
+def build_engine(
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    run: RolloutRun,
+    *,
+    version: int = 0,
+    seed: int | None = None,
+    name: str = "sglang",
+) -> Engine:
+    """The inference engine that rollout.engine names, loaded with `model`'s weights.
 
     version: the policy version of the initial weights (0 for a fresh run; the checkpoint's step when
-    resuming). seed: sampling seed (default cfg.run.seed). name: SGLang engines are named (and log as)
+    resuming). seed: sampling seed (default run.seed). name: SGLang engines are named (and log as)
     `name`-i.
     """
-    from stages.models import resolve_model
-
-    r = cfg.rollout
-    path = resolve_model(cfg.model)
+    r = rollout
+    path = resolve_model(model)
     if r.engine == "torch":
         from stages.rollout.torch_engine import TorchEngine
 
         return TorchEngine(
             path,
             device=r.device,
-            dtype=cfg.model.dtype,
+            dtype=model.dtype,
             max_batch_size=r.max_batch_size,
             chunk_tokens=r.chunk_tokens,
-            seed=cfg.run.seed if seed is None else seed,
+            seed=run.seed if seed is None else seed,
             version=version,
-            record_routing=cfg.trainer.routing_replay,
+            record_routing=run.routing_replay,
         )
     if r.engine == "sglang":
         from stages.rollout.engine_pool import EnginePool
@@ -36,20 +49,17 @@ def build_engine(cfg, *, version: int = 0, seed: int | None = None, name: str = 
             path,
             r.sglang,
             r.engines_per_generator,
-            dtype=cfg.model.dtype,
+            dtype=model.dtype,
             version=version,
-            fp32_lm_head=cfg.model.fp32_lm_head,
+            fp32_lm_head=model.fp32_lm_head,
             name=name,
-            record_routing=cfg.trainer.routing_replay,
+            record_routing=run.routing_replay,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 
 
-def load_source(cfg, tokenizer=None):
-    """(PromptSource, tokenizer) for cfg.rollout.data and cfg.model."""
-    from stages.models import load_tokenizer, resolve_model
-    from stages.rollout.data import PromptSource
-
+def load_source(data: DataConfig, model: ModelConfig, tokenizer: Any = None) -> tuple[PromptSource, Any]:
+    """(PromptSource, tokenizer) for rollout.data and the model (its tokenizer unless one is given)."""
     if tokenizer is None:
-        tokenizer = load_tokenizer(resolve_model(cfg.model))
-    return PromptSource(cfg.rollout.data, tokenizer), tokenizer
+        tokenizer = load_tokenizer(resolve_model(model))
+    return PromptSource(data, tokenizer), tokenizer

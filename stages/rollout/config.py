@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from stages.reward.config import RewardConfig
+
 
 class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -63,13 +65,6 @@ class SamplingConfig(_Base):
             raise ValueError(f"rollout.sampling.top_p={self.top_p}: must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ValueError("rollout.sampling.max_new_tokens must be >= 1")
-
-
-class RewardConfig(_Base):
-    # built-in name ("exact_match", "math", "reasoning_gym", "digit_repeat") or "module:function"
-    fn: str = "digit_repeat"
-    kwargs: dict[str, Any] = {}  # passed to the function as keyword arguments
-    batched: bool = False  # fn(samples, responses) -> list, instead of fn(sample, response) -> value
 
 
 class SGLangConfig(_Base):

@@ -45,6 +45,7 @@ from stages.rollout.hooks import (
     blank_samples,
     check_samples,
     hook_name,
+    is_unfilled,
 )
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,22 @@ class RolloutContext:
         """The groups started and not yet yielded or abandoned (each holds an admission place)."""
         return list(self._open.values())
 
+    def unyielded_note(self, fn_name: str) -> str:
+        """How many started groups the function `fn_name` has not yielded (they hold their admission
+        places until it does): said when the generator is held back for long."""
+        groups = self.open_groups()
+        filled = sum(not any(is_unfilled(s) for s in g.samples) for g in groups)
+        note = (
+            f"; {len(groups)} started groups are not yet yielded by rollout.rollout_fn "
+            f"{fn_name} ({filled} of them filled)"
+        )
+        if filled:
+            note += (
+                ": a group counts against admission until it is yielded, so a rollout_fn must yield "
+                "finished groups while it waits in ctx.start_group() (docs/rollouts.md)"
+            )
+        return note
+
     async def run_groups(
         self, fn: Callable[[Group], Awaitable[list[Sample] | None]]
     ) -> AsyncIterator[list[Sample]]:
@@ -114,7 +131,7 @@ class RolloutContext:
         An EngineCallError from fn is retried rollout.engine_retries times on fresh blanks, then the group
         is abandoned (counted as failed); any other exception is raised, naming fn."""
         name = hook_name(fn)
-        retries = max(0, self._gen.cfg.rollout.engine_retries)
+        retries = max(0, self._gen.rollout.engine_retries)
         running: dict[asyncio.Task, tuple[Group, int]] = {}
 
         async def attempt_of(group: Group, attempt: int):
@@ -201,8 +218,8 @@ async def run_rollout_fn(gen, stop_event: asyncio.Event | None, max_groups: int 
         engine=EngineHandle(gen.engine, f"{gen.id}-r"),
         params=gen.params,
         tokenizer=gen.tok,
-        group_size=gen.cfg.rollout.group_size,
-        kwargs=dict(gen.cfg.rollout.generate_kwargs),
+        group_size=gen.rollout.group_size,
+        kwargs=dict(gen.rollout.generate_kwargs),
         _gen=gen,
         _stop=stop_event,
         _max_groups=max_groups,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.rollout.config import DataConfig
 from stages.rollout.tasks import Example, Task, is_task, make_task
 
 
@@ -37,7 +38,7 @@ class Prompt:
     epoch: int = 0
 
 
-def _row_to_example(row: Any, cfg, where: str) -> Example:
+def _row_to_example(row: Any, cfg: DataConfig, where: str) -> Example:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if cfg.prompt_key not in row:
@@ -68,7 +69,7 @@ def _row_to_example(row: Any, cfg, where: str) -> Example:
     return Example(prompt=prompt, label=label if isinstance(label, str) else json.dumps(label), metadata=meta)
 
 
-def read_examples(path: Path, cfg, counters: dict[str, int]) -> list[Example]:
+def read_examples(path: Path, cfg: DataConfig, counters: dict[str, int]) -> list[Example]:
     """All rows of a .jsonl / .parquet file as Examples (bad rows raise or are counted per config)."""
     if not path.exists():
         raise DataError(f"data file {path} does not exist (data.source)")
@@ -112,7 +113,7 @@ def read_examples(path: Path, cfg, counters: dict[str, int]) -> list[Example]:
 _ROWS = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
 
-def read_source(source: str, cfg, counters: dict[str, int]) -> list[Example]:
+def read_source(source: str, cfg: DataConfig, counters: dict[str, int]) -> list[Example]:
     """The rows of a data file, or of a slice of it: "data.jsonl@[0:1000]" (slime's form; Python slice
     bounds over the file's usable rows, either may be left out or negative)."""
     m = _ROWS.match(source)
@@ -133,7 +134,7 @@ def read_source(source: str, cfg, counters: dict[str, int]) -> list[Example]:
 class PromptSource:
     """Serves tokenized `Prompt`s forever (epoch after epoch). Not thread-safe: one consumer."""
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg: DataConfig, tokenizer: Any):
         """cfg: stages.rollout.config.DataConfig; tokenizer: an HF tokenizer."""
         self.cfg = cfg
         self.tok = tokenizer

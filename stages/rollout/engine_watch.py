@@ -28,6 +28,8 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from stages.rollout.config import RolloutConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -68,9 +70,9 @@ class EngineWatch:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def watch_for(engine, cfg) -> EngineWatch | None:
+def watch_for(engine, rollout: RolloutConfig) -> EngineWatch | None:
     """An EngineWatch for SGLang engines with health checks on (rollout.sglang.health_check_s > 0)."""
-    interval = cfg.rollout.sglang.health_check_s
-    if cfg.rollout.engine != "sglang" or not interval or not hasattr(engine, "restart_unhealthy"):
+    interval = rollout.sglang.health_check_s
+    if rollout.engine != "sglang" or not interval or not hasattr(engine, "restart_unhealthy"):
         return None
     return EngineWatch(engine, interval)

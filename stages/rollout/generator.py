@@ -25,27 +25,32 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Any
 
 from buffer.record import Sample, Status
+from buffer.transport import SampleSink
+from stages.models import ModelConfig
 from stages.reward.registry import RewardScorer
-from stages.rollout.build import build_engine, load_source
+from stages.rollout.admission import StalenessAdmission, abort_stale
+from stages.rollout.build import load_source
+from stages.rollout.config import RolloutConfig
+from stages.rollout.custom_loop import run_rollout_fn
 from stages.rollout.engine import Engine, SamplingParams
 from stages.rollout.engine_watch import watch_for
+from stages.rollout.flight import Flight, SendingEngine
+from stages.rollout.generate_fn import GenerateFn
 from stages.rollout.hooks import (
-    FILTERS,
-    GenerateFn,
     GroupFilter,
     apply_filter,
     hook_name,
-    is_unfilled,
     load_hook,
-    nonzero_std,
     resolve_filter,
 )
+from stages.rollout.run import RolloutRun
+from stages.rollout.scoring import score_samples
 
 log = logging.getLogger(__name__)
-__all__ = ["FILTERS", "Generator", "build_engine", "nonzero_std"]
+__all__ = ["EngineDown", "Generator", "score_samples"]
 
 
 EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
@@ -55,38 +60,41 @@ HELD_BACK_WARN_S = 30.0  # a generator held back by admission this long says why
 class Generator:
     """Streams scored, version-tagged GRPO groups from `engine` into `sink`.
 
-    cfg: pipeline.config.RunConfig (uses cfg.rollout, cfg.run.max_staleness, cfg.run.seed, cfg.model)
+    rollout: the `rollout:` section; model: the `model:` section (its tokenizer, unless one is given)
+    run: RolloutRun (run.seed, run.max_staleness as the stages run with it)
     sink: buffer.transport.SampleSink (BufferClient, InProcBuffer, or a file writer)
-    engine: an Engine; build one with build_engine(cfg)
+    engine: an Engine; build one with build.build_engine(rollout, model, run)
     generator_id: stable, unique per generator (sample uids are f"{generator_id}-{group}-{i}")
     batch_groups: this generator's share of the trainer batch, in groups (trainer.batch_groups /
         num_generators); 0 disables admission control (e.g. a dry run with no trainer)
-    source / tokenizer / scorer / group_filter: override what cfg would build (tests, custom tasks)
+    source / tokenizer / scorer / group_filter: override what the config would build (tests, custom tasks)
 
     Each group is made by the generate_fn (rollout.generate_fn, default: single_turn), called once per
-    group or, with rollout.generate_per_sample, once per sample (hooks.GenerateFn, which the evaluator
+    group or, with rollout.generate_per_sample, once per sample (generate_fn.GenerateFn, which the evaluator
     calls too); what it returns is checked (hooks.check_samples), scored, filtered and put.
     """
 
     def __init__(
         self,
-        cfg,
-        sink,
+        rollout: RolloutConfig,
+        model: ModelConfig,
+        run: RolloutRun,
+        sink: SampleSink,
         engine: Engine,
         generator_id: str,
         batch_groups: int,
         *,
-        source=None,
-        tokenizer=None,
+        source: Any = None,
+        tokenizer: Any = None,
         scorer: RewardScorer | None = None,
         group_filter: GroupFilter | None = None,
     ):
-        r = cfg.rollout
-        self.cfg, self.sink, self.engine, self.id = cfg, sink, engine, generator_id
+        r = rollout
+        self.rollout, self.sink, self.engine, self.id = rollout, sink, engine, generator_id
         self.batch_groups = batch_groups
-        self.max_staleness = cfg.run.max_staleness
+        self.max_staleness = run.max_staleness
         if source is None:
-            source, tokenizer = load_source(cfg, tokenizer)
+            source, tokenizer = load_source(r.data, model, tokenizer)
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
         self.scorer = scorer or RewardScorer.from_config(r.reward)
         self.group_filter = group_filter if group_filter is not None else resolve_filter(r.filter)
@@ -100,7 +108,7 @@ class Generator:
             max_new_tokens=r.sampling.max_new_tokens,
             stop_token_ids=stop_ids,
         )
-        self._rng = random.Random(f"{generator_id}:{cfg.run.seed}")
+        self._rng = random.Random(f"{generator_id}:{run.seed}")
         self._delay_mean = _parse_delay(r.delay_model)
         self.trainer_version = engine.version
         self.group_counter = 0
@@ -120,7 +128,7 @@ class Generator:
             ),
             0,
         )
-        self._flights: dict[str, _Flight] = {}  # the groups run() started and not yet done
+        self._flights: dict[str, Flight] = {}  # the groups run() started and not yet done
         self.admission_wait_s = 0.0
         self._evicted_polled = 0.0
         self._held_since = self._held_warned = 0.0
@@ -129,12 +137,9 @@ class Generator:
         self._engine_down_since: float | None = None  # when engine.available() last turned False
         self._engine_down_warned = 0.0
         # a retry waits this long for a dead engine: its relaunch (startup) plus two health checks
-        sglang = cfg.rollout.sglang
+        sglang = r.sglang
         self._engine_down_wait_s = sglang.startup_timeout_s + 2 * sglang.health_check_s
-        self._last_engine_version, self._relaunches_seen = engine.version_and_relaunches()
-        self._kept_offset = 0  # kept groups the trainer will never consume (see admissible)
-        self._relaunch_dip: int | None = None  # the version a relaunched engine runs until caught up
-        self._relaunch_dip_since = 0.0
+        self._admission = StalenessAdmission(engine, batch_groups, self.max_staleness, generator_id)
         self._stopping = False
         self._wake: asyncio.Event | None = None
         # one thread for every put: sinks (a ZeroMQ DEALER socket) are not thread-safe, and one
@@ -172,48 +177,8 @@ class Generator:
             - c["groups_evicted"]
             - c["groups_aborted_stale"]
         )
-        # The version a new group's tokens start at is the engine's. The trainer version learnt from acks
-        # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
-        # using it here deadlocks a generator that is waiting for the trainer to catch up.
-        version, relaunches = self.engine.version_and_relaunches()
-        went_back = version < self._last_engine_version
-        if went_back and self._in_relaunch_dip(version, relaunches):
-            # A relaunched server runs older weights (often the base model's) until the trainer's
-            # catch-up push; the trainer did not go back. Counting goes on from before the relaunch, so
-            # nothing starts meanwhile (it would come too stale) and nothing floods in once caught up.
-            self._relaunches_seen = relaunches
-        else:
-            if went_back:
-                # The weights went back (a trainer restarted from its checkpoint): the groups the lost
-                # steps consumed are counted as kept, but the new trainer consumes from `version` on.
-                # Count as if exactly `version` batches were consumed and nothing of ours waits in the
-                # buffer; the buffer's staleness bound still drops whatever that lets through too late.
-                self._kept_offset = live - self._running - version * self.batch_groups
-                log.warning("generator %s: engine weights went back to version %d", self.id, version)
-            self._relaunch_dip = None
-            self._last_engine_version, self._relaunches_seen = version, relaunches
-        return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
-
-    def _in_relaunch_dip(self, version: int, relaunches: int) -> bool:
-        """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a
-        trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts
-        while the version stays there, for at most the time a relaunch and its catch-up take: a trainer
-        restarted meanwhile pushes another version, or, at the dip's own version (a fresh trainer at
-        0), is recognised by the dip outlasting that: twice the relaunch bound, since in a pool the dip
-        begins when the server goes down and the catch-up may wait for the trainer's next step."""
-        now = time.monotonic()
-        if relaunches > self._relaunches_seen:
-            if self._relaunch_dip is None:
-                log.warning(
-                    "generator %s: a relaunched engine runs version %d, behind %d: no new group until "
-                    "the trainer pushes it the current weights",
-                    self.id,
-                    version,
-                    self._last_engine_version,
-                )
-            self._relaunch_dip, self._relaunch_dip_since = version, now
-            return True
-        return version == self._relaunch_dip and now - self._relaunch_dip_since < 2 * self._engine_down_wait_s
+        # a relaunched engine's dip lasts at most twice the relaunch bound (see StalenessAdmission)
+        return self._admission.admits(live, self._running, 2 * self._engine_down_wait_s)
 
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""
@@ -232,26 +197,8 @@ class Generator:
                 self.counters["groups_started"],
                 self.engine.version,
                 self.max_staleness,
-                self._unyielded_note(),
+                self.rollout_ctx.unyielded_note(hook_name(self.rollout_fn)) if self.rollout_ctx else "",
             )
-
-    def _unyielded_note(self) -> str:
-        """In rollout_fn mode: how many started groups the function has not yielded (they hold their
-        admission places until it does)."""
-        if self.rollout_ctx is None:
-            return ""
-        groups = self.rollout_ctx.open_groups()
-        filled = sum(not any(is_unfilled(s) for s in g.samples) for g in groups)
-        note = (
-            f"; {len(groups)} started groups are not yet yielded by rollout.rollout_fn "
-            f"{hook_name(self.rollout_fn)} ({filled} of them filled)"
-        )
-        if filled:
-            note += (
-                ": a group counts against admission until it is yielded, so a rollout_fn must yield "
-                "finished groups while it waits in ctx.start_group() (docs/rollouts.md)"
-            )
-        return note
 
     async def _refresh_evicted(self) -> None:
         """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
@@ -273,12 +220,10 @@ class Generator:
         self._wake = asyncio.Event()
         self._stop_event = stop_event
         tasks: set[asyncio.Task] = set()
-        self._watch = watch_for(self.engine, self.cfg)  # restarts a dead SGLang server meanwhile
+        self._watch = watch_for(self.engine, self.rollout)  # restarts a dead SGLang server meanwhile
         watching = asyncio.create_task(self._watch.run()) if self._watch else None
         try:
             if self.rollout_fn is not None:
-                from stages.rollout.custom_loop import run_rollout_fn
-
                 await run_rollout_fn(self, stop_event, max_groups)
             else:
                 while await self.admitted(stop_event, max_groups):
@@ -301,7 +246,7 @@ class Generator:
         """Start a group (right after admitted()) as a task in `tasks`."""
         gid, prompt = self.start_group()
         # its requests count against the request cap from now, until they reach the engine (sent)
-        flight = _Flight(start_version=self.engine.version, unsent=self.cfg.rollout.group_size)
+        flight = Flight(start_version=self.engine.version, unsent=self.rollout.group_size)
         flight.task = asyncio.create_task(self._group(gid, prompt, flight))
         self._flights[gid] = flight
         tasks.add(flight.task)
@@ -381,34 +326,15 @@ class Generator:
             await asyncio.sleep(0.2)
 
     def _abort_stale_groups(self) -> None:
-        """Cancel the groups that can no longer be trained within run.max_staleness, so that the engine
-        decodes something else (rollout.abort_stale_groups). A group whose current attempt started on
-        engine version v has tokens of version >= v, and the trainer that consumes it is at least at the
-        engine's version now, so once `engine.version - v > max_staleness` the buffer would evict it on
-        arrival. The engine's version, not the trainer's from acks: it goes back with a restarted
-        trainer, where the acks' does not. Cancelling a group's task closes its requests (SGLang aborts
-        a request whose client went away); it is counted once the task has ended cancelled."""
-        if not self.cfg.rollout.abort_stale_groups or self.batch_groups <= 0:
-            return
-        now = self.engine.version
-        for gid, f in self._flights.items():
-            if f.generating and not f.aborting and now - f.start_version > self.max_staleness:
-                f.aborting = True
-                f.task.cancel()
-                log.info(
-                    "generator %s: aborting group %s started at engine version %d: at version %d it can "
-                    "no longer be trained within run.max_staleness=%d",
-                    self.id,
-                    gid,
-                    f.start_version,
-                    now,
-                    self.max_staleness,
-                )
+        """rollout.abort_stale_groups: cancel the groups that can no longer be trained within
+        run.max_staleness (admission.abort_stale), so that the engine decodes something else."""
+        if self.rollout.abort_stale_groups and self.batch_groups > 0:
+            abort_stale(self._flights, self.engine.version, self.max_staleness, self.id)
 
     def _has_room(self) -> bool:
         """Room for one more group under the in-flight caps: max_inflight_groups, and with
         max_inflight_requests set, a whole group's requests beside those the engine still decodes."""
-        r = self.cfg.rollout
+        r = self.rollout
         if self._running >= r.max_inflight_groups:
             return False
         if not r.max_inflight_requests:
@@ -454,7 +380,7 @@ class Generator:
         for w in waiters:
             w.cancel()
 
-    async def _group(self, gid: str, prompt, flight: _Flight) -> None:
+    async def _group(self, gid: str, prompt, flight: Flight) -> None:
         samples = await self._generate(gid, prompt, flight)
         flight.generating = False  # past aborting: its put may already be on the way
         if samples is None:
@@ -475,7 +401,7 @@ class Generator:
         self.counters["samples_failed"] += sum(s.status == Status.FAILED for s in samples)
         self.counters["tokens"] += sum(s.response_len for s in samples)
 
-    async def _generate(self, gid: str, prompt, flight: _Flight) -> list[Sample] | None:
+    async def _generate(self, gid: str, prompt, flight: Flight) -> list[Sample] | None:
         """The group's Samples from the generate_fn (None when the engine kept failing). An engine error
         is retried with fresh blanks, once the engine is up; anything else the function raises, or a bad
         return, is raised."""
@@ -492,11 +418,11 @@ class Generator:
             samples = await self.generate.with_retries(
                 gid=gid,
                 prompt=prompt,
-                n=self.cfg.rollout.group_size,
+                n=self.rollout.group_size,
                 generator_id=self.id,
                 params=self.params,
-                engine=_Sending(self.engine, sent),
-                retries=self.cfg.rollout.engine_retries,
+                engine=SendingEngine(self.engine, sent),
+                retries=self.rollout.engine_retries,
                 on_engine_error=self._count_engine_error,
                 before_retry=before_retry,
             )
@@ -546,56 +472,6 @@ class Generator:
 
 class EngineDown(RuntimeError):
     """The generator's engine stayed down (not available()) for longer than relaunches take."""
-
-
-@dataclass(eq=False)
-class _Flight:
-    """A group run() started: its task, the engine version its current attempt started at (for
-    abort_stale_groups), and its request places not yet sent to the engine (the request cap)."""
-
-    start_version: int
-    unsent: int
-    task: asyncio.Task | None = None
-    generating: bool = True  # False once its samples are made: past aborting
-    aborting: bool = False
-
-
-class _Sending:
-    """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests
-    it sends. Engines count a request from the moment generate() is called, so the group's reserved
-    places (its _Flight.unsent) and the engine's count change in the same step, and admission never
-    sees the engine emptier than it is between a group's start and its first send."""
-
-    def __init__(self, engine: Engine, sent):
-        self._engine, self._sent = engine, sent
-
-    @property
-    def version(self) -> int:
-        return self._engine.version
-
-    async def generate(self, requests):
-        self._sent(len(requests))
-        return await self._engine.generate(requests)
-
-    def __getattr__(self, name: str):
-        if name == "_engine":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self._engine, name)
-
-
-async def score_samples(scorer: RewardScorer, tokenizer, samples: list[Sample]) -> None:
-    """Reward every sample that did not fail in generation. The reward function sees the decoded
-    response (environment tokens included) without the final stop token of a completed sample."""
-    todo = [s for s in samples if s.status != Status.FAILED]
-    for s in samples:
-        s.finished_at = time.time()  # the scorer sets it again for those it scores
-    texts = []
-    for s in todo:
-        ids = s.array("response_ids")
-        body = ids[:-1] if s.status == Status.COMPLETED and len(ids) else ids
-        texts.append(tokenizer.decode(body.tolist(), skip_special_tokens=False))
-    if todo:
-        await scorer.score(todo, texts)
 
 
 def _parse_delay(spec: str) -> float:

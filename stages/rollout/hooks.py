@@ -17,9 +17,10 @@ overwrites; a sample returned still carrying it is a bug in the hook. Whatever c
 here, and a bad return stops the run with an error naming the function, the sample and the field: a
 silent fix would train on garbage.
 
-`GenerateFn` is the one way a generate_fn is called (the generator's training groups and the
-evaluator's prompts alike): once per group or once per sample, engine errors retried with fresh blanks,
-anything else it raises turned into a HookError naming it, its return checked.
+`GenerateFn` (stages/rollout/generate_fn.py) is the one way a generate_fn is called (the generator's
+training groups and the evaluator's prompts alike): once per group or once per sample, engine errors
+retried with fresh blanks, anything else it raises turned into a HookError naming it, its return
+checked with check_samples (here).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import importlib.util
 import inspect
 import logging
 import sys
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from buffer.record import F32, I16, I32, U8, Sample, Status, pack
-from stages.rollout.config import BUILTIN_FILTERS, is_hook_spec
+from stages.rollout.config import BUILTIN_FILTERS, RolloutConfig, is_hook_spec
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def hook_name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
 
 
-def check_hooks(rollout_cfg) -> None:
+def check_hooks(rollout_cfg: RolloutConfig) -> None:
     """Load every hook of a RolloutConfig once (the driver does, before any stage starts), so that a typo
     fails in a second naming the key rather than in a generator's traceback."""
     for key in ("generate_fn", "rollout_fn"):
@@ -327,92 +327,3 @@ async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-class GenerateFn:
-    """A generate_fn bound to how it is called: once per group, or once per sample
-    (rollout.generate_per_sample), with the run's tokenizer and rollout.generate_kwargs.
-
-    Calling it makes one group's Samples from blanks: an engine error reaches the caller as
-    EngineCallError (to retry), anything else the function raises becomes a HookError naming it, and
-    what it returns is checked (check_samples). with_retries() adds the retry loop of rollout.engine_retries.
-    """
-
-    def __init__(self, fn: Callable[..., Any], *, per_sample: bool, kwargs: dict[str, Any], tokenizer: Any):
-        self.fn, self.name = fn, hook_name(fn)
-        if not inspect.iscoroutinefunction(fn):
-            raise HookError(f"rollout.generate_fn {self.name}: must be an `async def` function")
-        self.per_sample, self.kwargs, self.tokenizer = per_sample, dict(kwargs), tokenizer
-
-    @classmethod
-    def from_config(cls, rollout_cfg, tokenizer: Any) -> GenerateFn:
-        """rollout.generate_fn (default: the built-in single-turn generator) as the run calls it."""
-        from stages.rollout.single_turn import single_turn
-
-        spec = rollout_cfg.generate_fn
-        fn = load_hook(spec, "rollout.generate_fn") if spec else single_turn
-        return cls(
-            fn,
-            per_sample=rollout_cfg.generate_per_sample,
-            kwargs=rollout_cfg.generate_kwargs,
-            tokenizer=tokenizer,
-        )
-
-    async def __call__(
-        self, *, gid: str, prompt: Any, blanks: list[Sample], params: SamplingParams, engine: Engine
-    ) -> list[Sample]:
-        def context(samples: list[Sample], rid: str) -> GenerateContext:
-            return GenerateContext(
-                prompt=prompt,
-                samples=samples,
-                params=params,
-                engine=EngineHandle(engine, rid),
-                tokenizer=self.tokenizer,
-                kwargs=dict(self.kwargs),
-            )
-
-        try:
-            if self.per_sample:  # an error in one sample cancels the others (an engine error retries all)
-                got = await gather_or_cancel(*(self.fn(context([b], b.uid)) for b in blanks))
-                got = [s for one in got for s in ([one] if isinstance(one, Sample) else one)]
-            else:
-                got = await self.fn(context(blanks, gid))
-        except (EngineCallError, HookError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            raise HookError(
-                f"rollout.generate_fn {self.name} raised {type(e).__name__}: {e} (group {gid}); "
-                "an engine error reaches it as EngineCallError, which it should let through"
-            ) from e
-        return check_samples(self.name, got, blanks)
-
-    async def with_retries(
-        self,
-        *,
-        gid: str,
-        prompt: Any,
-        n: int,
-        generator_id: str,
-        params: SamplingParams,
-        engine: Engine,
-        retries: int,
-        on_engine_error: Callable[[EngineCallError], None] | None = None,
-        before_retry: Callable[[], Awaitable[None]] | None = None,
-    ) -> list[Sample] | None:
-        """The group's n Samples, or None when the engine failed on every one of 1 + retries attempts
-        (each attempt with fresh blanks; each failure logged and passed to on_engine_error; each retry
-        after `before_retry`, which waits for the engine to be back)."""
-        attempts = 1 + max(0, retries)
-        for attempt in range(1, attempts + 1):
-            if attempt > 1 and before_retry is not None:
-                await before_retry()
-            blanks = blank_samples(
-                group_id=gid, prompt=prompt, n=n, generator_id=generator_id, created_at=time.time()
-            )
-            try:
-                return await self(gid=gid, prompt=prompt, blanks=blanks, params=params, engine=engine)
-            except EngineCallError as e:
-                log.error("group %s: engine error (attempt %d/%d): %s", gid, attempt, attempts, e)
-                if on_engine_error is not None:
-                    on_engine_error(e)
-        return None

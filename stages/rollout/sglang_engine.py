@@ -5,7 +5,8 @@ that group on close), streams `/generate` with `return_logprob` and turns the ou
 with per-token logprobs and per-token policy versions. Weight updates follow one protocol whatever the
 source: pause_generation (in_place or retract) -> load (CUDA IPC tensors, NCCL broadcast, or disk) ->
 /update_weight_version -> continue_generation, each phase timed. `EnginePool` spreads requests over
-several engines by least outstanding requests.
+several engines by least outstanding requests. The weight-update calls are sglang_updates.py's (a base
+class of SGLangEngine), the process helpers sglang_process.py's.
 
 SGLang is imported lazily (only the IPC push needs it in this process), so this module imports on
 machines without SGLang.
@@ -14,12 +15,9 @@ machines without SGLang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,50 +27,23 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+import stages.weights.sglang_protocol as proto
 from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.routing import RoutingRows
-from stages.weights import sglang_protocol as proto
-from stages.weights.base import align_nccl_env
+from stages.rollout.sglang_process import EngineError, kill_group, log_tail
+from stages.rollout.sglang_updates import SGLangWeightUpdates
 
 log = logging.getLogger(__name__)
 
 
 VERSION_POLL_S = 0.5
 UNREACHABLE_BACKOFF_S = 2.0  # no new request for this long after one could not connect
-
-
-class EngineError(RuntimeError):
-    """The SGLang server failed, refused a request or did not start; the message says which and why."""
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """End the server and every process it started: they share the process group we created for it."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # the leader may be gone while its schedulers still hold the GPU
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
 
 
 def _sampling(p: SamplingParams) -> dict:
@@ -99,7 +70,7 @@ def _finish(reason) -> str:
     return kind if kind in ("stop", "length") else "abort"
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(SGLangWeightUpdates, Engine):
     """One SGLang HTTP server on `cfg.tp_size` GPUs starting at `gpu_id`, and the client that drives it.
 
     Generation is async (call from asyncio); control calls (weight updates, pause, health, restart)
@@ -191,10 +162,10 @@ class SGLangEngine(Engine):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=align_nccl_env(dict(os.environ)),
+                env=proto.align_nccl_env(dict(os.environ)),
             )
         # a forgotten engine must not keep its GPU: end the group when this object goes away
-        self._finalizer = weakref.finalize(self, _kill_group, self._proc, 2.0)
+        self._finalizer = weakref.finalize(self, kill_group, self._proc, 2.0)
         self._wait_healthy(self.cfg.startup_timeout_s)
         if self.cfg.freeze_gc:
             self._freeze_gc()
@@ -214,16 +185,16 @@ class SGLangEngine(Engine):
             if self._proc.poll() is not None:
                 raise EngineError(
                     f"{self.name}: the SGLang server exited with code {self._proc.returncode} while "
-                    f"starting; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                    f"starting; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
                 )
             if self._get_status("/health", 2.0) == 200:
                 return
             time.sleep(0.5)
-        _kill_group(self._proc)
+        kill_group(self._proc)
         raise EngineError(
             f"{self.name}: the SGLang server did not answer /health within {timeout_s:.0f}s and was "
             f"stopped. Raise rollout.sglang.startup_timeout_s if it was still loading; last lines of "
-            f"{self.log_path}:\n{_tail(self.log_path)}"
+            f"{self.log_path}:\n{log_tail(self.log_path)}"
         )
 
     def _freeze_gc(self) -> None:
@@ -246,7 +217,7 @@ class SGLangEngine(Engine):
 
     def _stop(self) -> None:
         if self._proc is not None:
-            _kill_group(self._proc)
+            kill_group(self._proc)
             self._finalizer.detach()
             self._proc = None
 
@@ -309,32 +280,6 @@ class SGLangEngine(Engine):
             log.warning("%s: restarted at version %d from %s in %.1fs", self.name, version, path, secs)
             return secs
 
-    def _resync_source(self) -> tuple[str, int]:
-        newest = [s for s in (self._base, self._disk) if s is not None]
-        if self._held and self._held_version is not None:
-            newest.append((None, self._held_version))
-        path, version = max(newest, key=lambda s: s[1])
-        return (path or self._write_held_checkpoint()), version
-
-    def _write_held_checkpoint(self) -> str:
-        """The base model's files with the held tensors laid over its weights, as one HF folder."""
-        from safetensors.torch import load_file, save_file
-
-        out, tmp = self.log_dir / f"{self.name}-resync", self.log_dir / f"{self.name}-resync.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(self._base[0]).iterdir()):
-            if f.name.endswith(".safetensors"):
-                state.update(load_file(f))
-            elif f.is_file() and not f.name.endswith(".safetensors.index.json"):
-                shutil.copy(f, tmp / f.name)
-        state.update(self._held)
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", {"format": "pt"})
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        return str(out)
-
     # -- HTTP ------------------------------------------------------------------------------------
     def _get_status(self, path: str, timeout: float) -> int:
         try:
@@ -358,7 +303,7 @@ class SGLangEngine(Engine):
             alive = self._proc is not None and self._proc.poll() is None
             raise EngineError(
                 f"{self.name}: POST {path} failed ({e}); server {'alive' if alive else 'dead'}; "
-                f"last lines of {self.log_path}:\n{_tail(self.log_path, 20)}"
+                f"last lines of {self.log_path}:\n{log_tail(self.log_path, 20)}"
             ) from None
         out = json.loads(text) if text.strip().startswith("{") else {"text": text}
         if out.get("success") is False:
@@ -497,169 +442,6 @@ class SGLangEngine(Engine):
             meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)},
             routed_experts=self.routing.decode(routed) if routed and self.routing is not None else None,
         )
-
-    # -- weight updates --------------------------------------------------------------------------
-    def pause_generation(self, mode: str | None = None) -> None:
-        self._post(proto.PAUSE, proto.pause_body(mode or self.cfg.pause_mode))
-
-    def continue_generation(self) -> None:
-        self._post(proto.CONTINUE, {})
-
-    pause, resume = pause_generation, continue_generation
-
-    @contextlib.contextmanager
-    def updating(self, version: int, *, resume_on_failed_load: bool = False):
-        """Pause -> (the caller loads weights) -> set `version` -> continue; timings in last_update.
-
-        For transports that load in several calls (buckets): `with engine.updating(v): load...`.
-        If a load fails, the server may hold partly loaded weights, which belong to no version: it
-        stays paused and EngineError says to restart() it (as the trainer-side senders do). Only with
-        `resume_on_failed_load` (a disk load, which SGLang rolls back itself) does generation go on,
-        on the old version. A failed version call also leaves it paused: its weights are new by then.
-        """
-        with self._update_lock:
-            t: dict[str, float] = {}
-            t0 = time.perf_counter()
-            self.pause_generation()
-            t["pause_s"] = time.perf_counter() - t0
-            try:
-                yield t
-            except Exception as e:  # (a KeyboardInterrupt ends the run: no resume, no relabel)
-                if self._held_pending:  # the host copy holds the failed push: restart() must not use it
-                    self._held.clear()
-                    self._held_version, self._held_pending = None, False
-                if resume_on_failed_load:
-                    self._resume_after_failure()
-                    raise
-                raise EngineError(
-                    f"{self.name}: loading weights v{version} failed ({e}); the server is left paused with "
-                    "partly loaded weights: restart() it (or the run) before generating again"
-                ) from e
-            t1 = time.perf_counter()
-            try:
-                self._post(proto.SET_VERSION, proto.version_body(version))
-            except EngineError as e:
-                raise EngineError(
-                    f"{e}; the server is left paused with the weights of v{version} under an older version "
-                    "label: restart() it (or the run) before generating again"
-                ) from e
-            self._version = version
-            if self._held_pending:
-                self._held_version, self._held_pending = version, False
-            t["version_s"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            self.continue_generation()
-            t["continue_s"] = time.perf_counter() - t2
-            t["total_s"] = time.perf_counter() - t0
-            self.last_update = t
-            self._stats["updates"] += 1
-            self._stats["update_s"] += t["total_s"]
-            log.info(
-                "%s: weights v%d applied: %s", self.name, version, {k: round(v, 4) for k, v in t.items()}
-            )
-
-    def _resume_after_failure(self) -> None:
-        try:
-            self.continue_generation()
-        except EngineError as e:  # the load's own error is the one to raise
-            log.warning("%s: could not resume after a failed weight load: %s", self.name, e)
-
-    def _load(self, t: dict, fn, *args, **kw):
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        t["load_s"] = t.get("load_s", 0.0) + time.perf_counter() - t0
-        return out
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """The Engine interface: colocated push by CUDA IPC; returns the phase timings."""
-        return self.update_weights_from_tensor(named_tensors, version=version)
-
-    def update_weights_from_tensor(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        *,
-        version: int | None = None,
-        bucket_mb: int = 512,
-    ) -> dict:
-        """Push HF-named tensors by CUDA IPC (the server maps this process's GPU memory; no copy over
-        the host). CPU tensors are first copied to this engine's GPU. With `version`, runs the whole
-        pause/load/version/continue protocol; without it, only loads (call inside `updating`)."""
-        named = [(n, t.detach()) for n, t in named_tensors]
-        if version is None:
-            t: dict[str, float] = {}
-            self._load(t, self._push_ipc, named, bucket_mb)
-            return t
-        with self.updating(version) as t:
-            self._load(t, self._push_ipc, named, bucket_mb)
-        return t
-
-    def _push_ipc(self, named: list[tuple[str, torch.Tensor]], bucket_mb: int) -> None:
-        dev = torch.device("cuda", self.gpu_id)
-        limit, bucket, size = bucket_mb << 20, [], 0
-        buckets = []
-        for n, x in named:
-            bucket.append((n, x if x.is_cuda else x.to(dev)))
-            size += x.numel() * x.element_size()
-            if size >= limit:
-                buckets.append(bucket)
-                bucket, size = [], 0
-        buckets += [bucket] if bucket else []
-        if self.cfg.keep_weights_copy:  # taken before the push, so a failed push leaves it unset
-            self._held.update({n: x.to("cpu", copy=True) for n, x in named})
-            self._held_pending = True
-        for b in buckets:
-            body, _keep = proto.ipc_bucket_body(b, self.cfg.tp_size, dev)
-            self._post(proto.LOAD_TENSOR, body)
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "slipstream-weights",
-        backend: str = "nccl",
-    ) -> dict:
-        """Join the trainer's NCCL group as ranks rank_offset.. rank_offset+tp_size-1. Blocks until the
-        trainer side (rank 0) joins too, so call it from a thread while rank 0 initialises."""
-        body = proto.join_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
-        return self._post(proto.JOIN_GROUP, body)
-
-    def destroy_weights_update_group(self, group_name: str = "slipstream-weights") -> dict:
-        return self._post(proto.LEAVE_GROUP, {"group_name": group_name})
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "slipstream-weights",
-        *,
-        version: int | None = None,
-    ) -> dict:
-        """Receive tensors that trainer rank 0 broadcasts (in this order) over the group. Blocks until all
-        arrive: call it from a thread while rank 0 broadcasts. With `version`: the whole protocol."""
-        body = proto.distributed_body(names, dtypes, shapes, group_name, flat=False)
-        # the host copy is older from now on; restart() falls back to disk / base (and says so)
-        self._held.clear()
-        self._held_version, self._held_pending = None, False
-        if version is None:
-            t: dict[str, float] = {}
-            self._load(t, self._post, proto.LOAD_DISTRIBUTED, body)
-            return t
-        with self.updating(version) as t:
-            self._load(t, self._post, proto.LOAD_DISTRIBUTED, body)
-        return t
-
-    def update_weights_from_disk(self, model_path: str | Path, version: int) -> dict:
-        """Fallback transport: load an HF folder the trainer wrote. It is also restart()'s source."""
-        body = proto.disk_body(str(model_path))
-        with self.updating(version, resume_on_failed_load=True) as t:
-            self._load(t, self._post, proto.LOAD_DISK, body)
-        self._disk = (str(model_path), version)
-        return t
 
     def stats(self) -> dict:
         now = time.perf_counter()

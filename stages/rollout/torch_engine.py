@@ -30,6 +30,8 @@ import torch
 
 from stages.rollout.engine import Engine, GenRequest, GenResult
 from stages.rollout.sampling import sample
+from stages.rollout.torch_batch import Batch, kv_pairs, make_cache, out_cache
+from stages.rollout.torch_batch import merge as _merge  # a test counts the merges through this name
 
 log = logging.getLogger(__name__)
 Callback = Callable[[GenResult | BaseException], None]
@@ -53,17 +55,6 @@ class _Update:
     version: int
     applied: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class _Batch:
-    """The running batch: rows of `seqs`, their HF KV cache ([B, H, T, D] per layer), mask [B, T]."""
-
-    seqs: list[_Seq]
-    cache: object
-    mask: torch.Tensor  # 1 = real token, 0 = left padding
-    pos: torch.Tensor  # [B] position id of the next token
-    last: torch.Tensor  # [B] last sampled token (input of the next decode step)
 
 
 class TorchEngine(Engine):
@@ -109,7 +100,7 @@ class TorchEngine(Engine):
         self._updates: list[_Update] = []
         self._paused = False
         self._closed = False
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self._open = 0  # requests generate() submitted and not yet answered
         self._stats = dict(tokens=0, prefill_tokens=0, steps=0, busy_s=0.0, idle_s=0.0, updates=0)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -292,7 +283,7 @@ class TorchEngine(Engine):
         self._retire()
         return 1
 
-    def _prefill(self, seqs: list[_Seq]) -> _Batch:
+    def _prefill(self, seqs: list[_Seq]) -> Batch:
         """Prefill the distinct prompts once, expand to one row per request, sample the first token."""
         uniq: dict[tuple[int, ...], int] = {}
         rows = [uniq.setdefault(tuple(s.req.prompt_ids), len(uniq)) for s in seqs]
@@ -314,11 +305,11 @@ class TorchEngine(Engine):
                 s.routed.append(chosen[r, width - len(s.req.prompt_ids) :])
         self._stats["prefill_tokens"] += int(mask.sum())
         index = torch.tensor(rows, device=self.device)
-        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in _kv_pairs(_out_cache(out))]
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv_pairs(out_cache(out))]
         logits = out.logits[:, -1, :].index_select(0, index)
         mask = mask.index_select(0, index)
         tokens = self._sample_into(seqs, logits)
-        return _Batch(seqs=seqs, cache=_make_cache(kv), mask=mask, pos=mask.sum(-1), last=tokens)
+        return Batch(seqs=seqs, cache=make_cache(kv), mask=mask, pos=mask.sum(-1), last=tokens)
 
     def _decode_step(self) -> None:
         b = self._batch
@@ -330,7 +321,7 @@ class TorchEngine(Engine):
             use_cache=True,
             **{self._cache_arg: b.cache},
         )
-        b.cache, b.mask, b.pos = _out_cache(out), mask, b.pos + 1
+        b.cache, b.mask, b.pos = out_cache(out), mask, b.pos + 1
         if self._routers is not None:  # the position of each row's last sampled token
             chosen = self._routers.take(b.last[:, None].shape)
             for i, s in enumerate(b.seqs):
@@ -371,9 +362,9 @@ class TorchEngine(Engine):
         first = int((mask.sum(0) > 0).nonzero()[0])  # leading columns that are padding in every row
         kv = [
             (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-            for k, v in _kv_pairs(b.cache)
+            for k, v in kv_pairs(b.cache)
         ]
-        b.cache = _make_cache(kv)
+        b.cache = make_cache(kv)
         b.mask, b.pos, b.last = mask[:, first:], b.pos.index_select(0, idx), b.last.index_select(0, idx)
         b.seqs = [b.seqs[i] for i in keep]
 
@@ -475,51 +466,3 @@ def _record_routing(model) -> _RouterRecorder:
             f"{model.config.model_type} has no MoE router; turn trainer.routing_replay off for a dense model"
         )
     return _RouterRecorder(routers)
-
-
-def _out_cache(out):
-    cache = out.get("cache")
-    return cache if cache is not None else out.past_key_values
-
-
-def _kv_pairs(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer of an HF cache, across transformers 4.x and 5.x layouts."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    if hasattr(cache, "key_cache"):
-        return list(zip(cache.key_cache, cache.value_cache))
-    return [(k, v) for k, v in cache]
-
-
-def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(kv)  # transformers >= 4.56 / 5.x
-    except TypeError:
-        return DynamicCache.from_legacy_cache(tuple(kv))
-
-
-def _merge(a: _Batch, b: _Batch) -> _Batch:
-    """Concatenate two batches along rows, left-padding the one with the shorter cache."""
-    width = max(a.mask.shape[1], b.mask.shape[1])
-
-    def lpad(t: torch.Tensor, dim: int) -> torch.Tensor:
-        missing = width - t.shape[dim]
-        if missing == 0:
-            return t
-        shape = list(t.shape)
-        shape[dim] = missing
-        return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-    kv = [
-        (torch.cat([lpad(ka, 2), lpad(kb, 2)]), torch.cat([lpad(va, 2), lpad(vb, 2)]))
-        for (ka, va), (kb, vb) in zip(_kv_pairs(a.cache), _kv_pairs(b.cache))
-    ]
-    return _Batch(
-        seqs=a.seqs + b.seqs,
-        cache=_make_cache(kv),
-        mask=torch.cat([lpad(a.mask, 1), lpad(b.mask, 1)]),
-        pos=torch.cat([a.pos, b.pos]),
-        last=torch.cat([a.last, b.last]),
-    )

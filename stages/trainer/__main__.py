@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,24 +31,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from pipeline.config import load_config_or_exit, write_resolved
+    from stages.config_loader import ConfigError
+    from stages.trainer.config_file import load, write_resolved
 
-    cfg = load_config_or_exit(args.config, args.overrides, "stages.trainer")
+    try:  # the stage's own sections (stages/ imports nothing of pipeline/)
+        cfg = load(args.config, args.overrides, run_dir=args.run_dir)
+    except ConfigError as e:
+        print(f"stages.trainer: config error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run_dir = (
-        args.run_dir
-        or cfg.run.dir
-        or os.path.join(cfg.run.root, f"{cfg.run.name}-trainer-{time.strftime('%Y%m%d-%H%M%S')}")
-    )
+    run_dir = cfg.run.run_dir
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
-        write_resolved(cfg, run_dir)
+        write_resolved(cfg)
 
     from stages.trainer.cuda_memory import choose_allocator
     from stages.trainer.loop import run
     from stages.trainer.trainer import Trainer
 
-    choose_allocator(cfg)  # before anything allocates CUDA memory in this process
+    choose_allocator(cfg.trainer, cfg.weights)  # before anything allocates CUDA memory in this process
 
     model_path = args.model_path
     if not model_path:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             from buffer.client import BufferClient
 
             source = BufferClient(args.buffer, producer="trainer")
-    trainer = Trainer(cfg, source, model_path, run_dir)
+    trainer = Trainer(cfg.trainer, cfg.run, source, model_path, weights=cfg.weights)
     if args.weights_bind and rank == 0:
         from stages.weights.zmq_transport import ZmqWeightSender
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stages.trainer.context_parallel import attend_local_queries, cp_info, gather_row, local_positions
 
@@ -36,7 +37,7 @@ class _ContextParallelOK(DotProductAttention):
     transformer-engine's attention). These subclasses do their own (stages/trainer/context_parallel.py),
     so they build with the check satisfied and keep the config as it is."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
         cp = config.context_parallel_size
         config.context_parallel_size = 1
         try:

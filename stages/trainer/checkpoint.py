@@ -1,11 +1,17 @@
-"""Trainer checkpoints: megatron distributed checkpoints (model + optimizer state, any TP/PP/DP
-layout) plus a small `trainer_state.json` with the policy version.
+"""Trainer checkpoints over `Stateful` parts: megatron distributed checkpoints (model + optimizer state,
+any TP/PP/DP layout) plus a small `trainer_state.json` with the policy version.
+
+As torchtitan's CheckpointManager, this module knows parts, not the trainer: each part hands out its
+state (`state_dict`) and takes it back (`load_state_dict`); the trainer names the parts and adds its
+own figures (the version) to the JSON. The root part (ROOT, the policy) is saved in the step folder
+itself, every other part in a sub-folder of its name (megatron wants an empty folder per save).
 
 Layout: <run dir>/checkpoints/step_<version>/ (megatron dist_checkpointing folder + trainer_state.json,
-and with advantage=ppo the critic's own dist_checkpointing folder `critic/` inside it) and <run dir>/checkpoints/latest (the folder name, replaced atomically only after the save finished,
-so a crash mid-save resumes from the previous one). Resume continues at the next version. The buffer
-remembers what it handed out, so a resumed trainer reuses no sample; samples consumed after the last
-checkpoint are lost to training, never trained twice.
+and with advantage=ppo the critic's own folder `critic/` inside it) and <run dir>/checkpoints/latest
+(the folder name, replaced atomically only after the save finished, so a crash mid-save resumes from
+the previous one). Resume continues at the next version. The buffer remembers what it handed out, so
+a resumed trainer reuses no sample; samples consumed after the last checkpoint are lost to training,
+never trained twice.
 """
 
 from __future__ import annotations
@@ -14,43 +20,70 @@ import json
 import logging
 import os
 import shutil
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from stages.trainer import cpu_shim
-from stages.trainer.optimizer import has_state
+from stages.trainer.optimizer import has_state, lay_out_state
 
 log = logging.getLogger(__name__)
 
-
-def _root(trainer) -> str:
-    return os.path.join(trainer.run_dir, "checkpoints")
+ROOT = "policy"  # the part saved in the step folder itself; its flags carry no prefix in the JSON
 
 
-def _sharded(model, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
-    """A DDP-wrapped model's (the policy's or the critic's) and its optimizer's state for megatron's
-    dist_checkpointing; the model's alone where the optimizer has none to load (see save)."""
-    model_sd = model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
-    if not with_optimizer:
-        return {"model": model_sd}
-    return {
-        "model": model_sd,
-        # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
-        # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-        ),
-    }
+class Stateful(Protocol):
+    """One part of a checkpoint: a model with its optimizer, as dist_checkpointing saves them."""
+
+    def state_dict(self, loading: bool = False, optimizer: bool = True) -> dict:
+        """The (sharded) state to save, or with `loading` the template to load into; the model's alone
+        when not `optimizer`."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what `state_dict` gave (its optimizer part only if it is there)."""
+        ...
+
+    def has_optimizer_state(self) -> bool:
+        """Whether the optimizer holds state yet (none before the first applied step)."""
+        ...
+
+    def resume_problem(self) -> str | None:
+        """Why this part cannot be resumed in this run (None: it can)."""
+        ...
 
 
-def _load(model, optimizer, path: str, with_optimizer: bool) -> None:
-    """Into `model` and `optimizer` (the policy's or the critic's), the state saved at `path`."""
-    from megatron.core import dist_checkpointing
+class MegatronPart:
+    """A DDP-wrapped megatron model (the policy's or the critic's) and its optimizer."""
 
-    loaded = dist_checkpointing.load(_sharded(model, optimizer, True, with_optimizer), path)
-    model.module.load_state_dict(loaded["model"])
-    if with_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+    def __init__(self, model: Any, optimizer: Any, refuse_resume: str | None = None):
+        self.model, self.optimizer, self.refuse_resume = model, optimizer, refuse_resume
+
+    def state_dict(self, loading: bool = False, optimizer: bool = True) -> dict:
+        model_sd = self.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
+        if not optimizer:
+            return {"model": model_sd}
+        if loading:
+            lay_out_state(self.optimizer)
+        return {
+            "model": model_sd,
+            # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
+            # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            ),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def has_optimizer_state(self) -> bool:
+        return has_state(self.optimizer)
+
+    def resume_problem(self) -> str | None:
+        return self.refuse_resume
 
 
 def _patch_writer() -> None:
@@ -67,60 +100,102 @@ def _patch_writer() -> None:
         fsa._process_memory = lambda: 0
 
 
-def save(trainer) -> str:
-    """Collective. Returns the checkpoint folder."""
-    from megatron.core import dist_checkpointing
+def _flag(name: str) -> str:
+    """The JSON key that says whether part `name` was saved with optimizer state."""
+    return "optimizer_state" if name == ROOT else f"{name}_optimizer_state"
 
-    _patch_writer()
 
-    name = f"step_{trainer.version:06d}"
-    path = os.path.join(_root(trainer), name)
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)  # a half-written folder from a crash at this version
-        os.makedirs(path)
-    dist.barrier()
-    with cpu_shim.device_mode():
-        dist_checkpointing.save(_sharded(trainer.policy.model, trainer.optimizer, False), path)
-    has_critic = getattr(trainer, "critic", None) is not None
-    if has_critic:  # its own folder (megatron wants an empty one), made after the policy's save
-        dist.barrier()
+class CheckpointManager:
+    """Saves and loads the checkpoints of one run directory, keeping the newest `keep` (0: all)."""
+
+    def __init__(self, run_dir: str, keep: int = 0):
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.run_dir, self.keep = run_dir, keep
+
+    def save(self, version: int, parts: dict[str, Stateful | None], meta: dict) -> str:
+        """Collective. `parts`: ROOT and any others by name (None: a part this run does not have, saved as
+        absent). `meta` goes into trainer_state.json beside the version. Returns the checkpoint folder."""
+        from megatron.core import dist_checkpointing
+
+        _patch_writer()
+        name = f"step_{version:06d}"
+        path = os.path.join(self.root, name)
         if dist.get_rank() == 0:
-            os.makedirs(os.path.join(path, "critic"))
+            shutil.rmtree(path, ignore_errors=True)  # a half-written folder from a crash at this version
+            os.makedirs(path)
         dist.barrier()
+        state: dict = {"version": version, **meta}
+        for part_name, part in parts.items():
+            if part_name != ROOT:
+                state[part_name] = part is not None
+            # none before the first applied step (a run that ended before it still saves at version 0):
+            # loading would lay out state the checkpoint does not have, and fail on its keys
+            state[_flag(part_name)] = part is not None and part.has_optimizer_state()
+            if part is None:
+                continue
+            folder = path if part_name == ROOT else os.path.join(path, part_name)
+            if part_name != ROOT:  # its own folder (megatron wants an empty one), after the root's save
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    os.makedirs(folder)
+                dist.barrier()
+            with cpu_shim.device_mode():
+                dist_checkpointing.save(part.state_dict(), folder)
+        dist.barrier()
+        if dist.get_rank() == 0:  # written last: its presence marks the whole checkpoint complete
+            with open(os.path.join(path, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+            tmp = os.path.join(self.root, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(name)
+            os.replace(tmp, os.path.join(self.root, "latest"))
+            self._prune()
+        dist.barrier()
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        steps = sorted(d for d in os.listdir(self.root) if d.startswith("step_"))
+        for d in steps[: -self.keep]:
+            shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+    def load_latest(self, parts: dict[str, Stateful | None]) -> dict | None:
+        """Load every part from the latest checkpoint of the run dir; returns its trainer_state.json, or
+        None if there is none. A part this run has but the checkpoint lacks is refused."""
+        from megatron.core import dist_checkpointing
+
+        path = latest_path(self.run_dir)
+        if path is None:
+            return None
+        for part in parts.values():
+            problem = part.resume_problem() if part is not None else None
+            if problem:
+                raise NotImplementedError(f"{path}: {problem}")
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        for part_name, part in parts.items():
+            if part is not None and part_name != ROOT and not state.get(part_name):
+                raise ValueError(
+                    f"{path} has no {part_name} (it was saved by a run without one, e.g. without "
+                    f"trainer.loss.advantage=ppo for the critic), which this run trains: set "
+                    "trainer.resume=false to start fresh, or resume with the checkpoint's settings"
+                )
         with cpu_shim.device_mode():
-            dist_checkpointing.save(
-                _sharded(trainer.critic.model, trainer.critic.optimizer, False), os.path.join(path, "critic")
-            )
-    dist.barrier()
-    if dist.get_rank() == 0:  # written last: its presence marks the whole checkpoint complete
-        with open(os.path.join(path, "trainer_state.json"), "w") as f:
-            state = {
-                "version": trainer.version,
-                "model_path": trainer.policy.model_path,
-                "critic": has_critic,
-                # none before the first applied step (a run that ended before it still saves at version
-                # 0): loading would lay out state the checkpoint does not have, and fail on its keys
-                "optimizer_state": has_state(trainer.optimizer),
-                "critic_optimizer_state": has_critic and has_state(trainer.critic.optimizer),
-            }
-            json.dump(state, f)
-        tmp = os.path.join(_root(trainer), "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(name)
-        os.replace(tmp, os.path.join(_root(trainer), "latest"))
-        _prune(trainer, keep=trainer.tc.keep_checkpoints)
-    dist.barrier()
-    log.info("checkpoint saved: %s", path)
-    return path
-
-
-def _prune(trainer, keep: int) -> None:
-    if keep <= 0:
-        return
-    root = _root(trainer)
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
-    for d in steps[:-keep]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            for part_name, part in parts.items():
+                if part is None:
+                    continue
+                folder = path if part_name == ROOT else os.path.join(path, part_name)
+                # checkpoints written before the flags existed were all saved after steps: with state
+                with_optimizer = state.get(_flag(part_name), True)
+                template = part.state_dict(loading=True, optimizer=with_optimizer)
+                loaded = dist_checkpointing.load(template, folder)
+                # only what the template asked for: megatron also hands back the common (unsharded) state
+                # of keys left out, e.g. an optimizer's param_groups where no optimizer state was saved
+                part.load_state_dict({k: v for k, v in loaded.items() if k in template})
+        log.info("resumed from %s at version %s", path, state["version"])
+        return state
 
 
 def latest_path(run_dir: str) -> str | None:
@@ -134,36 +209,3 @@ def latest_path(run_dir: str) -> str | None:
             f"{marker} names {path}, which is incomplete; delete the marker to start fresh"
         )
     return path
-
-
-def load_latest(trainer) -> dict | None:
-    """Load model + optimizer state from the latest checkpoint of the run dir; None if there is none."""
-    path = latest_path(trainer.run_dir)
-    if path is None:
-        return None
-    if trainer.dist_opt:
-        raise NotImplementedError(
-            f"resuming from {path} with trainer.distributed_optimizer=true fails inside megatron-core 0.16 "
-            "(its optimizer-state loader); set trainer.distributed_optimizer=false (the default) to resume, "
-            "or trainer.resume=false to start fresh"
-        )
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
-    value_model = getattr(trainer, "critic", None)
-    if value_model is not None and not state.get("critic"):
-        raise ValueError(
-            f"{path} has no critic (it was saved without trainer.loss.advantage=ppo), which this run trains: "
-            "set trainer.resume=false to start fresh, or resume with the checkpoint's advantage estimator"
-        )
-    with cpu_shim.device_mode():
-        # checkpoints written before the flags existed were all saved after steps: with state
-        _load(trainer.policy.model, trainer.optimizer, path, state.get("optimizer_state", True))
-        if value_model is not None:
-            _load(
-                value_model.model,
-                value_model.optimizer,
-                os.path.join(path, "critic"),
-                state.get("critic_optimizer_state", True),
-            )
-    log.info("resumed from %s at version %s", path, state["version"])
-    return state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import msgspec
@@ -124,6 +125,11 @@ class TrainerConfig(_Base):
     # the routers' load-balancing auxiliary loss (megatron's aux_loss); 0 = off: RL keeps the router
     # where the engine's is
     moe_aux_loss_coef: float = 0.0
+    # how MoE layers run their experts: "grouped" (all local experts in one torch._grouped_mm per
+    # projection: CPU, or CUDA in bf16; 2.4-29x the loop's speed at real shapes), "sequential" (megatron's
+    # SequentialMLP, a loop over experts), auto: transformer-engine's grouped MLP with the TE spec, else
+    # grouped where it runs, else sequential (stages/trainer/model.resolve_moe_experts)
+    moe_experts: Literal["auto", "grouped", "sequential"] = "auto"
     # routing replay ("R3"): the engines record the experts they routed each token to (Sample.routed_experts)
     # and the policy's forwards (logp_old and the loss) use those instead of routing themselves, so the
     # trainer computes logprobs of the experts that produced the tokens (stages/trainer/routing_replay.py)
@@ -234,3 +240,19 @@ def check_critic_layout(tc: TrainerConfig) -> None:
             f"trainer.loss.advantage=ppo trains a critic, which supports trainer.tp and trainer.dp only; "
             f"set {', '.join(bad)}, or use an estimator without a critic (grpo, gspo, reinforce_pp)"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerRun:
+    """What the trainer needs of the run beyond its own `trainer:` section, as plain values: the launcher
+    (pipeline/) fills it from run.*, rollout.* and model.*, so no stage depends on the whole RunConfig
+    (stages/ sits below pipeline/)."""
+
+    run_dir: str  # checkpoints, HF exports and trainer_metrics.jsonl go under here
+    seed: int = 0  # run.seed: megatron's model-parallel RNG
+    steps: int = 60  # run.steps: the cosine schedule decays over this many steps
+    # the staleness bound each fetch asks the buffer for: the one the stages run with (run.max_staleness;
+    # 0 in sync mode)
+    max_staleness: int = 2
+    temperature: float = 1.0  # rollout.sampling.temperature: logprobs are of the sampling distribution
+    fp32_lm_head: bool = True  # model.fp32_lm_head: logits in fp32 whatever the precision

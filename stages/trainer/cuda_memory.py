@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stages.trainer.config import TrainerConfig
+    from stages.weights.config import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +33,14 @@ WITHOUT_CUDA_IPC = ("cpu", "nccl")
 USER_KEYS = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}
 
 
-def choose_allocator(cfg, env=None) -> str | None:
-    """Set PYTORCH_CUDA_ALLOC_CONF in `env` (default os.environ) for a CUDA trainer whose weights leave
-    without CUDA IPC, before the process's first CUDA allocation; returns what it set (None: nothing)."""
+def choose_allocator(
+    trainer: TrainerConfig, weights: WeightsConfig, env: MutableMapping[str, str] | None = None
+) -> str | None:
+    """Set PYTORCH_CUDA_ALLOC_CONF in `env` (default os.environ) for a CUDA trainer (trainer.device) whose
+    weights leave without CUDA IPC (weights.transport), before the process's first CUDA allocation;
+    returns what it set (None: nothing)."""
     env = os.environ if env is None else env
-    if cfg.trainer.device != "cuda" or cfg.weights.transport not in WITHOUT_CUDA_IPC or USER_KEYS & set(env):
+    if trainer.device != "cuda" or weights.transport not in WITHOUT_CUDA_IPC or USER_KEYS & set(env):
         return None
     import torch
 

@@ -189,3 +189,36 @@ def save_hf(state: dict[str, torch.Tensor], source_path: str, out_dir: str, dtyp
         if os.path.exists(src):
             shutil.copy2(src, os.path.join(out_dir, name))
     return out_dir
+
+
+class PolicyExport:
+    """The policy's weights as the weight publisher takes them (stages/weights/publisher.WeightExport):
+    a snapshot of fresh copies, a lazy stream for direct pushes, and the model's size."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def snapshot(
+        self, *, device: str = "cpu", host: HostSnapshot | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        return export_hf_state(self.policy, device=device, host=host)
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_hf_state(self.policy)
+
+    def host_buffers(self) -> HostSnapshot:
+        return HostSnapshot()
+
+    def model_bytes(self) -> int:
+        """The whole model's bytes, about what a push sends (at most: megatron pads the vocabulary):
+        this rank's share times the ranks that hold the others (TP and PP; for expert parameters EP,
+        expert-TP and PP)."""
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size()
+        dense = ps.get_tensor_model_parallel_world_size() * pp
+        experts = ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size() * pp
+        return sum(
+            p.numel() * p.element_size() * (experts if moe.is_expert_param(key) else dense)
+            for key, p in unwrap(self.policy.model).named_parameters()
+        )

@@ -1,4 +1,5 @@
-"""HF Llama / Qwen2 / Qwen3 / Mistral / GLM4 / Qwen3-MoE <-> megatron-core GPTModel (local or TE spec)
+"""HF Llama / Qwen2 / Qwen3 / Mistral / GLM4 / Qwen3-MoE / Qwen2-MoE / GLM4-MoE <-> megatron-core GPTModel
+(local or TE spec)
 weight mapping.
 
 megatron-core ships no HF converter, so this is ours. Layouts (checked against transformers' logits):
@@ -17,7 +18,11 @@ megatron-core ships no HF converter, so this is ours. Layouts (checked against t
   * Llama-3.1 RoPE scaling (`rope_type: llama3`): the inverse frequencies are computed here
     (`rope_inv_freq`), because megatron's own llama3 scaling hard-codes low/high frequency factors
     1 / 4 and an original context of 8192 and takes only the factor.
-  * Qwen3-MoE's routers and experts, under expert parallelism too: stages/trainer/moe.py.
+  * GLM4-MoE (GLM-4.5/4.6/Air): plain (not interleaved) RoPE over `partial_rotary_factor` of each
+    head, q/k/v biases with `attention_bias`, qk-norm with `use_qk_norm`, no post-norms; its first
+    `first_k_dense_replace` layers are dense MLPs with separate gate/up projections.
+  * MoE routers, shared experts and experts, under expert parallelism too: stages/trainer/moe.py
+    (routing and what is refused: stages/trainer/moe_config.py).
 
 Functions here take/return plain tensors for one rank (`tp`, `tp_rank`); gathering lives in export.py.
 """
@@ -33,7 +38,8 @@ import torch
 from stages.models import moe_layer_flags
 from stages.trainer import moe
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "glm4", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe")
+PARTIAL_ROTARY = ("glm4", "glm4_moe")  # the families whose transformers code rotates part of a head
 ROPE_TYPES = ("default", "llama3")
 
 
@@ -112,10 +118,15 @@ def check_supported(hc) -> None:
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in p]
         if missing:
             raise ValueError(f"{hc.model_type}: rope_type llama3 without {missing} in its rope parameters")
-    if rotary_percent(hc) != 1.0 and hc.model_type != "glm4":
+    if rotary_percent(hc) != 1.0 and hc.model_type not in PARTIAL_ROTARY:
         raise ValueError(
-            f"{hc.model_type}: partial_rotary_factor={rotary_percent(hc)} is mapped for glm4 only "
+            f"{hc.model_type}: partial_rotary_factor={rotary_percent(hc)} is mapped for glm4 and glm4_moe only "
             "(transformers rotates the whole head for this family)"
+        )
+    if getattr(hc, "use_sliding_window", False):
+        raise ValueError(
+            f"{hc.model_type}: use_sliding_window=true is not mapped (the trainer attends over whole "
+            "sequences); set it false only if the checkpoint was trained without a window"
         )
     if getattr(hc, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hc.hidden_act!r}: only SwiGLU (silu) MLPs are mapped")
@@ -127,11 +138,13 @@ def head_dim(hc) -> int:
 
 
 def qkv_bias(hc) -> bool:
+    if hc.model_type == "qwen2_moe":  # its own field, on by default
+        return bool(getattr(hc, "qkv_bias", True))
     return hc.model_type == "qwen2" or bool(getattr(hc, "attention_bias", False))
 
 
 def qk_norm(hc) -> bool:
-    return hc.model_type in ("qwen3", "qwen3_moe")
+    return hc.model_type in ("qwen3", "qwen3_moe") or (hc.model_type == "glm4_moe" and bool(hc.use_qk_norm))
 
 
 def _norm_keys(te: bool, moe_layer: bool = False) -> dict[str, str]:
@@ -198,7 +211,7 @@ def hf_to_mcore_layer(
     }
     if moe_layer:
         ep = {"ep": 1, "ep_rank": 0, "etp": tp, "etp_rank": r, **ep}
-        out.update(moe.hf_to_mcore_moe(get, hc, p, te=te, **ep))
+        out.update(moe.hf_to_mcore_moe(get, hc, p, te=te, tp=tp, tp_rank=r, **ep))
     else:
         out["mlp.linear_fc1.weight"] = torch.cat([col(w) for w in _gate_up(get, hc, p)])
         out["mlp.linear_fc2.weight"] = row(get(p + "mlp.down_proj.weight"))
@@ -320,7 +333,7 @@ def mcore_to_hf(
     }
     if sub in simple:
         return [(p + simple[sub], full)]
-    pairs = moe.mcore_to_hf_moe(sub, full, p) if moe.is_moe(hc) else None
+    pairs = moe.mcore_to_hf_moe(sub, full, p, hc) if moe.is_moe(hc) else None
     if pairs is not None:
         return pairs
     raise KeyError(f"megatron parameter {key!r} has no HF counterpart in the mapping")

@@ -8,7 +8,8 @@ import logging
 import os
 import time
 
-from stages.trainer.trainer import SourceExhausted, Trainer
+from stages.trainer.feed import SourceExhausted
+from stages.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

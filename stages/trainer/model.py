@@ -21,7 +21,7 @@ import torch.distributed as dist
 from buffer.net import free_port
 from stages.models import moe_layer_flags
 from stages.trainer import cpu_shim, hf_mapping, moe
-from stages.weights.base import align_nccl_env
+from stages.weights.sglang_protocol import align_nccl_env
 
 
 def init_distributed(
@@ -364,10 +364,16 @@ def build_policy(
             rotary_base=int(hf_mapping.rope_theta(hc)),
             rotary_percent=hf_mapping.rotary_percent(hc),
         )
+    if grouped:  # one rank's tokens: dispatch without host syncs (stages/trainer/local_dispatch.py)
+        from stages.trainer.local_dispatch import use_local_dispatch
+
+        use_local_dispatch(model)
     inv_freq = hf_mapping.rope_inv_freq(hc)
     if inv_freq is not None:  # set before the first forward: megatron caches the rotary table per length
         rope = model.rotary_pos_emb
         rope.inv_freq = inv_freq.to(rope.inv_freq.device, rope.inv_freq.dtype)
+    if layers:  # GLM: its expert bias exported as a parameter, n_routed_experts read as num_experts
+        moe.adapt_built_model(model, hc)
     load_hf_weights(model, model_path, hc, te)
     stats = None
     if layers:  # hooks on the routers, before any wrapper
@@ -379,7 +385,9 @@ def build_policy(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if bf16:
+        biases = moe.expert_biases(model)  # routing biases stay fp32 (moe.expert_biases says why)
         model = Float16Module(cfg, model)
+        moe.restore_expert_biases(biases)
     if ddp:
         # the distributed optimizer needs DDP's contiguous param buffers (it shards them over DP)
         ddp_cfg = DistributedDataParallelConfig(

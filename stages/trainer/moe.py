@@ -1,25 +1,27 @@
-"""Mixture-of-experts models (Qwen3-MoE) in the megatron trainer: which layers are MoE, the
-TransformerConfig keys, the HF <-> megatron expert weights under expert parallelism (EP) and expert
-tensor parallelism (ETP), megatron's all-to-all token dispatcher on CPU, and router metrics.
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, GLM-4.5/4.6/Air) in the megatron trainer: the HF <->
+megatron router, shared-expert and expert weights under expert parallelism (EP) and expert tensor
+parallelism (ETP), megatron's all-to-all token dispatcher on CPU, and router metrics. Which families
+route how, and their TransformerConfig keys: stages/trainer/moe_config.py.
 
 Layouts:
   * HF (checkpoint format, what save_pretrained writes and SGLang loads): `mlp.gate.weight` [E, h]
-    (the router) and per expert `mlp.experts.{e}.{gate,up,down}_proj.weight`. transformers 5 keeps
-    them fused in memory (`mlp.experts.gate_up_proj` [E, 2I, h], `down_proj` [E, h, I]) and also
-    reads that form from disk, so both are read here; the export writes the checkpoint format.
-  * megatron local spec (SequentialMLP): `mlp.router.weight` and per local expert
-    `mlp.experts.local_experts.{i}.linear_fc1.weight` = cat(gate, up), `...linear_fc2.weight`;
+    (the router; GLM adds `mlp.gate.e_score_correction_bias` [E]) and per expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`. transformers 5 keeps them fused in memory
+    (`mlp.experts.gate_up_proj` [E, 2I, h], `down_proj` [E, h, I]) and also reads that form from
+    disk, so both are read here; the export writes the checkpoint format. Shared experts: Qwen2-MoE's
+    `mlp.shared_expert.{gate,up,down}_proj.weight` + `mlp.shared_expert_gate.weight` [1, h], GLM's
+    `mlp.shared_experts.{gate,up,down}_proj.weight`.
+  * megatron local spec (SequentialMLP): `mlp.router.weight` (`mlp.router.expert_bias`) and per local
+    expert `mlp.experts.local_experts.{i}.linear_fc1.weight` = cat(gate, up), `...linear_fc2.weight`;
     the TE spec's grouped GEMM (TEGroupedMLP) holds `mlp.experts.linear_fc1.weight{i}`; the grouped
     experts of grouped_experts.py (GroupedMLP's layout) hold all local experts in two tensors,
     `mlp.experts.weight1` = [h, n * 2I] read as n blocks [h, 2I] (fc1 transposed) and
     `mlp.experts.weight2` = [n * I, h] read as n blocks [I, h] (fc2 transposed). The mapping works on
     per-expert tensors and converts at the edges (group_expert_weights, _local_expert_views).
+    Shared experts (SharedExpertMLP) are a dense MLP split over TP like any other:
+    `mlp.shared_experts.linear_fc1.weight` = cat(gate, up), `linear_fc2.weight`, `gate_weight` [1, h].
   * EP rank r holds global experts r * E/ep .. (r+1) * E/ep - 1 as local 0 ..; ETP shards each
     expert's fc1 (gate and up separately) and fc2 like TP does a dense MLP.
-
-Routing matches Qwen3-MoE: softmax router, top-k; with `norm_topk_prob` the k weights are renormalised,
-which is megatron's softmax over the top-k logits (`moe_router_pre_softmax=False`), without it they
-are the full softmax's values (`pre_softmax=True`). No shared experts in this family.
 """
 
 from __future__ import annotations
@@ -30,58 +32,18 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from stages.models import moe_layer_flags
+from stages.trainer.moe_config import (  # noqa: F401  (callers use them as moe.*)
+    MOE_TYPES,
+    check_supported,
+    config_kwargs,
+    is_moe,
+    num_experts,
+    shared_expert_size,
+)
 
-MOE_TYPES = ("qwen3_moe",)
 _LOCAL = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 _STACKED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
-
-
-def is_moe(hc) -> bool:
-    return hc.model_type in MOE_TYPES
-
-
-def check_supported(hc) -> None:
-    if not is_moe(hc):
-        return
-    if getattr(hc, "shared_expert_intermediate_size", 0):
-        raise ValueError(f"{hc.model_type}: shared experts are not mapped (Qwen3-MoE has none)")
-    if hc.num_experts_per_tok == 1 and hc.norm_topk_prob:
-        # one renormalised weight is always 1; megatron's softmax over one logit has no gradient
-        raise ValueError(f"{hc.model_type}: top-1 routing with norm_topk_prob=true is not mapped")
-
-
-def config_kwargs(hc, *, te: bool, aux_loss_coef: float = 0.0, capacity_factor: float | None = None) -> dict:
-    """TransformerConfig keys of an MoE model; EP and ETP come from the initialised groups."""
-    from megatron.core import parallel_state as ps
-
-    if aux_loss_coef < 0:
-        raise ValueError("trainer.moe_aux_loss_coef must be >= 0 (0: no load-balancing loss)")
-    layers = moe_layer_flags(hc)  # dense ones are MLPs of `intermediate_size`
-    experts, ep = hc.num_experts, ps.get_expert_model_parallel_world_size()
-    if experts % ep:
-        raise ValueError(f"trainer.ep={ep} does not divide the model's {experts} experts")
-    return dict(
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=hc.moe_intermediate_size,
-        moe_layer_freq=[int(x) for x in layers],
-        moe_router_topk=hc.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not hc.norm_topk_prob,
-        # the router's logits, softmax and top-k in fp32 whatever the model's precision: a bf16 router
-        # flips near-tied experts, and a flipped expert is a different token path from the engine's
-        moe_router_dtype="fp32",
-        # RL keeps the router as the engine has it: no balancing loss unless asked for
-        moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
-        moe_aux_loss_coeff=aux_loss_coef,
-        # dropless by default: a dropped token's logprob is not the engine's
-        moe_expert_capacity_factor=capacity_factor,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=te,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-    )
 
 
 # -- HF <-> megatron ---------------------------------------------------------------------------------
@@ -94,10 +56,39 @@ def _expert_hf(get: Callable[[str], torch.Tensor], p: str, e: int, inter: int):
         return gate_up[:inter], gate_up[inter:], get(p + "mlp.experts.down_proj")[e]
 
 
-def hf_to_mcore_moe(get, hc, p: str, *, ep: int, ep_rank: int, etp: int, etp_rank: int, te: bool) -> dict:
-    """An MoE layer's router and this EP/ETP rank's experts (keys relative to the layer)."""
-    nl = hc.num_experts // ep
+def _shared_hf(hc) -> str:
+    """The HF prefix (after the layer's) of the shared expert MLP."""
+    return "mlp.shared_expert." if hc.model_type == "qwen2_moe" else "mlp.shared_experts."
+
+
+def hf_to_mcore_moe(
+    get,
+    hc,
+    p: str,
+    *,
+    ep: int,
+    ep_rank: int,
+    etp: int,
+    etp_rank: int,
+    te: bool,
+    tp: int = 1,
+    tp_rank: int = 0,
+) -> dict:
+    """An MoE layer's router, shared expert (split over TP: `tp`, `tp_rank`) and this EP/ETP rank's
+    experts (keys relative to the layer)."""
+    nl = num_experts(hc) // ep
     out = {"mlp.router.weight": get(p + "mlp.gate.weight")}
+    if hc.model_type == "glm4_moe":
+        out["mlp.router.expert_bias"] = get(p + "mlp.gate.e_score_correction_bias")
+    if shared_expert_size(hc):
+        s = p + _shared_hf(hc)
+        gate, up = (get(s + f"{n}_proj.weight").chunk(tp, 0)[tp_rank] for n in ("gate", "up"))
+        out["mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up]).contiguous()
+        out["mlp.shared_experts.linear_fc2.weight"] = (
+            get(s + "down_proj.weight").chunk(tp, 1)[tp_rank].contiguous()
+        )
+        if hc.model_type == "qwen2_moe":
+            out["mlp.shared_experts.gate_weight"] = get(p + "mlp.shared_expert_gate.weight")
     for i in range(nl):
         gate, up, down = _expert_hf(get, p, ep_rank * nl + i, hc.moe_intermediate_size)
         fc1 = torch.cat([gate.chunk(etp, 0)[etp_rank], up.chunk(etp, 0)[etp_rank]]).contiguous()
@@ -110,11 +101,21 @@ def hf_to_mcore_moe(get, hc, p: str, *, ep: int, ep_rank: int, etp: int, etp_ran
     return out
 
 
-def mcore_to_hf_moe(sub: str, full: torch.Tensor, p: str) -> list[tuple[str, torch.Tensor]] | None:
-    """A layer-relative megatron key of an MoE layer (experts numbered globally, ETP-merged) -> HF
+def mcore_to_hf_moe(sub: str, full: torch.Tensor, p: str, hc) -> list[tuple[str, torch.Tensor]] | None:
+    """A layer-relative megatron key of an MoE layer (experts numbered globally, TP/ETP-merged) -> HF
     pairs; None if `sub` is not an MoE key."""
     if sub == "mlp.router.weight":
         return [(p + "mlp.gate.weight", full)]
+    if sub == "mlp.router.expert_bias":
+        return [(p + "mlp.gate.e_score_correction_bias", full)]
+    if sub == "mlp.shared_experts.gate_weight":
+        return [(p + "mlp.shared_expert_gate.weight", full)]
+    if sub.startswith("mlp.shared_experts.linear_fc"):
+        q = p + _shared_hf(hc)
+        if sub.endswith("fc2.weight"):
+            return [(q + "down_proj.weight", full)]
+        gate, up = full.chunk(2, 0)
+        return [(q + "gate_proj.weight", gate), (q + "up_proj.weight", up)]
     m = re.fullmatch(
         r"mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight|linear_(fc[12])\.weight(\d+))", sub
     )
@@ -150,6 +151,58 @@ def group_expert_weights(state: dict[str, torch.Tensor], model) -> dict[str, tor
         out[p + "weight1"] = torch.stack([w.t() for w in fc1]).contiguous().view(h, -1)
         out[p + "weight2"] = torch.stack([w.t() for w in fc2]).contiguous().view(-1, h)
     return out
+
+
+def _no_load_count(routing_map, padding_mask=None) -> None:
+    return None
+
+
+def freeze_expert_bias(model) -> int:
+    """Each router's `expert_bias` buffer (GLM's e_score_correction_bias) -> a parameter that takes no
+    gradient; returns how many. The export (export.py) and so the weight push walk named_parameters: as
+    a buffer the bias would be missing from pushes and saved checkpoints. Without requires_grad,
+    megatron's DDP and optimizer leave it out; its state_dict key is the same.
+
+    The router's per-expert token count (`_apply_expert_bias`) is skipped: it feeds only the bias
+    update, which is off (rate 0, moe_config), and megatron-core 0.16's raises on any forward given a
+    padding mask (it ands routing_map [T, E] with the mask [T])."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, TopKRouter) and m._buffers.get("expert_bias") is not None:
+            bias = m._buffers.pop("expert_bias")
+            m.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
+            m._apply_expert_bias = _no_load_count
+            n += 1
+    return n
+
+
+def adapt_built_model(model, hc) -> None:
+    """After building an MoE policy: expert biases as frozen parameters (freeze_expert_bias), and the
+    HF config's expert count under the `num_experts` name code outside this module reads (GLM calls it
+    n_routed_experts)."""
+    freeze_expert_bias(model)
+    if getattr(hc, "num_experts", None) is None:
+        hc.num_experts = num_experts(hc)
+
+
+def expert_biases(model) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, fp32 copy) of each router's expert bias: to put back after Float16Module casts
+    every parameter to bf16, which would round biases of a few units by ~1e-2, more than the gaps
+    between experts' sigmoid scores (megatron casts it back to fp32 only at the forward, rounded)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [
+        (m.expert_bias, m.expert_bias.detach().float().clone())
+        for m in model.modules()
+        if isinstance(m, TopKRouter) and getattr(m, "expert_bias", None) is not None
+    ]
+
+
+def restore_expert_biases(saved: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    for p, fp32 in saved:
+        p.data = fp32.to(p.device)
 
 
 def _local_expert_views(key: str, t: torch.Tensor, hc, num_local: int) -> list[tuple[str, torch.Tensor]]:
@@ -188,7 +241,7 @@ def gather_experts(key: str, t: torch.Tensor, hc, merge_tp) -> Iterator[tuple[st
 
     etp = ps.get_expert_tensor_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    nl = hc.num_experts // ep
+    nl = num_experts(hc) // ep
     for local_key, local in _local_expert_views(key, t, hc, nl):
         if etp > 1:  # every expert parameter is an fc1 or fc2, split over the expert-TP group
             shards = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(etp)]
@@ -272,7 +325,7 @@ class RouterStats:
     def __init__(self, model, hc, capacity_factor: float | None = None, aux_loss: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.experts, self.topk = hc.num_experts, hc.num_experts_per_tok
+        self.experts, self.topk = num_experts(hc), hc.num_experts_per_tok
         self.capacity, self.aux_loss = capacity_factor, aux_loss
         # per global layer: E expert loads, tokens routed, router calls, summed aux loss
         self.counts: torch.Tensor | None = None

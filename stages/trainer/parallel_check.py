@@ -46,6 +46,17 @@ class RecordingSender:
         return []
 
 
+def resumed_version(run_dir: str) -> int:
+    """The version a run in `run_dir` resumes at (0: none to resume)."""
+    from stages.trainer.checkpoint import latest_path
+
+    path = latest_path(run_dir)
+    if path is None:
+        return 0
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return int(json.load(f)["version"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
@@ -63,6 +74,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=48)
     ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument(
+        "--distributed-optimizer", action="store_true", help="trainer.distributed_optimizer (Adam, DP > 1)"
+    )
     ap.add_argument("--push", action="store_true", help="attach a CPU weight sender (no engines) on rank 0")
     ap.add_argument(
         "--direct-push",
@@ -78,45 +93,49 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.config import RunConfig
+    from stages.trainer.config import TrainerConfig, TrainerRun
     from stages.trainer.export import export_hf_state
     from stages.trainer.model import init_distributed
     from stages.trainer.testing import ListSource, make_batch
     from stages.trainer.trainer import Trainer
+    from stages.weights.config import WeightsConfig
 
     torch.set_num_threads(1)
-    cfg = RunConfig()
-    cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.batch_groups = a.tp, a.pp, 2
-    cfg.trainer.cp, cfg.trainer.sequence_parallel, cfg.trainer.attention = a.cp, a.sp, a.layout
-    cfg.trainer.loss.advantage, cfg.trainer.loss.correction = a.advantage, a.correction
-    cfg.trainer.precision = a.precision
-    cfg.trainer.micro_batch_tokens, cfg.trainer.lr = a.micro_batch_tokens, 0.5
+    tc, wc = TrainerConfig(), WeightsConfig()
+    tc.tp, tc.pp, tc.batch_groups = a.tp, a.pp, 2
+    tc.cp, tc.sequence_parallel, tc.attention = a.cp, a.sp, a.layout
+    tc.loss.advantage, tc.loss.correction = a.advantage, a.correction
+    tc.precision = a.precision
+    tc.micro_batch_tokens, tc.lr = a.micro_batch_tokens, a.lr
     # SGD: Adam's g / sqrt(v) turns float-rounding differences of near-zero gradients into visible
     # weight differences, which would hide real layout bugs behind a loose tolerance
-    cfg.trainer.optimizer = a.optimizer
-    cfg.trainer.checkpoint_every = a.checkpoint_every
-    cfg.trainer.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
-    tr_offset = 100 if os.path.exists(a.out + "/run/checkpoints/latest") else 0  # resumed: new data
+    tc.optimizer, tc.distributed_optimizer = a.optimizer, a.distributed_optimizer
+    tc.checkpoint_every = a.checkpoint_every
+    tc.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
+    run = TrainerRun(run_dir=a.out + "/run")  # the run-wide defaults (seed 0, 60 steps, staleness 2)
+    # resumed: the batches the uninterrupted run takes after the checkpoint's version (step i: seed i)
+    tr_offset = resumed_version(a.out + "/run")
     with open(os.path.join(a.model_path, "config.json")) as f:
         hc = json.load(f)
     vocab = hc["vocab_size"]
     batches = [make_batch(2, 4, seed=i + tr_offset, vocab=vocab) for i in range(a.steps)]
     if a.routing_replay:
-        cfg.trainer.routing_replay = True
-        batches = [with_recorded_experts(b, hc, seed=i) for i, b in enumerate(batches)]
+        tc.routing_replay = True
+        batches = [with_recorded_experts(b, hc, seed=i + tr_offset) for i, b in enumerate(batches)]
     src = ListSource(batches)
-    if hasattr(cfg.trainer, "ep"):  # the trainer takes EP/ETP from its config once it has the keys
-        cfg.trainer.ep, cfg.trainer.etp = a.ep, a.etp or a.tp
+    if hasattr(tc, "ep"):  # the trainer takes EP/ETP from its config once it has the keys
+        tc.ep, tc.etp = a.ep, a.etp or a.tp
     else:  # else the groups are made here first, and the trainer joins them as they are
-        init_distributed(a.tp, a.pp, seed=cfg.run.seed, cp=a.cp, ep=a.ep, etp=a.etp or a.tp)
-    tr = Trainer(cfg, src if int(os.environ.get("RANK", 0)) == 0 else None, a.model_path, a.out + "/run")
+        init_distributed(a.tp, a.pp, seed=run.seed, cp=a.cp, ep=a.ep, etp=a.etp or a.tp)
+    source = src if int(os.environ.get("RANK", 0)) == 0 else None
+    tr = Trainer(tc, run, source, a.model_path, weights=wc)
     if a.push and tr.rank == 0:
         from stages.weights.zmq_transport import ZmqWeightSender
 
         tr.attach_sender(ZmqWeightSender(timeout_s=30))
     recorder = RecordingSender() if a.direct_push and tr.rank == 0 else None
     if a.direct_push:
-        cfg.weights.snapshot = "direct"
+        wc.snapshot = "direct"
         tr.attach_sender(recorder)  # None on the other ranks, which gather in step
     losses = [tr.step() for _ in range(a.steps)]
     tr.close()

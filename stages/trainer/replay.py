@@ -16,7 +16,7 @@ import os
 import pyarrow as pa
 
 from buffer.record import upgrade_batch
-from stages.trainer.trainer import SourceExhausted
+from stages.trainer.feed import SourceExhausted
 
 log = logging.getLogger(__name__)
 

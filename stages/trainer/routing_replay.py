@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from stages.models import moe_layer_flags
+from stages.trainer.moe_config import num_experts
 from stages.trainer.packing import routed_width_problem
 
 
@@ -43,7 +44,9 @@ class ReplayTarget:
             self.agreed = self.agreed + (same & has).sum()
         idx = torch.where(has, target.long(), own)
         # the score function's own top-k values at these experts (softmax after top-k, or pre-softmax
-        # probabilities): megatron turns them into the combination weights as for its own choice
+        # probabilities): megatron turns them into the combination weights as for its own choice. A
+        # sigmoid router with an expert bias passes biased scores here, keeps only the indices and
+        # gathers the unbiased scores itself; a group limit does not restrict replayed experts
         return scores.gather(1, idx), idx
 
 
@@ -66,7 +69,7 @@ class RoutingReplay:
                 m.router_replay = target
                 self.routers.append((moe_index[m.layer_number - 1], target))
         self.shape = (sum(flags), hc.num_experts_per_tok)
-        self.num_experts = hc.num_experts
+        self.num_experts = num_experts(hc)
 
     def check_batch(self, tb) -> None:
         """Every sample's recording fits this model (whole rows of moe_layers x k ids, each id an

@@ -1,8 +1,9 @@
 """Tiny random HF checkpoints of the families that `testing.make_tiny_hf` does not build: Llama with
-Llama-3.1 RoPE scaling, GLM4 (dense) and Qwen3-MoE, for the mapping tests and parallel checks.
+Llama-3.1 RoPE scaling, GLM4 (dense), Qwen3-MoE, Qwen2-MoE and GLM4-MoE, for the mapping tests and
+parallel checks.
 
 HF initialises norm weights to 1 and biases to 0, so a norm or bias mapped to the wrong place would
-not change the logits; here they are random.
+not change the logits; here they are random (GLM's routing bias too, large enough to change choices).
 """
 
 from __future__ import annotations
@@ -24,6 +25,25 @@ LLAMA3_ROPE = {
 TINY_MOE = dict(
     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
 )
+# Qwen2-MoE: a shared expert of its own width behind a sigmoid gate; softmax top-k not renormalised
+TINY_QWEN2_MOE = dict(TINY_MOE, norm_topk_prob=False, shared_expert_intermediate_size=48)
+# GLM4-MoE: 8 experts in 4 groups, 2 groups kept per token, top-4 (= 2 * topk_group, which megatron's
+# group scores need), a dense first layer, one shared expert, qk-norm, q/k/v biases, half-rotary RoPE
+TINY_GLM4_MOE = dict(
+    head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=4,
+    moe_intermediate_size=16,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    use_qk_norm=True,
+    attention_bias=True,
+    pad_token_id=0,
+    eos_token_id=1,
+)
 
 
 def _save_random(model, path: str) -> str:
@@ -37,13 +57,17 @@ def _save_random(model, path: str) -> str:
                 p.normal_(0.0, 0.3)
             elif n.endswith("mlp.gate.weight"):  # HF starts the router at zero: every expert tied
                 p.normal_(0.0, 0.3)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # a buffer, zero in HF: no choice would change
+                b.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return path
 
 
 def make_tiny(path: str, kind: str, seed: int = 1, **overrides) -> str:
-    """kind: "llama3.1", "glm4" or "qwen3_moe" (4 experts, top-2, 2 layers; `overrides` go to the
-    HF config, e.g. norm_topk_prob=False, mlp_only_layers=[0])."""
+    """kind: "llama3.1", "glm4", "qwen3_moe" (4 experts, top-2, 2 layers), "qwen2_moe" (the same plus
+    a gated shared expert) or "glm4_moe" (TINY_GLM4_MOE); `overrides` go to the HF config, e.g.
+    norm_topk_prob=False, mlp_only_layers=[0]."""
     import torch
     import transformers as tf
 
@@ -56,8 +80,14 @@ def make_tiny(path: str, kind: str, seed: int = 1, **overrides) -> str:
     elif kind == "qwen3_moe":
         cls = (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)
         kw.update(TINY_MOE)
+    elif kind == "qwen2_moe":
+        cls = (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM)
+        kw.update(TINY_QWEN2_MOE)
+    elif kind == "glm4_moe":
+        cls = (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM)
+        kw.update(TINY_GLM4_MOE)
     else:
-        raise ValueError(f"unknown tiny family {kind!r}: llama3.1, glm4 or qwen3_moe")
+        raise ValueError(f"unknown tiny family {kind!r}: llama3.1, glm4, qwen3_moe, qwen2_moe or glm4_moe")
     kw.update(overrides)
     torch.manual_seed(seed)
     return _save_random(cls[1](cls[0](**kw)), path)

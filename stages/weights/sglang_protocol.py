@@ -11,9 +11,14 @@ The sequence of an update, against a server that keeps generating around it:
     CONTINUE
 A failed pause resumes what was paused; a failed load leaves the server paused (its weights belong to
 no version) and the caller says to restart it. Each side adds its own timing and retries.
+
+Both ends of an NCCL push (the trainer's process and every SGLang server) also need one NCCL setting:
+`align_nccl_env`, which stages/trainer/model.py calls too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,6 +32,21 @@ JOIN_GROUP = "/init_weights_update_group"
 LEAVE_GROUP = "/destroy_weights_update_group"
 HEALTH = "/health"  # 200 once the server serves
 MODEL_INFO = "/model_info"  # {"weight_version": ...}: the version the server runs
+
+
+def align_nccl_env(env=None):
+    """Give NCCL one cuMem setting in every process of ours (`env` defaults to os.environ); returns env.
+
+    NCCL's cuMem allocator must be on or off in all processes of a communicator. torch leaves it on,
+    SGLang's server turns it off unless NCCL_CUMEM_ENABLE is set: a trainer and a server with
+    different settings form the weight-push group, and then the server's first receive fails with
+    "Cuda failure 'invalid argument'" (seen on 2 GPUs). Called before the trainer's first NCCL
+    communicator and on the environment every SGLang server is launched with; a value the user set
+    is kept (and then holds on both sides).
+    """
+    env = os.environ if env is None else env
+    env.setdefault("NCCL_CUMEM_ENABLE", "0")
+    return env
 
 
 def pause_body(mode: str) -> dict:

@@ -29,7 +29,8 @@ import torch
 import zmq
 
 from buffer.curve import CurveKeys, secure_client, secure_server
-from stages.weights.base import PushHandle, WeightPushError, WeightSender, buckets
+from stages.weights.base import PushHandle, WeightPushError, WeightSender
+from stages.weights.buckets import buckets
 
 log = logging.getLogger(__name__)
 PROTO = 1

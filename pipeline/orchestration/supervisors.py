@@ -1,0 +1,320 @@
+"""Stage supervisors: the buffer, the generators and the trainer group, each started and restarted by
+one object, so that start-up and healing take the same path.
+
+`start()` makes a stage's actors and waits until they answer; `restart()` ends what is left of them
+and starts them again on the addresses their peers already know (the buffer's bind, the trainer's
+weight sender), so the peers' sockets reconnect by themselves. What decides *whether* a stage is
+restarted (its restart budget, whether it raised or its process died) is healing.py's; what the actors
+run is actors.py's. All of a run's actors live in one placement group (`Site.place`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from buffer.net import is_loopback
+from pipeline.orchestration.calls import Calls, StageFailed
+from pipeline.orchestration.placement import PlacementError, check_fits, check_tp_groups, make_plan, plan_cfg
+
+if TYPE_CHECKING:
+    from buffer.curve import CurveKeys
+    from pipeline.config import RunConfig
+    from pipeline.orchestration.placement import Plan
+
+log = logging.getLogger("slipstream")
+
+# a trainer group whose rendezvous port another process took is started again this many times at most
+RENDEZVOUS_ATTEMPTS = 3
+
+
+def port_taken(error: Exception) -> bool:
+    """Whether a stage failed because a port it was given was taken by the time it bound it (the OS
+    hands a port freed by a probe to the next process that asks: Ray opens connections all the time)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "ddress already in use" in text
+
+
+def retry_if_port_taken(
+    start: Callable[[], Any], end_attempt: Callable[[StageFailed], None], attempts: int = RENDEZVOUS_ATTEMPTS
+) -> Any:
+    """`start()` again (after `end_attempt(error)`) while it fails because a port was taken, up to
+    `attempts` tries in all; any other failure, and the last, is raised as it came."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except StageFailed as e:
+            if not port_taken(e) or attempt == attempts:
+                raise
+            end_attempt(e)
+
+
+class Site:
+    """Where a run's stages live and how they reach each other: the config they run with, the run
+    directory, the placement group and its plan, and the CURVE keys of a run that spans nodes. Made
+    empty with the run; `place()` fills in the placement once Ray is up."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, calls: Calls):
+        self.cfg, self.run_dir, self.calls = cfg, run_dir, calls
+        self.plan: Plan | None = None
+        self.pg = None  # the placement group
+        self.curve: CurveKeys | None = None
+        self.reachable = False  # stages bind their node's IP instead of loopback
+        self.single_node = True
+        self.model_path = ""
+
+    def place(self) -> None:
+        """Resolve the model, plan the bundles and reserve them (fails naming the keys when the cluster
+        cannot hold the run, rather than waiting run.timeout_s for a placement group that never comes)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from stages.models import resolve_model
+
+        cfg = self.cfg
+        self.model_path = str(resolve_model(cfg.model))  # build/convert once, before any actor needs it
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        resources = ray.cluster_resources()
+        try:
+            self.plan = make_plan(cfg, resources.get("GPU", 0))
+            check_fits(self.plan, cfg, resources, nodes)
+        except PlacementError as e:
+            raise StageFailed(str(e)) from None
+        # several nodes: stages bind their node's IP instead of loopback, and every ZeroMQ socket of the
+        # run is authenticated with CURVE keys made here, handed to the stages through Ray
+        self.single_node = len(nodes) == 1
+        self.reachable = len(nodes) > 1
+        if self.reachable or not all(is_loopback(a) for a in (cfg.buffer.bind, cfg.weights.bind)):
+            from buffer.curve import CurveKeys
+
+            self.curve = CurveKeys.generate()
+        self.pg = placement_group(self.plan.bundles, strategy="PACK")
+        self.calls.wait(
+            self.pg.ready(), "placement group", f"the cluster has no room for the bundles {self.plan.bundles}"
+        )
+
+    def on(self, bundle: int) -> dict:
+        """Actor options that put it on `bundle` of the run's placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle
+            )
+        }
+
+
+class BufferStage:
+    """The buffer actor on its directory. A restart binds its predecessor's address, so the clients'
+    sockets reconnect by themselves and resend what was not acknowledged."""
+
+    def __init__(self, site: Site):
+        self.site = site
+        self.actor = None
+        self.address = ""  # where the clients connect; a restart keeps it
+        self.watch = None  # completes (with an error) when the buffer's process dies
+        self.directory = site.cfg.buffer.dir or str(site.run_dir / "buffer")
+
+    def start(self) -> str:
+        self.address = self._launch(bind=None)
+        return self.address
+
+    def restart(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+        address = self._launch(bind=self.address)
+        if address != self.address:  # the port was taken meanwhile: the clients cannot follow
+            raise StageFailed(f"buffer restarted at {address}, not at {self.address} where its clients are")
+
+    def _launch(self, bind: str | None) -> str:
+        from buffer.memory import buffer_env
+        from pipeline.orchestration.actors import BufferActor, actor_env
+
+        # a worker process of its own, with the buffer's malloc settings from its start (buffer/memory.py)
+        env = actor_env()
+        user = {"GLIBC_TUNABLES": os.environ["GLIBC_TUNABLES"]} if os.environ.get("GLIBC_TUNABLES") else {}
+        env["env_vars"] = buffer_env({**env["env_vars"], **user})
+        bc = (
+            self.site.cfg.buffer if bind is None else msgspec.structs.replace(self.site.cfg.buffer, bind=bind)
+        )
+        site = self.site
+        self.actor = BufferActor.options(runtime_env=env, **site.on(site.plan.trainer_bundles[0])).remote(
+            bc, self.directory, reachable=site.reachable, curve=site.curve
+        )
+        address = site.calls.wait(self.actor.address.remote(), "buffer")
+        self.watch = self.actor.watch.remote()
+        return address
+
+
+class GeneratorStage:
+    """rollout.num_generators generator actors, each streaming into the buffer. A restart of one is a
+    new incarnation (a new generator id) that picks up its predecessor's data position and gets the
+    current weights from the trainer's sender at once."""
+
+    def __init__(self, site: Site, buffer: BufferStage):
+        self.site, self.buffer = site, buffer
+        n, bg = site.cfg.rollout.num_generators, site.cfg.trainer.batch_groups
+        # each generator's share of a trainer batch (admission control); together exactly batch_groups,
+        # else the generators could never admit a full batch per version and the trainer would starve
+        self.shares = [bg // n + (i < bg % n) for i in range(n)]
+        self.actors: list = []
+        self.ids: list[str] = []  # each generator's current incarnation id
+        self.runs: dict = {}  # ObjectRef of each generator's run() -> its name
+        self.weights_address: str | None = None
+
+    @staticmethod
+    def name(i: int) -> str:
+        return f"generator gen-{i}"
+
+    def start(self, weights_address: str | None) -> None:
+        """Every generator at once (their engines load side by side), then each one's id. They start
+        generating at `run()`."""
+        self.weights_address = weights_address
+        (self.site.run_dir / "generators").mkdir(exist_ok=True)
+        self.actors = [self._launch(i) for i in range(len(self.shares))]
+        self.ids = [self.site.calls.wait(g.ident.remote(), self.name(i)) for i, g in enumerate(self.actors)]
+
+    def run(self) -> None:
+        for i in range(len(self.actors)):
+            self._run(i)
+
+    def restart(self, i: int) -> None:
+        import ray
+
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._launch(i)
+        self.ids[i] = self.site.calls.wait(self.actors[i].ident.remote(), self.name(i))
+        self._run(i)
+
+    def engine_urls(self) -> list[str]:
+        """The SGLang servers of every generator (the trainer's sender pushes to them)."""
+        return [
+            u for g in self.actors for u in self.site.calls.wait(g.engine_urls.remote(), "SGLang engines")
+        ]
+
+    def _run(self, i: int) -> None:
+        self.runs[self.actors[i].run.remote()] = self.name(i)
+
+    def _launch(self, i: int):
+        from pipeline.orchestration.actors import GeneratorActor
+
+        site = self.site
+        # the generator's data position, kept across incarnations (see GeneratorActor)
+        state = str(site.run_dir / "generators" / f"gen-{i}.json")
+        return GeneratorActor.options(
+            num_gpus=site.plan.generator_gpus, **site.on(site.plan.generator_bundles[i])
+        ).remote(
+            site.cfg,
+            i,
+            self.buffer.address,
+            self.weights_address,
+            self.shares[i],
+            state_path=state,
+            reachable=site.reachable,
+            curve=site.curve,
+        )
+
+
+class TrainerGroup:
+    """The trainer's ranks, one actor each, set up together (each blocks in the process-group rendezvous
+    until all are in). Ranks follow (node, GPU), so that a TP group's ranks share a node (megatron groups
+    TP first). Rank 0 alone fetches from the buffer, holds the weight sender and answers the driver.
+
+    A restart ends every rank (the survivors would wait in a collective for the dead one), drops the
+    dead group's fetch from the buffer, and starts a group that resumes from the newest checkpoint,
+    binds the same weight address (the engines' receivers reconnect to it by themselves) and pushes
+    its weights at once."""
+
+    def __init__(self, site: Site, buffer: BufferStage):
+        self.site, self.buffer = site, buffer
+        self.ranks: list = []
+        self.where: list[dict] = []  # each rank's node and GPUs, in rank order
+        self.engine_urls: list[str] | None = None  # SGLang servers the sender pushes to
+        self.weights_address: str | None = None  # where torch engines connect (None for SGLang)
+
+    @property
+    def rank0(self):
+        return self.ranks[0] if self.ranks else None
+
+    def start(self, engine_urls: list[str] | None = None) -> None:
+        self.engine_urls = engine_urls
+        self._launch(weights_bind=None, push_now=False)
+        if self.site.cfg.rollout.engine != "sglang":  # torch engines connect to rank 0's sender
+            self.weights_address = self.site.calls.wait(self.rank0.weights_address.remote(), "trainer")
+
+    def restart(self) -> int:
+        """Returns the version the new group resumed at."""
+        calls = self.site.calls
+        self.stop()
+        # the dead trainer's fetch may still wait in the buffer: served, it would take a batch nobody trains
+        calls.wait(self.buffer.actor.drop_fetches.remote("trainer"), "buffer")
+        self._launch(weights_bind=self.weights_address, push_now=True)
+        address = calls.wait(self.rank0.weights_address.remote(), "trainer")
+        if address != self.weights_address:  # the port was taken meanwhile: the engines cannot follow
+            raise StageFailed(
+                f"the restarted trainer sends weights from {address}, not {self.weights_address}"
+            )
+        return calls.wait(self.rank0.version.remote(), "trainer")
+
+    def stop(self) -> None:
+        import ray
+
+        for a in self.ranks:
+            ray.kill(a, no_restart=True)
+
+    def _launch(self, weights_bind: str | None, push_now: bool) -> None:
+        """Rank 0 picks the rendezvous port before its ranks bind it, so another process may take it in
+        between: the group is started again, on a new port, up to RENDEZVOUS_ATTEMPTS times."""
+
+        def end_attempt(error: StageFailed) -> None:
+            log.warning("trainer: %s; starting its ranks again on another port", error)
+            self.stop()
+
+        retry_if_port_taken(lambda: self._attempt(weights_bind, push_now), end_attempt)
+
+    def _attempt(self, weights_bind: str | None, push_now: bool) -> None:
+        from pipeline.orchestration.actors import TrainerActor
+
+        site, calls, plan = self.site, self.site.calls, self.site.plan
+        actors = self.ranks = [  # this attempt's, whatever fails below (a retry ends them)
+            TrainerActor.options(num_gpus=plan.trainer_gpus, **site.on(b)).remote(site.cfg.trainer.ranks)
+            for b in plan.trainer_bundles
+        ]
+        where = [calls.wait(a.where.remote(), "trainer") for a in actors]
+        order = sorted(range(len(actors)), key=lambda k: (where[k]["node_id"], where[k]["gpus"]))
+        self.ranks = [actors[k] for k in order]
+        self.where = [where[k] for k in order]
+        try:
+            check_tp_groups([w["node_id"] for w in self.where], site.cfg.trainer.tp)
+        except PlacementError as e:
+            raise StageFailed(str(e)) from None
+        master = calls.wait(self.rank0.master_address.remote(site.single_node), "trainer rank 0")
+        tcfg = plan_cfg(site.cfg, plan)
+        if weights_bind:
+            tcfg = msgspec.structs.replace(
+                tcfg, weights=msgspec.structs.replace(tcfg.weights, bind=weights_bind)
+            )
+        setups = [
+            t.setup.remote(
+                k,
+                tcfg,
+                master,
+                self.buffer.address,
+                site.model_path,
+                str(site.run_dir),
+                site.cfg.rollout.num_generators,
+                self.engine_urls,
+                reachable=site.reachable,
+                curve=site.curve,
+                push_now=push_now,
+            )
+            for k, t in enumerate(self.ranks)
+        ]
+        for k, ref in enumerate(setups):
+            calls.wait(ref, f"trainer rank {k}")

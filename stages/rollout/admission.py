@@ -1,0 +1,99 @@
+"""Staleness admission of one generator (generator.py's module docstring has the rule): whether a new group
+may start at the engine's weight version, told apart from the two ways that version goes back. A
+relaunched SGLang server runs older weights until the trainer's catch-up push (counting goes on as before:
+a dip); a trainer restarted from its checkpoint really went back (counting starts over from its version)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from stages.rollout.engine import Engine
+from stages.rollout.flight import Flight
+
+log = logging.getLogger(__name__)
+
+
+class StalenessAdmission:
+    """`admits(live, running, dip_wait_s)`: whether a group may start beside `live` kept-or-running groups
+    (`running` of them in flight) on `engine`, `batch_groups` of which the trainer consumes per version."""
+
+    def __init__(self, engine: Engine, batch_groups: int, max_staleness: int, name: str):
+        self.engine, self.batch_groups, self.max_staleness, self.name = (
+            engine,
+            batch_groups,
+            max_staleness,
+            name,
+        )
+        self._last_engine_version, self._relaunches_seen = engine.version_and_relaunches()
+        self._kept_offset = 0  # kept groups the trainer will never consume (see admits)
+        self._relaunch_dip: int | None = None  # the version a relaunched engine runs until caught up
+        self._relaunch_dip_since = 0.0
+
+    def admits(self, live: int, running: int, dip_wait_s: float) -> bool:
+        # The version a new group's tokens start at is the engine's. The trainer version learnt from acks
+        # is only a lower bound that goes stale exactly when admission blocks (no sends, so no acks):
+        # using it here deadlocks a generator that is waiting for the trainer to catch up.
+        version, relaunches = self.engine.version_and_relaunches()
+        went_back = version < self._last_engine_version
+        if went_back and self._in_relaunch_dip(version, relaunches, dip_wait_s):
+            # A relaunched server runs older weights (often the base model's) until the trainer's
+            # catch-up push; the trainer did not go back. Counting goes on from before the relaunch, so
+            # nothing starts meanwhile (it would come too stale) and nothing floods in once caught up.
+            self._relaunches_seen = relaunches
+        else:
+            if went_back:
+                # The weights went back (a trainer restarted from its checkpoint): the groups the lost
+                # steps consumed are counted as kept, but the new trainer consumes from `version` on.
+                # Count as if exactly `version` batches were consumed and nothing of ours waits in the
+                # buffer; the buffer's staleness bound still drops whatever that lets through too late.
+                self._kept_offset = live - running - version * self.batch_groups
+                log.warning("generator %s: engine weights went back to version %d", self.name, version)
+            self._relaunch_dip = None
+            self._last_engine_version, self._relaunches_seen = version, relaunches
+        return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
+
+    def _in_relaunch_dip(self, version: int, relaunches: int, dip_wait_s: float) -> bool:
+        """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a
+        trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts
+        while the version stays there, for at most the time a relaunch and its catch-up take: a trainer
+        restarted meanwhile pushes another version, or, at the dip's own version (a fresh trainer at
+        0), is recognised by the dip outlasting that: `dip_wait_s`, twice the relaunch bound, since in a
+        pool the dip begins when the server goes down and the catch-up may wait for the trainer's next
+        step."""
+        now = time.monotonic()
+        if relaunches > self._relaunches_seen:
+            if self._relaunch_dip is None:
+                log.warning(
+                    "generator %s: a relaunched engine runs version %d, behind %d: no new group until "
+                    "the trainer pushes it the current weights",
+                    self.name,
+                    version,
+                    self._last_engine_version,
+                )
+            self._relaunch_dip, self._relaunch_dip_since = version, now
+            return True
+        return version == self._relaunch_dip and now - self._relaunch_dip_since < dip_wait_s
+
+
+def abort_stale(flights: dict[str, Flight], now: int, max_staleness: int, name: str) -> None:
+    """Cancel the groups of `flights` that can no longer be trained within run.max_staleness at engine
+    version `now`. A group whose current attempt started on engine version v has tokens of version >= v,
+    and the trainer that consumes it is at least at the engine's version now, so once
+    `engine.version - v > max_staleness` the buffer would evict it on arrival. The engine's version, not
+    the trainer's from acks: it goes back with a restarted trainer, where the acks' does not. Cancelling
+    a group's task closes its requests (SGLang aborts a request whose client went away); it is counted
+    once the task has ended cancelled."""
+    for gid, f in flights.items():
+        if f.generating and not f.aborting and now - f.start_version > max_staleness:
+            f.aborting = True
+            f.task.cancel()
+            log.info(
+                "generator %s: aborting group %s started at engine version %d: at version %d it can "
+                "no longer be trained within run.max_staleness=%d",
+                name,
+                gid,
+                f.start_version,
+                now,
+                max_staleness,
+            )

@@ -1,0 +1,20 @@
+"""`RolloutRun`: what the rollout stage takes from the run beyond its own section (`rollout:`, a
+RolloutConfig) and the model's (`model:`, stages/models.py's ModelConfig). Whoever starts the stage (the
+launcher, `python -m stages.rollout`, a test) fills it in from its own config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RolloutRun:
+    seed: int = 0  # run.seed: engine sampling seeds and each generator's own random numbers
+    # run.max_staleness as the stages run with it (sync mode runs with 0): the most versions a trained
+    # token may lag the trainer, which bounds what a generator starts (see generator.py)
+    max_staleness: int = 2
+    routing_replay: bool = False  # trainer.routing_replay: the engines record each token's experts
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"RolloutRun.max_staleness={self.max_staleness}: must be >= 0")
