@@ -205,6 +205,43 @@ def test_tensor_and_sequence_parallel_matches_one_rank(tmp_path, kind):
     assert_same_training(ref_m, ref_w, m, w)
 
 
+def test_replayed_glm_routing_matches_a_forced_hf_router(tmp_path, dist1):
+    """Routing replay on the sigmoid router: recorded experts other than its own (each id + 1 mod 8,
+    outside the groups it would keep, too) are weighted by the unbiased scores at them, renormalised
+    and scaled, as transformers' router weights its own choice."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from stages.trainer.model import build_policy, unwrap
+    from stages.trainer.routing_replay import RoutingReplay
+
+    path = make_tiny(str(tmp_path / "glm"), "glm4_moe")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    toks = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(3))
+    gate, own = hf.model.layers[1].mlp.gate, []
+    handle = gate.register_forward_hook(lambda _m, _in, out: own.append(out[2]))
+    with torch.no_grad():
+        hf(toks)
+    handle.remove()
+    forced = (own[0] + 1) % 8
+
+    def forced_router(hidden):
+        logits = F.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+        w = logits.sigmoid().gather(1, forced)
+        return logits, w / (w.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor, forced
+
+    gate.forward = forced_router
+    policy = build_policy(path, ddp=False, attention="sdpa")
+    m = unwrap(policy.model).eval()
+    replay = RoutingReplay(m, policy.hf_config)
+    replay.set_microbatch(forced.view(1, 24, 1, 4))  # [b, s, MoE layers, k]
+    with torch.no_grad():
+        ref = hf(toks).logits
+        out = _forward(m, toks)
+    assert (out - ref).abs().max().item() <= 1e-4
+    assert replay.metrics() == {"routing/replayed": 24.0, "routing/agreement": 0.0}
+
+
 def test_routing_rows_skip_the_dense_layers(tmp_path):
     """Routing replay (engine rows and the trainer's routers) counts GLM's leading dense layers and
     Qwen2-MoE's mlp_only_layers / decoder_sparse_step out."""
@@ -223,6 +260,40 @@ def test_routing_rows_skip_the_dense_layers(tmp_path):
         from stages.trainer.moe_config import num_experts
 
         assert num_experts(json.load(f)) == 8  # config.json says n_routed_experts
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "qwen2_moe"])
+def test_the_torch_engine_records_each_families_routing(tmp_path, kind):
+    """The CPU engine's routing recorder finds both families' routers (GLM's is `Glm4MoeTopkRouter`):
+    one row of top-k experts per forwarded position and MoE layer, none for dense layers."""
+    import asyncio
+
+    from transformers import AutoConfig
+
+    from stages.models import moe_layer_flags
+    from stages.rollout.engine import GenRequest, SamplingParams
+    from stages.rollout.torch_engine import TorchEngine
+
+    path = make_tiny(str(tmp_path / kind), kind)
+    hc = AutoConfig.from_pretrained(path)
+    engine = TorchEngine(path, record_routing=True, seed=0)
+    try:
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        (res,) = asyncio.run(engine.generate([GenRequest(prompt_ids=[5, 9, 11, 2], params=params, rid="0")]))
+    finally:
+        engine.close()
+    layers = sum(moe_layer_flags(hc))
+    assert res.routed_experts.shape == (4 + 3 - 1, layers * hc.num_experts_per_tok)
+
+
+def test_glm_trains_on_replayed_routing(tmp_path):
+    """GLM's config names its experts n_routed_experts: the trainer's replay path (recorded experts in
+    the samples, here random ones) reads it and trains, the routers overridden by the recordings."""
+    from stages.trainer.testing import run_parallel_check
+
+    path = make_tiny(str(tmp_path / "glm"), "glm4_moe")
+    metrics, _ = run_parallel_check(path, str(tmp_path / "one"), 1, "--steps", "2", "--routing-replay")
+    assert len(metrics) == 2 and all(m["routing/agreement"] < 0.5 for m in metrics)
 
 
 def test_unmapped_shapes_are_refused():

@@ -443,8 +443,9 @@ def _result(s: _Seq, reason: str) -> GenResult:
 
 
 class _RouterRecorder:
-    """Forward hooks on an MoE model's routers (transformers' `*TopKRouter`, returning (logits, weights,
-    indices)) that keep the experts each forward chose, for routing replay in the trainer."""
+    """Forward hooks on an MoE model's routers (transformers' `*TopKRouter` or `*TopkRouter`, returning
+    (logits, weights, indices)) that keep the experts each forward chose, for routing replay in the
+    trainer."""
 
     def __init__(self, routers: list[torch.nn.Module]):
         self._chosen: list[torch.Tensor] = []
@@ -459,7 +460,8 @@ class _RouterRecorder:
 
 
 def _record_routing(model) -> _RouterRecorder:
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    # Qwen's `*TopKRouter`, GLM's `Glm4MoeTopkRouter`: both return (logits, weights, indices)
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
     if not routers:
         raise ValueError(
             f"routing replay (trainer.routing_replay) records the engine's expert choices, but "

@@ -12,6 +12,11 @@ and with advantage=ppo the critic's own folder `critic/` inside it) and <run dir
 the previous one). Resume continues at the next version. The buffer remembers what it handed out, so
 a resumed trainer reuses no sample; samples consumed after the last checkpoint are lost to training,
 never trained twice.
+
+Optimizer state of the distributed optimizer (trainer.distributed_optimizer) is saved in megatron's
+fully_reshardable format and resumes exactly, also at another DP size; the JSON records each part's
+optimizer format, and a checkpoint of one format is refused by a run of the other (megatron loads
+neither into the other).
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from stages.trainer import cpu_shim
-from stages.trainer.optimizer import has_state, lay_out_state
+from stages.trainer.optimizer import has_state, is_distributed, lay_out_state
 
 log = logging.getLogger(__name__)
 
 ROOT = "policy"  # the part saved in the step folder itself; its flags carry no prefix in the JSON
+DISTRIBUTED, REPLICATED = "distributed", "replicated"  # Stateful.optimizer_format
 
 
 class Stateful(Protocol):
@@ -48,16 +54,18 @@ class Stateful(Protocol):
         """Whether the optimizer holds state yet (none before the first applied step)."""
         ...
 
-    def resume_problem(self) -> str | None:
-        """Why this part cannot be resumed in this run (None: it can)."""
+    def optimizer_format(self) -> str:
+        """How its optimizer state is laid out: DISTRIBUTED (megatron's DistributedOptimizer, Adam state
+        sharded over the data-parallel ranks) or REPLICATED (every data-parallel rank holds all of it).
+        A checkpoint's optimizer state loads only into the format it was saved from."""
         ...
 
 
 class MegatronPart:
     """A DDP-wrapped megatron model (the policy's or the critic's) and its optimizer."""
 
-    def __init__(self, model: Any, optimizer: Any, refuse_resume: str | None = None):
-        self.model, self.optimizer, self.refuse_resume = model, optimizer, refuse_resume
+    def __init__(self, model: Any, optimizer: Any):
+        self.model, self.optimizer = model, optimizer
 
     def state_dict(self, loading: bool = False, optimizer: bool = True) -> dict:
         model_sd = self.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
@@ -69,6 +77,7 @@ class MegatronPart:
             "model": model_sd,
             # fully_reshardable: the distributed optimizer's default format (flattened ranges) is refused
             # by this megatron's own checkpoint validator; this one also reloads under another TP/PP/DP
+            # (tests/test_dist_optimizer_resume.py resumes DP=2's at DP=4). Ignored by the replicated one
             "optimizer": self.optimizer.sharded_state_dict(
                 model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
             ),
@@ -82,8 +91,8 @@ class MegatronPart:
     def has_optimizer_state(self) -> bool:
         return has_state(self.optimizer)
 
-    def resume_problem(self) -> str | None:
-        return self.refuse_resume
+    def optimizer_format(self) -> str:
+        return DISTRIBUTED if is_distributed(self.optimizer) else REPLICATED
 
 
 def _patch_writer() -> None:
@@ -100,9 +109,43 @@ def _patch_writer() -> None:
         fsa._process_memory = lambda: 0
 
 
-def _flag(name: str) -> str:
-    """The JSON key that says whether part `name` was saved with optimizer state."""
-    return "optimizer_state" if name == ROOT else f"{name}_optimizer_state"
+def _flag(name: str, what: str = "state") -> str:
+    """The JSON key that says whether part `name` was saved with optimizer state (`what`: "format",
+    the key of its Stateful.optimizer_format)."""
+    return f"optimizer_{what}" if name == ROOT else f"{name}_optimizer_{what}"
+
+
+_FORMAT_SETTING = {
+    DISTRIBUTED: "trainer.distributed_optimizer=true (Adam state sharded over the data-parallel ranks)",
+    REPLICATED: "a replicated optimizer (trainer.distributed_optimizer=false, dp=1 or trainer.optimizer=sgd)",
+}
+
+
+def _format_problem(path: str, part_name: str, saved: str, now: str) -> str | None:
+    """Why the checkpoint's optimizer state (`saved` format) cannot load into this run's (`now`)."""
+    if saved == now:
+        return None
+    again = "trainer.distributed_optimizer=true at any dp > 1 (megatron reshards it)"
+    if saved == REPLICATED:
+        again = "trainer.distributed_optimizer=false"
+    return (
+        f"{path}: its {part_name} optimizer state was saved with {_FORMAT_SETTING[saved]}, and this run has "
+        f"{_FORMAT_SETTING[now]}; megatron-core 0.16 loads neither format into the other. Resume with "
+        f"{again}, or set trainer.resume=false to start fresh"
+    )
+
+
+def _saved_format(state: dict, part_name: str, folder: str) -> str:
+    """The optimizer format of a part of a checkpoint: from trainer_state.json, or for checkpoints from
+    before it was recorded there, from whether megatron's common state names a distributed layout."""
+    if _flag(part_name, "format") in state:
+        return state[_flag(part_name, "format")]
+    import torch
+
+    common = torch.load(os.path.join(folder, "common.pt"), map_location="cpu", weights_only=False)
+    optimizer = common.get("optimizer") or {}
+    chained = optimizer.values() if all(isinstance(k, int) for k in optimizer) else [optimizer]
+    return DISTRIBUTED if any("param_state_sharding_type" in o for o in chained) else REPLICATED
 
 
 class CheckpointManager:
@@ -133,6 +176,7 @@ class CheckpointManager:
             state[_flag(part_name)] = part is not None and part.has_optimizer_state()
             if part is None:
                 continue
+            state[_flag(part_name, "format")] = part.optimizer_format()
             folder = path if part_name == ROOT else os.path.join(path, part_name)
             if part_name != ROOT:  # its own folder (megatron wants an empty one), after the root's save
                 dist.barrier()
@@ -169,10 +213,6 @@ class CheckpointManager:
         path = latest_path(self.run_dir)
         if path is None:
             return None
-        for part in parts.values():
-            problem = part.resume_problem() if part is not None else None
-            if problem:
-                raise NotImplementedError(f"{path}: {problem}")
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         for part_name, part in parts.items():
@@ -182,6 +222,12 @@ class CheckpointManager:
                     f"trainer.loss.advantage=ppo for the critic), which this run trains: set "
                     "trainer.resume=false to start fresh, or resume with the checkpoint's settings"
                 )
+            if part is not None and state.get(_flag(part_name), True):  # only state that is there to load
+                folder = path if part_name == ROOT else os.path.join(path, part_name)
+                saved = _saved_format(state, part_name, folder)
+                problem = _format_problem(path, part_name, saved, part.optimizer_format())
+                if problem:
+                    raise ValueError(problem)
         with cpu_shim.device_mode():
             for part_name, part in parts.items():
                 if part is None:

@@ -170,7 +170,10 @@ class TrainerConfig(_Base):
     # the card's bf16 peak in TFLOP/s for the perf/mfu metric (0: not logged); an H100 SXM measured ~800
     # on an 8192^3 matmul (bench/trainer_gpu.py prints the peak it measures)
     peak_tflops: float = 0.0
-    distributed_optimizer: bool = False  # shard Adam state over DP (dp > 1); resume unsupported with it yet
+    # shard Adam state over DP (dp > 1; experts' over expert-DP): megatron's DistributedOptimizer. Resumes
+    # exactly, and at another dp (megatron reshards it); its checkpoints and those of a run without it
+    # do not load into each other (refused)
+    distributed_optimizer: bool = False
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end

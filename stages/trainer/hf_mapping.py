@@ -120,8 +120,8 @@ def check_supported(hc) -> None:
             raise ValueError(f"{hc.model_type}: rope_type llama3 without {missing} in its rope parameters")
     if rotary_percent(hc) != 1.0 and hc.model_type not in PARTIAL_ROTARY:
         raise ValueError(
-            f"{hc.model_type}: partial_rotary_factor={rotary_percent(hc)} is mapped for glm4 and glm4_moe only "
-            "(transformers rotates the whole head for this family)"
+            f"{hc.model_type}: partial_rotary_factor={rotary_percent(hc)} is mapped for glm4 only (dense "
+            "or glm4_moe); transformers rotates the whole head for this family"
         )
     if getattr(hc, "use_sliding_window", False):
         raise ValueError(

@@ -57,7 +57,8 @@ class MegatronBackend:
             else torch.device("cpu")
         )
         bf16 = tc.precision == "bf16"
-        # megatron shards only Adam state; opt-in because resuming it fails in megatron-core 0.16
+        # megatron shards only Adam state (over DP; expert parameters' over the expert-DP group). Opt-in: a
+        # checkpoint's optimizer state loads only into the same format (checkpoint.py refuses the other)
         self.dist_opt = self.dp > 1 and tc.optimizer == "adam" and tc.distributed_optimizer
         # the KL reference and the critic must compute exactly as the policy does: one set of build settings
         self.arch = dict(
@@ -392,7 +393,7 @@ class MegatronBackend:
         if experts:
             hc = self.hf_config
             ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-            total += experts * ep * etp * pp * hc.num_experts_per_tok // hc.num_experts
+            total += experts * ep * etp * pp * hc.num_experts_per_tok // moe.num_experts(hc)
         return total
 
     # -- weights out, state in and out ---------------------------------------------------------------

@@ -58,7 +58,10 @@ def _load_torch_adam_state(part) -> None:
       its own copy back."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if not isinstance(part, DistributedOptimizer) or part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+    if (
+        not isinstance(part, DistributedOptimizer)
+        or part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    ):
         return
     inner, set_states, load = part.optimizer, part._set_main_param_and_optimizer_states, part.load_state_dict
 
@@ -82,6 +85,14 @@ def _load_torch_adam_state(part) -> None:
 
     part._set_main_param_and_optimizer_states = set_all_but_step
     part.load_state_dict = load_own_steps
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether `optimizer` is megatron's DistributedOptimizer (or chains them): Adam state sharded over
+    the data-parallel group (for expert parameters the expert-data-parallel group)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(part, DistributedOptimizer) for part in _parts(optimizer))
 
 
 def has_state(optimizer) -> bool:

@@ -15,10 +15,11 @@ def with_recorded_experts(batch, hc: dict, seed: int):
 
     from buffer.record import batch_to_samples, samples_to_batch
     from stages.models import moe_layer_flags
+    from stages.trainer.moe_config import num_experts
 
     rng = np.random.default_rng(seed)
     layers, k = sum(moe_layer_flags(hc)), hc["num_experts_per_tok"]
-    experts = hc.get("num_experts") or hc["num_local_experts"]  # transformers 5 writes the latter
+    experts = num_experts(hc)  # Qwen's num_experts / num_local_experts, GLM's n_routed_experts
     samples = batch_to_samples(batch)
     for s in samples:
         rows = s.prompt_len + s.response_len - 1

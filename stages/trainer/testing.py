@@ -221,6 +221,24 @@ def assert_same_training(ref_m: list[dict], ref_w: dict, m: list[dict], w: dict,
         assert torch.allclose(w[k], ref_w[k], atol=atol), k
 
 
+def checkpoint_state(step_dir: str) -> tuple[dict, dict]:
+    """A megatron checkpoint folder (checkpoints/step_N) read back whole, without process groups ->
+    (its sharded tensors by key: the model's, and the optimizer's as `optimizer.state.<exp_avg|...>.<key>`
+    in the distributed optimizer's fully_reshardable format; megatron's common state: param groups,
+    steps, the optimizer's sharding type)."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(step_dir, os.path.join(tmp, "whole.pt"))
+        whole = torch.load(os.path.join(tmp, "whole.pt"), weights_only=False)
+    tensors = {k: v for k, v in whole.items() if torch.is_tensor(v)}
+    return tensors, torch.load(os.path.join(step_dir, "common.pt"), weights_only=False)
+
+
 def assert_export_round_trips(path: str, out_dir: str) -> None:
     """The megatron build of the HF folder `path` exports exactly its tensors, and the folder saved from
     them computes the same logits as the original (needs init_distributed)."""
