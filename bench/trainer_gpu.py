@@ -92,20 +92,12 @@ SHAPES["moe-small"] = dict(
 # says how many (`qwen3-30b-a3b-L4`). Active parameters per token: attention, router and 8 experts.
 for _layers in (2, 4, 6, 8, 12, 16, 24, 48):
     SHAPES[f"qwen3-30b-a3b-L{_layers}"] = dict(
-        hidden_size=2048,
-        intermediate_size=6144,
+        SHAPES["moe-small"],
         num_hidden_layers=_layers,
         num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        vocab_size=151936,
-        tie_word_embeddings=False,
     )
 
 

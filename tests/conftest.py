@@ -45,3 +45,13 @@ def _held(ray) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    """torch.distributed and megatron's groups for one rank (TP = PP = 1), for tests that build models
+    in this process."""
+    from stages.trainer.model import init_distributed
+
+    init_distributed(tp=1, pp=1)
+    yield

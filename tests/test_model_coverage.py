@@ -21,14 +21,6 @@ def make_glm4(path: str) -> str:
 MAKERS = {"llama3.1": make_llama31, "glm4": make_glm4}
 
 
-@pytest.fixture(scope="module")
-def dist1():
-    from stages.trainer.model import init_distributed
-
-    init_distributed(tp=1, pp=1)
-    yield
-
-
 def _logits_diff(path: str, attention: str, seq: int = 120) -> float:
     from transformers import AutoModelForCausalLM
 

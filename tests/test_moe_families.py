@@ -10,22 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages.trainer.testing import forward_logits as _forward
 from stages.trainer.tiny_families import make_tiny
-
-
-@pytest.fixture(scope="module")
-def dist1():
-    from stages.trainer.model import init_distributed
-
-    init_distributed(tp=1, pp=1)
-    yield
-
-
-def _forward(m, toks):
-    from stages.trainer.model import causal_block_mask
-
-    s = toks.shape[1]
-    return m(toks, torch.arange(s)[None].expand(toks.shape[0], -1), causal_block_mask(torch.zeros_like(toks)))
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages.trainer.testing import forward_logits as _forward
 from stages.trainer.tiny_families import make_tiny
-
-
-@pytest.fixture(scope="module")
-def dist1():
-    from stages.trainer.model import init_distributed
-
-    init_distributed(tp=1, pp=1)
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +21,6 @@ def _build(path, experts: str, **kw):
     from stages.trainer.model import build_policy, unwrap
 
     return unwrap(build_policy(path, ddp=False, attention="sdpa", moe_experts=experts, **kw).model)
-
-
-def _forward(m, toks):
-    from stages.trainer.model import causal_block_mask
-
-    s = toks.shape[1]
-    pos = torch.arange(s, device=toks.device)[None].expand(toks.shape[0], -1)
-    return m(toks, pos, causal_block_mask(torch.zeros_like(toks)))
 
 
 def _expert_grads(m) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:

@@ -9,14 +9,6 @@ import torch
 from stages.trainer.testing import make_tiny_hf
 
 
-@pytest.fixture(scope="module")
-def dist1():
-    from stages.trainer.model import init_distributed
-
-    init_distributed(tp=1, pp=1)
-    yield
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "unfused"])
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
 def test_logits_match_hf(tmp_path, dist1, kind, attention):

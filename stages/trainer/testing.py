@@ -260,3 +260,14 @@ def assert_export_round_trips(path: str, out_dir: str) -> None:
         a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(toks).logits
         b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(toks).logits
     assert torch.equal(a, b)
+
+
+def forward_logits(model, tokens):
+    """A megatron GPTModel's logits [b, s, V] for `tokens` [b, s] (each row one causal sequence), on
+    the tokens' device: what the tests compare against transformers' forward."""
+    import torch
+
+    from stages.trainer.model import causal_block_mask
+
+    positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
+    return model(tokens, positions, causal_block_mask(torch.zeros_like(tokens)))
