@@ -22,6 +22,7 @@ import types
 import torch
 from megatron.core.transformer.moe import grouped_gemm_util
 from megatron.core.transformer.moe.experts import GroupedMLP
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -67,7 +68,7 @@ def _grouped_gemm_present():
 class GroupedExperts(GroupedMLP):
     """megatron's GroupedMLP with its grouped GEMMs done by `torch._grouped_mm`."""
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None):
+    def __init__(self, num_local_experts: int, config: TransformerConfig, pg_collection=None):
         if config.moe_apply_probs_on_input:
             raise ValueError("moe_apply_probs_on_input is not supported by the grouped experts")
         with _grouped_gemm_present():

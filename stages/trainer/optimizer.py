@@ -4,11 +4,15 @@ with what megatron 0.16 leaves out of it (the state SGD's checkpoints load into,
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from stages.trainer import cpu_shim
 from stages.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
 
 
 def lr_at(tc: TrainerConfig, version: int, steps: int) -> float:
@@ -25,7 +29,7 @@ def lr_at(tc: TrainerConfig, version: int, steps: int) -> float:
     return lr
 
 
-def build_optimizer(opt_cfg, model):
+def build_optimizer(opt_cfg: OptimizerConfig, model: torch.nn.Module):
     """megatron's optimizer (chained over its parameter groups) for `model`, a DDP-wrapped module."""
     from megatron.core.optimizer import get_megatron_optimizer
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -22,7 +26,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     partial: marked `sequence_parallel`, megatron's finalize_model_grads sums it over the TP group (the
     q/k norms, which see this rank's heads, are summed by their names already)."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = True
 
@@ -32,7 +36,7 @@ class PostNorm(torch.nn.RMSNorm):
     after linear_proj / linear_fc2 (all-reduced over TP, or reduce-scattered along the sequence under
     SP, where the weight's gradient is partial and so marked for the TP sum, as above)."""
 
-    def __init__(self, config):
+    def __init__(self, config: TransformerConfig):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
         self.weight.sequence_parallel = config.sequence_parallel
 
@@ -60,7 +64,7 @@ class PostNormSelfAttention(SelfAttention):
     """Self-attention whose output goes through an RMSNorm before the residual add (GLM4's
     `post_self_attn_layernorm`), which megatron's TransformerLayer has no slot for."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.post_layernorm = PostNorm(config)
 
@@ -78,7 +82,7 @@ class PostNormMLP(MLP):
     "Unknown MLP type" for a subclass; it gets the global TP group here, the same group
     (`quiet_unknown_mlp` drops that warning)."""
 
-    def __init__(self, config, *args, tp_group=None, **kwargs):
+    def __init__(self, config: TransformerConfig, *args, tp_group=None, **kwargs):
         from megatron.core import parallel_state as ps
 
         tp_group = tp_group or ps.get_tensor_model_parallel_group()
@@ -109,7 +113,7 @@ def quiet_unknown_mlp():
         log.removeFilter(f)
 
 
-def _layer_spec(cfg, *, te: bool, core_attention, moe: bool, grouped_experts: bool):
+def _layer_spec(cfg: TransformerConfig, *, te: bool, core_attention, moe: bool, grouped_experts: bool):
     """One layer: megatron's spec with the trainer's core attention (local spec only); an MoE layer's
     experts as GroupedExperts (`grouped_experts`) or megatron's SequentialMLP, a loop over them."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -144,7 +148,7 @@ def _sequence_parallel_norms(spec) -> None:
 
 def decoder_block_spec(
     hc,
-    cfg,
+    cfg: TransformerConfig,
     *,
     te: bool,
     core_attention=None,
