@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+import msgspec
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m buffer", description=__doc__.splitlines()[0])
@@ -36,8 +38,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import msgspec
-
     from buffer.config import BufferConfig
     from buffer.memory import reserve
     from buffer.server import BufferServer
@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"buffer: could not re-execute with the malloc settings ({e}); serving without",
                     flush=True,
                 )
-        return serve(args)
+        try:
+            return serve(args)
+        except (ValueError, OSError, RuntimeError, TimeoutError, msgspec.ValidationError) as e:
+            # a bad argument or an unusable --dir/--bind: one line, no traceback
+            print(f"python -m buffer serve: error: {e}", file=sys.stderr, flush=True)
+            return 2
     from buffer.demo import run_demo
 
     run_demo(

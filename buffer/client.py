@@ -6,8 +6,13 @@ duplicates by uid and answers a resend with the original ack), so a restart of t
 nothing but a resend. `put` = submit + wait for that ack. Each request carries a request id that the
 reply echoes, so a late reply to an abandoned request is never taken for the answer to a new one.
 
-Fetches are NOT resent: a fetch consumes data, and a resend after a lost reply would consume a second
-batch. A client is thread-safe: its public calls are serialised on one lock.
+Fetches are delivered exactly once: a fetch is resent with the same request id until its reply comes
+(the server answers a resend of a fetch it already served with the same rows, also after a restart:
+buffer/fetch_room.py), and the client moves to a new request id only once it has the reply, which is
+what tells the server the reply arrived. A fetch that gave up (BufferUnavailable) keeps its request id
+for the next fetch, so rows served to it while it was not listening are not lost. Waiting fetches carry
+a lease that the resends renew: a trainer that died while its fetch waited consumes nothing.
+A client is thread-safe: its public calls are serialised on one lock.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ class BufferClient(SampleSink, BatchSource):
         # generators call put() from several asyncio worker threads, so every public call holds this.
         self._lock = threading.RLock()
         self.trainer_version = 0  # from the latest ack
+        # the request id of a fetch that has no reply yet (it gave up): the next fetch repeats it
+        self._fetch_req: int | None = None
         self.last_fetch: wire.FetchReply | None = None
 
     # -- ingest (SampleSink) -----------------------------------------------------------------------
@@ -226,6 +233,8 @@ class BufferClient(SampleSink, BatchSource):
     ) -> pa.Table | None:
         """Like `fetch`, as a Table whose chunks are the received record batches, zero-copy over the
         reply's frames (stages/trainer/packing.to_token_batch accepts a Table as it is)."""
+        if self._fetch_req is None:
+            self._fetch_req = next(self._req) + (1 << 40)
         reply, frames = self._request(
             wire.Fetch(
                 consumer=self.producer,
@@ -233,12 +242,15 @@ class BufferClient(SampleSink, BatchSource):
                 version=version,
                 max_staleness=max_staleness,
                 timeout_s=timeout_s,
+                lease_s=self.fetch_lease_s,
             ),
             timeout_s + grace_s,
-            # resent until answered: a server that died and came back on its directory lost the fetch
-            # (the server serves one (consumer, id) once, so a resend never consumes twice)
+            # resent until answered: a server that died and came back on its directory lost the fetch,
+            # or its reply; it answers a resend of a fetch it served with the same rows
             resend=True,
+            req=self._fetch_req,
         )
+        self._fetch_req = None  # we have the reply: the next fetch's new id acknowledges it
         self.last_fetch = reply
         if reply.num_samples == 0:
             return None
@@ -324,9 +336,16 @@ class BufferClient(SampleSink, BatchSource):
                 self._send(f.frames)
         return None
 
-    def _request(self, msg: wire.Msg, timeout_s: float, resend: bool = True):
+    @property
+    def fetch_lease_s(self) -> float:
+        """The lease a waiting fetch of this client holds in the server: its resends (every resend_s)
+        renew it, so only a client that stopped resending (it died) loses it."""
+        return max(5.0 * self.resend_s, 2.0)
+
+    def _request(self, msg: wire.Msg, timeout_s: float, resend: bool = True, req: int | None = None):
         """Send a request and wait for the reply carrying its request id (resending if idempotent)."""
-        msg.req = next(self._req) + (1 << 40)  # disjoint from ingest seqs, which use req = seq
+        # disjoint from ingest seqs, which use req = seq
+        msg.req = next(self._req) + (1 << 40) if req is None else req
         kind = msg.__struct_config__.tag
         head = [wire.encode(msg)]
         start = time.monotonic()
@@ -348,5 +367,7 @@ class BufferClient(SampleSink, BatchSource):
             if reply.req != msg.req:
                 continue  # a late reply to an abandoned request
             if isinstance(reply, wire.Error):
+                if req is not None and self._fetch_req == req:
+                    self._fetch_req = None  # refused: answered, nothing was served
                 raise wire.ProtocolError(f"buffer at {self.address} rejected {kind}: {reply.reason}")
             return reply, frames

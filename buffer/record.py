@@ -48,6 +48,12 @@ RESPONSE_ALIGNED = ("response_ids", "rollout_logprobs", "versions", "loss_mask")
 # A NaN or infinite reward or logprob poisons the loss of its whole batch (and every later step through
 # the weights); a group that can never complete holds buffer capacity forever.
 MAX_GROUP_SIZE = 4096
+# |reward| above this is a reward function's bug (a sentinel, an overflow), not a signal: one such sample
+# dominates the group's advantages
+MAX_ABS_REWARD = 1e6
+# created_at / finished_at are unix seconds: 0 (unset) up to 2**32 (year 2106); milliseconds or
+# nanoseconds since the epoch, negative or non-finite values are refused
+MAX_TIMESTAMP = float(2**32)
 # a logprob is log p <= 0; float rounding of an engine's log-softmax may exceed 0 by less than this
 LOGPROB_SLACK = 1e-4
 
@@ -66,11 +72,24 @@ def routed_problem(entries: int, positions: int) -> str | None:
     return None
 
 
-def value_problem(*, reward, group_size, token_ids, logprobs, versions, loss_mask, routed=None) -> str:
+def value_problem(
+    *, reward, group_size, token_ids, logprobs, versions, loss_mask, routed=None, times=None
+) -> str:
     """The first out-of-range value among these arrays, described with the bound and the fix; "" if none.
-    Shared by Sample.validate (one sample) and buffer.validate.check_batch (whole columns)."""
+    Shared by Sample.validate (one sample) and buffer.validate.check_batch (whole columns). `times`:
+    {"created_at": array, "finished_at": array}."""
     if not np.isfinite(reward).all():
         return f"reward {reward[~np.isfinite(reward)][0]} is not finite; a reward must be a real number"
+    if len(reward) and np.abs(reward).max() > MAX_ABS_REWARD:
+        bad = reward[np.abs(reward) > MAX_ABS_REWARD][0]
+        return f"reward {bad} outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (MAX_ABS_REWARD); scale the reward"
+    for name, t in (times or {}).items():
+        out = ~np.isfinite(t) | (t < 0) | (t > MAX_TIMESTAMP)
+        if out.any():
+            return (
+                f"{name} {t[out][0]} outside [0, {MAX_TIMESTAMP:.0f}] (MAX_TIMESTAMP): unix seconds, "
+                "e.g. time.time(), not milliseconds or nanoseconds"
+            )
     if ((group_size < 1) | (group_size > MAX_GROUP_SIZE)).any():
         bad = group_size[(group_size < 1) | (group_size > MAX_GROUP_SIZE)][0]
         return f"group_size {bad} outside [1, {MAX_GROUP_SIZE}]"
@@ -180,6 +199,10 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             versions=self.array("versions"),
             loss_mask=self.array("loss_mask"),
             routed=self.array("routed_experts"),
+            times={
+                "created_at": np.asarray([self.created_at], np.float64),
+                "finished_at": np.asarray([self.finished_at], np.float64),
+            },
         )
         if problem:
             raise ValueError(f"Sample {self.uid}: {problem}")

@@ -6,7 +6,8 @@ A buffer directory holds
       ingest. Each batch carries custom metadata `crc32` = a checksum of its logical content, so a torn
       or bit-flipped tail is detected on restart instead of being served.
   consumed.log  append-only records `[u32 length][u32 crc32][msgpack {op, v, uids}]`: which uids were
-      served to the trainer (op "served", at trainer version v), evicted as too stale ("evicted"), and
+      served to the trainer (op "served", at trainer version v, with the (consumer, req) of the fetch it
+      answered), evicted as too stale ("evicted"), and
       version announcements ("version").
 
 Invariants: a segment batch is fsynced before its producer is acked (the writer thread fsyncs, the
@@ -330,7 +331,9 @@ def recover_segments(directory: Path) -> Recovered:
 class LogRecord(msgspec.Struct, array_like=True):
     op: str  # "served" | "evicted" | "version"
     v: int  # trainer version at the time
-    uids: list[str] = []
+    uids: list[str] = []  # "served": in the order the reply carried them
+    consumer: str = ""  # "served": the fetch it answered, (consumer, request id), so that a resend of
+    req: int = 0  # that fetch after a crash gets these rows again (older logs have neither: "", 0)
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -366,8 +369,8 @@ class ConsumptionLog:
             pos += _LOG_HEAD.size + n
         return out, pos, len(data) - pos
 
-    def append(self, op: str, version: int, uids: list[str]) -> None:
-        body = _enc.encode(LogRecord(op, version, uids))
+    def append(self, op: str, version: int, uids: list[str], consumer: str = "", req: int = 0) -> None:
+        body = _enc.encode(LogRecord(op, version, uids, consumer, req))
         self._f.write(_LOG_HEAD.pack(len(body), zlib.crc32(body)) + body)
         self._dirty = True
 

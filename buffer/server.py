@@ -123,9 +123,11 @@ class BufferServer:
         try:
             self.serve_forever()
         except BaseException as e:  # surfaced by start()/stop()
+            started = self._bound.is_set()
             self._error = e
             self._bound.set()
-            log.exception("buffer server stopped with an error")
+            if started:  # a failure to start is start()'s one-line error, not a traceback here
+                log.exception("buffer server stopped with an error")
 
     def request_stop(self) -> None:
         """Ask the loop to end (safe from a signal handler); `stop()` also waits for it."""
@@ -290,7 +292,7 @@ class BufferServer:
         if isinstance(msg, wire.Ingest | wire.IngestBatch):
             return self._ingest(sock, env, msg, body)
         if isinstance(msg, wire.Fetch):
-            self._fetches.add(env, msg)
+            self._fetches.add(env, msg, sock)
             return True
         if isinstance(msg, wire.SetVersion):
             self.buffer.set_version(msg.version)
@@ -418,6 +420,8 @@ class BufferServer:
         s["rejected_messages"] = sum(self.rejects.values())
         s["pending_fetches"] = len(self._fetches)
         s["superseded_fetches"] = self._fetches.superseded
+        s["replayed_fetches"] = self._fetches.replayed  # resends answered with their first reply again
+        s["expired_fetch_leases"] = self._fetches.leases_expired
         s["parked_ingests"] = len(self._parked)
         s["unacked_ingests"] = len(self._unacked)  # committed, waiting for their segment fsync
         s["address"] = self._address

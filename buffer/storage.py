@@ -29,8 +29,11 @@ from buffer import wire
 from buffer.config import BufferConfig
 from buffer.policy import Policy, make_policy
 from buffer.record import ARROW_SCHEMA, Sample, samples_to_batch
-from buffer.segments import ConsumptionLog, SegmentWriter, recover_segments
+from buffer.segments import ConsumptionLog, LogRecord, SegmentWriter, recover_segments
 from buffer.validate import check_batch
+
+_REPLAY_CONSUMERS = 1024  # consumers whose last served fetch a restarted buffer can answer again
+_ANSWERED_MEMORY = 8192  # (consumer, req) of earlier served fetches a restarted buffer remembers
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +124,7 @@ class Buffer:
         self._chunks: dict[int, pa.RecordBatch] = {}
         self._live_mask: dict[int, np.ndarray] = {}
         self._chunk_live: dict[int, int] = {}
+        self._chunk_ticket: dict[int, int] = {}  # chunk -> its segment write ticket (durable mode)
         self._next_chunk = 0
         self._seen: set[str] = set()
         self._groups: dict[str, _Group] = {}  # every live group
@@ -128,6 +132,10 @@ class Buffer:
         self._writer: SegmentWriter | None = None
         self._log: ConsumptionLog | None = None
         self.recovery: dict = {}
+        # what recovery found for exactly-once fetches (buffer/fetch_room.py takes them over):
+        # consumer -> (req, rows, groups) of its last served fetch, and the (consumer, req) answered before
+        self.recovered_replies: dict[str, tuple[int, list[pa.RecordBatch], int]] = {}
+        self.recovered_answered: list[tuple[str, int]] = []
         if self.durable:
             self._recover()
 
@@ -211,12 +219,13 @@ class Buffer:
         self.counters["duplicates"] += plan.duplicates
         self.counters["rejected_samples"] += plan.rejected
         if plan.batch is not None:
-            if self._writer is not None:
-                self._writer.append(plan.batch)
+            ticket = self._writer.append(plan.batch) if self._writer is not None else 0
             if plan.runs is not None:
                 self._add_runs(plan.batch, plan.runs)
             else:
                 self._add_chunk(plan.batch, None)
+            if ticket and self._next_chunk - 1 in self._chunks:
+                self._chunk_ticket[self._next_chunk - 1] = ticket
             self.counters["accepted"] += plan.n_new
         return self._writer.appended if self._writer is not None else 0
 
@@ -321,11 +330,15 @@ class Buffer:
             if self._log is not None:
                 self._log.append("version", version, [])  # durable with the next sync
 
-    def fetch(self, num_groups: int, version: int, max_staleness: int) -> FetchResult:
+    def fetch(
+        self, num_groups: int, version: int, max_staleness: int, *, consumer: str = "", req: int = 0
+    ) -> FetchResult:
         """Serve `num_groups` complete groups trainable at `version`, or batch=None if there are fewer.
 
-        The served rows are logged and fsynced before this returns (so they are never served again
-        after a crash); evicted ones are counted in `evicted`.
+        The served rows are logged, with the (consumer, req) of the fetch they answer, and fsynced
+        before this returns (so they are never served to another fetch after a crash, and a resend of
+        this one gets them again: see `recovered_replies`); their segment writes are durable too (so
+        recovery can find them). Evicted ones are counted in `evicted`.
         """
         self.set_version(version)
         evicted = self.evict_stale(version, max_staleness) if self.policy.enforces_staleness else 0
@@ -341,18 +354,22 @@ class Buffer:
             return FetchResult(None, 0, evicted)
         chosen = self.policy.select(self._complete.values(), num_groups)
         pieces = self._gather(chosen)
-        uids = []
+        if self._writer is not None:
+            # the rows must be on disk before the log says they answered this fetch: after a crash the
+            # resend of the fetch is answered with them, read back from the segments
+            need = max((self._chunk_ticket.get(cid, 0) for g in chosen for _, cid, _ in g.rows), default=0)
+            if need > self._writer.durable:
+                self.counters["fetch_waited_for_segment"] += 1
+                self._writer.sync()
+        uids = [u for p in pieces for u in p.column("uid").to_pylist()]  # in the reply's order
         for g in chosen:
             g.times_sampled += 1
-            uids.extend(g.uids)
             if g.times_sampled >= self.policy.max_times_sampled:
                 self._retire(g)
         self.counters["served_samples"] += len(uids)
         self.counters["served_groups"] += len(chosen)
         if self._log is not None:
-            self._log.append("served", version, uids)
-        # Only the log must be durable before the rows leave: a row served before its segment write
-        # is durable is, after a crash, known as served (the log) and never acked, so never lost.
+            self._log.append("served", version, uids, consumer, req)
         self.sync_log()
         return FetchResult(pieces, len(chosen), evicted)
 
@@ -416,6 +433,7 @@ class Buffer:
             self._chunk_live[cid] -= 1
             if self._chunk_live[cid] == 0:  # free the memory of fully consumed batches
                 del self._chunks[cid], self._live_mask[cid], self._chunk_live[cid]
+                self._chunk_ticket.pop(cid, None)
         self.live_rows -= len(g.rows)
 
     # -- durability --------------------------------------------------------------------------------
@@ -427,16 +445,30 @@ class Buffer:
         self._log = ConsumptionLog(self.directory / "consumed.log")
         served: collections.Counter[str] = collections.Counter()
         gone: set[str] = set()
+        last: dict[str, LogRecord] = {}  # consumer -> its last served record (the fetch a resend repeats)
+        answered: list[tuple[str, int]] = []
         for r in self._log.records:
             if r.op == "served":
                 served.update(r.uids)
+                if r.consumer:
+                    if r.consumer in last:
+                        answered.append((r.consumer, last[r.consumer].req))
+                    last.pop(r.consumer, None)  # re-inserted last: the dict stays in serving order
+                    last[r.consumer] = r
             elif r.op == "evicted":
                 gone.update(r.uids)
             self.version = max(self.version, r.v)
         limit = self.policy.max_times_sampled
         evicted_groups: dict[str, str] = {}  # group id -> producer, for the live stats below
+        last = dict(list(last.items())[-_REPLAY_CONSUMERS:])
+        wanted = {u for r in last.values() for u in r.uids}
+        found: dict[str, pa.RecordBatch] = {}  # uid -> its row, for the replies of `last`
         for _, batch in rec.batches:
             uids = batch.column("uid").to_pylist()
+            if wanted and not wanted.isdisjoint(uids):
+                for k, u in enumerate(uids):
+                    if u in wanted:
+                        found[u] = batch.slice(k, 1)
             live = np.fromiter((u not in gone and served[u] < limit for u in uids), bool, len(uids))
             self._add_chunk(batch, live)
             self._seen.update(uids)
@@ -454,6 +486,13 @@ class Buffer:
         self._seen.update(gone)
         for g in self._groups.values():
             g.times_sampled = max(served[u] for u in g.uids)
+        missing = 0
+        for consumer, r in last.items():
+            rows = [found[u] for u in r.uids if u in found]
+            missing += len(r.uids) - len(rows)
+            groups = len({b.column("group_id")[0].as_py() for b in rows})
+            self.recovered_replies[consumer] = (r.req, [pa.concat_batches(rows)] if rows else [], groups)
+        self.recovered_answered = answered[-_ANSWERED_MEMORY:]
         self._writer = SegmentWriter(self.directory, rec.next_index, self.cfg.segment_max_mb << 20)
         torn = [vars(r) for r in rec.reports if r.problem]
         self.recovery = {
@@ -462,6 +501,8 @@ class Buffer:
             "live_rows": self.live_rows,
             "consumed_uids": len(served) + len(gone),
             "log_torn_bytes": self._log.torn_bytes,
+            "replayable_fetches": len(self.recovered_replies),
+            "replay_rows_missing": missing,  # served rows of those fetches not found in any segment
             "torn_segments": torn,
             "seconds": round(time.perf_counter() - t0, 3),
         }

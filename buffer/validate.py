@@ -87,6 +87,10 @@ def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         "versions": _values(batch.column("versions")),
         "loss_mask": _values(batch.column("loss_mask")),
         "routed": _values(batch.column("routed_experts")),
+        "times": {
+            "created_at": batch.column("created_at").to_numpy(zero_copy_only=False),
+            "finished_at": batch.column("finished_at").to_numpy(zero_copy_only=False),
+        },
     }
 
 

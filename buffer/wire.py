@@ -79,6 +79,9 @@ class Fetch(Msg, tag="fetch"):
     version: int  # the trainer's current policy version (also announces it)
     max_staleness: int  # serve only groups with version - min_token_version <= max_staleness
     timeout_s: float  # the server replies with FetchReply(num_groups=0) if not enough data by then
+    # > 0: the requester resends this fetch at least this often while it waits; one not renewed for
+    # lease_s is dropped unanswered, consuming nothing (its requester is gone). 0: no lease.
+    lease_s: float = 0.0
 
 
 class FetchReply(Msg, tag="fetch_reply"):
@@ -166,6 +169,7 @@ def decode(frame: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> AnyMs
             "run the same slipstream version on both ends",
             "schema_version",
         )
+    check_request(msg)
     if isinstance(msg, Ingest):
         for s in msg.samples:
             try:
@@ -175,6 +179,62 @@ def decode(frame: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> AnyMs
                     f"invalid sample in ingest seq {msg.seq}: {e}", "invalid_sample"
                 ) from None
     return msg
+
+
+# Bounds of the fields of control messages (check_request): a value outside is refused with a reason and
+# counted in the server's rejects as "invalid_control", like a bad sample is as "invalid_sample".
+MAX_VERSION = 2**62  # policy versions and staleness bounds
+MAX_REQ = 2**63 - 1  # request ids and ingest sequence numbers
+MAX_ID_CHARS = 256  # producer / consumer ids
+MAX_FETCH_GROUPS = 1 << 20
+MAX_WAIT_S = 86400.0  # fetch timeouts and leases
+MAX_PEEK = 2**31 - 1  # inspection may ask for every live row
+MAX_BATCH_SAMPLES = 1 << 24
+
+
+def _id_problem(what: str, value: str) -> str:
+    if not value:
+        return f"{what} is empty; it names the peer (e.g. the trainer's consumer id)"
+    if len(value) > MAX_ID_CHARS:
+        return f"{what} has {len(value)} characters; at most {MAX_ID_CHARS}"
+    if not value.isprintable():
+        return f"{what} {value[:40]!r} holds control characters; use printable text"
+    return ""
+
+
+def _range_problem(what: str, value, lo, hi) -> str:
+    if isinstance(value, float) and value != value or not lo <= value <= hi:
+        return f"{what}={value!r} outside [{lo}, {hi}]"
+    return ""
+
+
+def check_request(msg: Msg) -> None:
+    """Raise ProtocolError("invalid_control") if a request's control fields are out of range: versions in
+    [0, MAX_VERSION], ids printable and non-empty, counts and waits bounded and finite. Replies are not
+    checked (a client trusts its server)."""
+    problems: list[str] = []
+    if isinstance(msg, Ingest | IngestBatch | Fetch | SetVersion | StatsRequest | Peek):
+        problems.append(_range_problem("req", msg.req, 0, MAX_REQ))
+    if isinstance(msg, Ingest | IngestBatch):
+        problems.append(_id_problem("producer", msg.producer))
+        problems.append(_range_problem("seq", msg.seq, 0, MAX_REQ))
+        if isinstance(msg, IngestBatch):
+            problems.append(_range_problem("num_samples", msg.num_samples, 0, MAX_BATCH_SAMPLES))
+    elif isinstance(msg, Fetch):
+        problems.append(_id_problem("consumer", msg.consumer))
+        problems.append(_range_problem("num_groups", msg.num_groups, 1, MAX_FETCH_GROUPS))
+        problems.append(_range_problem("version", msg.version, 0, MAX_VERSION))
+        problems.append(_range_problem("max_staleness", msg.max_staleness, 0, MAX_VERSION))
+        problems.append(_range_problem("timeout_s", msg.timeout_s, 0.0, MAX_WAIT_S))
+        problems.append(_range_problem("lease_s", msg.lease_s, 0.0, MAX_WAIT_S))
+    elif isinstance(msg, SetVersion):
+        problems.append(_range_problem("version", msg.version, 0, MAX_VERSION))
+    elif isinstance(msg, Peek):
+        problems.append(_range_problem("limit", msg.limit, 0, MAX_PEEK))
+    problems = [p for p in problems if p]
+    if problems:
+        kind = msg.__struct_config__.tag
+        raise ProtocolError(f"invalid {kind} message: {'; '.join(problems)}", "invalid_control")
 
 
 def _explain(frame: bytes | memoryview, e: Exception) -> tuple[str, str]:

@@ -315,7 +315,15 @@ def _run_metrics(buffer_dir: str | None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    table, info = load(args.target)
+    from buffer.client import BufferUnavailable
+    from buffer.wire import ProtocolError
+
+    try:
+        table, info = load(args.target)
+    except (BufferUnavailable, ProtocolError, FileNotFoundError, NotADirectoryError) as e:
+        # one line, no traceback: an unreachable buffer or a wrong folder is the user's to fix
+        print(f"buffer-inspect: {args.target}: {e}", file=sys.stderr)
+        return 1
     if args.cmd == "summary":
         summary(table, info, args.version, as_json=args.json)
     elif args.cmd == "samples":

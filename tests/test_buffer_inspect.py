@@ -187,3 +187,14 @@ def test_plot_adds_the_trainer_panels_when_the_run_metrics_are_beside_the_buffer
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
     main(["plot", str(run / "buffer"), str(tmp_path / "with.png")])
     assert height(tmp_path / "alone.png") == 400 and height(tmp_path / "with.png") == 700
+
+
+def test_an_unreachable_buffer_is_one_line_not_a_traceback():
+    r = subprocess.run(
+        [str(REPO / "bin" / "buffer-inspect"), "summary", "tcp://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "did not send a reply" in r.stderr

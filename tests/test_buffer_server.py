@@ -138,8 +138,8 @@ def test_resend_after_server_restart(tmp_path):
         ([wire.encode(wire.Ok())], "unexpected_kind", "reply kind"),
         (
             [wire.encode(wire.Fetch(consumer="t", num_groups=0, version=0, max_staleness=0, timeout_s=1))],
-            "invalid_fields",
-            "num_groups >= 1",
+            "invalid_control",
+            "num_groups=0 outside [1,",
         ),
     ],
 )
