@@ -8,7 +8,10 @@ Every stage is healed: a generator gets a new incarnation, the buffer restarts o
 address, the trainer group restarts from its newest checkpoint (every 100 steps here, in both runs).
 Acknowledged = stored by the buffer (it acks after
 fsync); lost = accepted by the buffer when training ended but not on disk afterwards; trained twice = a uid served more
-than once in the consumption log. Prints one JSON line last and appends it to
+than once in the consumption log; generated twice = a prompt (generator slot, data position: the
+`slipstream_data_pos` the generator tags each group's samples with) stored in more than one group, e.g. by
+a healed generator that drew it again; evicted = samples the buffer evicted (consumption log), for both
+runs. Prints one JSON line last and appends it to
 bench/results/fault_run.jsonl: {"completed", "kills", "lost_acked", "trained_twice", "final_reward",
 "unfaulted_final_reward", ...}. Goal: completed, 0, 0, final reward within 0.05 of the unfaulted run.
 """
@@ -40,6 +43,7 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[s
     from pipeline.orchestration.launcher import Pipeline, StageFailed, start_ray
     from pipeline.orchestration.metrics import MetricsWriter
     from pipeline.orchestration.progress import Progress
+    from stages.rollout.generator import DATA_POS_KEY
 
     run_dir = Path(tempfile.mkdtemp(prefix="slipstream-fault-"))
     cfg = load_config(None, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])
@@ -79,8 +83,19 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[s
         ray.shutdown()
     wall = time.monotonic() - t0
     rows = [h for h in metrics.history if "reward/mean" in h]
-    served = collections.Counter(u for r in iter_log(run_dir / "buffer") if r.op == "served" for u in r.uids)
-    stored = {u for _, b in recover_segments(run_dir / "buffer").batches for u in b.column("uid").to_pylist()}
+    log_records = list(iter_log(run_dir / "buffer"))
+    served = collections.Counter(u for r in log_records if r.op == "served" for u in r.uids)
+    evicted = {u for r in log_records if r.op == "evicted" for u in r.uids}
+    batches = [b for _, b in recover_segments(run_dir / "buffer").batches]
+    stored = {u for b in batches for u in b.column("uid").to_pylist()}
+    prompt_of: dict[str, tuple] = {}  # group id -> (generator slot, epoch, index of its prompt)
+    for b in batches:
+        cols = (b.column(c).to_pylist() for c in ("group_id", "generator_id", "metadata"))
+        for gid, gen, meta in zip(*cols, strict=True):
+            pos = json.loads(meta or "{}").get(DATA_POS_KEY)
+            if pos is not None and gid not in prompt_of:
+                prompt_of[gid] = (gen.split(".")[0], *pos)  # gen-<i>.<incarnation>: the slot
+    groups_per_prompt = collections.Counter(prompt_of.values())
     tail = rows[-50:]
     return {
         "completed": status == "completed" and len(rows) == cfg.run.steps,
@@ -95,6 +110,10 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[s
         "stored": len(stored),
         "accepted_at_end": accepted,
         "trained_twice": sum(1 for c in served.values() if c > 1),
+        "generated_twice": sum(1 for c in groups_per_prompt.values() if c > 1),
+        "groups_tagged": len(prompt_of),
+        "evicted": len(evicted),
+        "evicted_share": round(len(evicted) / max(len(stored), 1), 4),
         "served": len(served),
         "final_reward": round(sum(r["reward/mean"] for r in tail) / max(len(tail), 1), 4),
         "wall_s": round(wall, 1),
@@ -126,9 +145,15 @@ def main() -> None:
                 "restarts",
                 "lost_acked",
                 "trained_twice",
+                "generated_twice",
+                "evicted",
+                "evicted_share",
                 "final_reward",
             )
         },
+        "unfaulted_generated_twice": clean["generated_twice"],
+        "unfaulted_evicted": clean["evicted"],
+        "unfaulted_evicted_share": clean["evicted_share"],
         "unfaulted_final_reward": clean["final_reward"],
         "unfaulted_completed": clean["completed"],
         "steps": a.steps,

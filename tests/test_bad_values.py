@@ -110,8 +110,12 @@ def test_a_nan_reward_changes_no_weight_and_the_next_step_trains(model_path, tmp
     assert m["optimizer/skipped"] == 1.0 and m["optimizer/skipped_total"] == 1
     after = unwrap(tr.policy.model).state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # not one weight moved
+    # nor did the policy version: the skipped step made no new policy (the buffer and the generators'
+    # staleness count from it)
+    assert tr.version == 0 and m["version"] == 0
     m2 = tr.step()
     assert m2["optimizer/skipped"] == 0.0 and math.isfinite(m2["loss"]) and m2["grad_norm"] > 0
+    assert tr.version == 1 and m2["version"] == 1
     changed = unwrap(tr.policy.model).state_dict()
     assert any(not torch.equal(before[k], changed[k]) for k in before)
     assert all(torch.isfinite(v).all() for v in changed.values() if torch.is_tensor(v))

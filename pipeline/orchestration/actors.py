@@ -169,7 +169,16 @@ class GeneratorActor(_Located):
         self.sink = BufferClient(
             buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
         )
-        self.gen = Generator(cfg.rollout, cfg.model, run, self.sink, self.engine, generator_id, batch_groups)
+        self.gen = Generator(
+            cfg.rollout,
+            cfg.model,
+            run,
+            self.sink,
+            self.engine,
+            generator_id,
+            batch_groups,
+            state_path=state_path,
+        )  # state_path: the data position is written at each settled (acked) group, not only here
         self.cfg, self.evaluator = cfg, None  # the evaluator is made at the first evaluate()
         # the data position (epoch, index in the epoch's order) continues across incarnations and re-runs
         # in the same directory: a healed generator or a resumed run does not start the prompts over

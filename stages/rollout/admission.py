@@ -53,6 +53,15 @@ class StalenessAdmission:
             self._last_engine_version, self._relaunches_seen = version, relaunches
         return live - self._kept_offset < (version + self.max_staleness + 1) * self.batch_groups
 
+    def resume(self, prior_live: int, trainer_version: int) -> None:
+        """A new incarnation of a generator: its predecessors left `prior_live` groups live in the buffer
+        and the trainer is at `trainer_version`. Count as if this generator had kept `trainer_version *
+        batch_groups` groups that were consumed plus those live ones, so that at engine version
+        `trainer_version` only (max_staleness + 1) * batch_groups - prior_live more may start (fresh
+        counters would admit (trainer_version + max_staleness + 1) * batch_groups groups: far more than
+        the trainer can take in time, so the buffer would evict the surplus as too stale)."""
+        self._kept_offset = -(prior_live + trainer_version * self.batch_groups)
+
     def _in_relaunch_dip(self, version: int, relaunches: int, dip_wait_s: float) -> bool:
         """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a
         trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts

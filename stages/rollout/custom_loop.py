@@ -192,11 +192,14 @@ class RolloutContext:
             await asyncio.gather(*pending, return_exceptions=True)
             self._tasks.difference_update(pending)
 
-    def abandon(self, group: Group) -> None:
-        """Give up a started group (it is counted as failed and frees its admission place)."""
+    def abandon(self, group: Group, *, settle: bool = True) -> None:
+        """Give up a started group (it is counted as failed and frees its admission place; its prompt is
+        settled: a resumed generator does not draw it again)."""
         if self._open.pop(group.group_id, None) is not None:
             self._gen.counters["groups_failed"] += 1
             self._gen._running -= 1
+            if settle:
+                self._gen.settle(group.group_id)
 
     def _close(self, name: str, got: Any) -> list[Sample]:
         first = got[0] if isinstance(got, list | tuple) and got else None
@@ -251,6 +254,6 @@ async def run_rollout_fn(gen, stop_event: asyncio.Event | None, max_groups: int 
         for task in list(ctx._tasks):  # run_groups' tasks, if the function returned without finishing it
             task.cancel()
         for group in list(ctx._open.values()):  # started, never yielded
-            ctx.abandon(group)
+            ctx.abandon(group, settle=False)  # not finished: a resumed generator draws its prompt again
         await stream.aclose()
         gen.rollout_ctx = None

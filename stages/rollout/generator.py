@@ -12,6 +12,16 @@ where groups dropped by the filter or by failures do not count (the trainer neve
 trainer version comes from buffer acks and announcements; the engine version from weight pushes.
 Tokens carry the engine version, so the engine's (older) version is the one that bounds staleness.
 
+Resuming (a healed incarnation, or a re-run in the same directory). The data position is made durable
+group by group: a prompt is settled once its group is acked by the buffer (or filtered, failed, aborted
+as stale: an unfaulted run would not draw it again either), and `state_dict()` holds the position of the
+oldest unsettled prompt plus the settled ones drawn after it; with `state_path` it is written at each
+settlement. A resumed generator draws from there and skips the settled prompts, so the prompts in flight
+at a kill are drawn again and no settled one is. At its start (`run()`) it also asks the buffer what its
+previous incarnations left there (stats, peek): their live groups keep their admission places, counted as
+if this generator had kept pace with the trainer's version (so a heal does not admit a full window
+afresh), and their prompts are settled too (acked, but killed before the state was written).
+
 In-flight caps, below that bound: at most `rollout.max_inflight_groups` groups, and with
 `rollout.max_inflight_requests` set, a new group starts only while its requests fit beside those the
 engine still decodes. Each request counts until its own answer, so a group whose last sequence is
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +57,7 @@ from stages.rollout.hooks import (
     load_hook,
     resolve_filter,
 )
+from stages.rollout.position import DATA_POS_KEY, DataPosition, ResumableGenerator
 from stages.rollout.run import RolloutRun
 from stages.rollout.scoring import score_samples
 
@@ -53,11 +65,10 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineDown", "Generator", "score_samples"]
 
 
-EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
 HELD_BACK_WARN_S = 30.0  # a generator held back by admission this long says why, and again as often
 
 
-class Generator:
+class Generator(ResumableGenerator):
     """Streams scored, version-tagged GRPO groups from `engine` into `sink`.
 
     rollout: the `rollout:` section; model: the `model:` section (its tokenizer, unless one is given)
@@ -68,6 +79,8 @@ class Generator:
     batch_groups: this generator's share of the trainer batch, in groups (trainer.batch_groups /
         num_generators); 0 disables admission control (e.g. a dry run with no trainer)
     source / tokenizer / scorer / group_filter: override what the config would build (tests, custom tasks)
+    state_path: where `state_dict()` is written (atomically) each time a drawn prompt is settled; load it
+        with `load_state_dict` before run() to resume (see the module docstring)
 
     Each group is made by the generate_fn (rollout.generate_fn, default: single_turn), called once per
     group or, with rollout.generate_per_sample, once per sample (generate_fn.GenerateFn, which the evaluator
@@ -88,6 +101,7 @@ class Generator:
         tokenizer: Any = None,
         scorer: RewardScorer | None = None,
         group_filter: GroupFilter | None = None,
+        state_path: str | os.PathLike | None = None,
     ):
         r = rollout
         self.rollout, self.sink, self.engine, self.id = rollout, sink, engine, generator_id
@@ -148,6 +162,12 @@ class Generator:
         self._error: BaseException | None = None
         self._watch = None  # the engine watch while run() runs (SGLang with rollout.sglang.health_check_s)
         self._started_at = time.perf_counter()
+        # -- the durable data position (see the module docstring) --
+        self.state_path = str(state_path) if state_path else ""
+        self.position = DataPosition(self.source)
+        self._prior_ids: list[str] = []  # previous incarnations' ids, from the loaded state
+        self._prior_evicted = 0  # their evicted groups when run() began (later ones free places)
+        self.resumed: dict = {}  # what run() learnt from the buffer at start (stats()["resumed"])
 
     # -- control ----------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -200,18 +220,6 @@ class Generator:
                 self.rollout_ctx.unyielded_note(hook_name(self.rollout_fn)) if self.rollout_ctx else "",
             )
 
-    async def _refresh_evicted(self) -> None:
-        """While held back by admission, ask the buffer (at most every EVICTED_POLL_S) how many of our
-        groups it evicted: acks stop while we are held back, so they cannot carry this news."""
-        now = time.monotonic()
-        ask = getattr(self.sink, "evicted_groups", None)  # SampleSink has it; a duck-typed sink may not
-        if ask is None or now - self._evicted_polled < EVICTED_POLL_S:
-            return
-        self._evicted_polled = now
-        n = await asyncio.to_thread(ask, self.id)
-        if n > self.counters["groups_evicted"]:
-            self.counters["groups_evicted"] = n
-
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self, stop_event: asyncio.Event | None = None, max_groups: int | None = None) -> dict:
         """Generate until stop()/stop_event, or until max_groups groups were started and streamed.
@@ -223,6 +231,7 @@ class Generator:
         self._watch = watch_for(self.engine, self.rollout)  # restarts a dead SGLang server meanwhile
         watching = asyncio.create_task(self._watch.run()) if self._watch else None
         try:
+            await self._resume_from_buffer()
             if self.rollout_fn is not None:
                 await run_rollout_fn(self, stop_event, max_groups)
             else:
@@ -346,8 +355,9 @@ class Generator:
 
     def start_group(self, prompt=None) -> tuple[str, object]:
         """Count a new group as started (call right after admitted()); returns its id and prompt."""
-        prompt = next(self.source) if prompt is None else prompt
         gid = f"{self.id}-{self.group_counter}"
+        if prompt is None:
+            prompt = self.position.draw(gid)
         self.group_counter += 1
         self.counters["groups_started"] += 1
         self._running += 1
@@ -364,6 +374,10 @@ class Generator:
         self._running -= 1
         if task.cancelled() and flight.aborting:
             self.counters["groups_aborted_stale"] += 1
+            self.settle(gid)
+        elif not task.cancelled() and task.exception() is None:  # put (acked or filtered) or failed
+            self.settle(gid)
+        # cancelled at shutdown, or the sink failed: not settled, its prompt is drawn again on resume
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()  # the sink failed: run() re-raises it
         if self._wake is not None:
@@ -391,10 +405,17 @@ class Generator:
 
     async def _put(self, samples: list[Sample]) -> None:
         """Filter a scored group and stream it to the sink (counted either way)."""
+        gid = samples[0].group_id if samples else ""
         if self.group_filter is not None and not apply_filter(self.group_filter, samples):
             self.counters["groups_filtered"] += 1
+            self.settle(gid)
             return
+        pos = self.position.of(gid)
+        if pos is not None:  # which prompt it was, for a resumed incarnation and for audits
+            for s in samples:
+                s.metadata[DATA_POS_KEY] = list(pos)
         ack = await asyncio.get_running_loop().run_in_executor(self._put_thread, self.sink.put, samples)
+        self.settle(gid)  # acked: durable in the buffer, so its prompt is never drawn again
         self.set_trainer_version(ack.trainer_version)
         self.counters["groups_finished"] += 1
         self.counters["samples"] += len(samples)
@@ -450,6 +471,8 @@ class Generator:
             elapsed_s=round(time.perf_counter() - self._started_at, 3),
             data=dict(self.source.counters, **self.source.state_dict()),
         )
+        if self.resumed:
+            out["resumed"] = dict(self.resumed)
         in_flight = self.engine.requests_in_flight()
         if in_flight is not None:  # how full the engine is kept (the request cap's doing)
             out["requests_in_flight"] = in_flight
@@ -460,14 +483,6 @@ class Generator:
         if self._watch is not None:
             out["engine_restarts"] = self._watch.restarts
         return out
-
-    def state_dict(self) -> dict:
-        """Data position + group counter: enough to resume without reusing uids or prompts."""
-        return {"data": self.source.state_dict(), "group_counter": self.group_counter}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.source.load_state_dict(state["data"])
-        self.group_counter = int(state["group_counter"])
 
 
 class EngineDown(RuntimeError):

@@ -154,8 +154,9 @@ class TrainerConfig(_Base):
     # the training forward computes exactly it, so it is taken from there; "separate_pass" runs a no-grad
     # forward over the batch first (twice the forward work; the same numbers up to kernel rounding)
     old_logprobs: Literal["from_train_forward", "separate_pass"] = "from_train_forward"
-    # a step whose loss or gradient is NaN/inf: "skip" leaves the weights as they were (counted in the
-    # optimizer/skipped metrics), "stop" fails the trainer with an error naming the version
+    # a step whose loss or gradient is NaN/inf: "skip" leaves the weights and the policy version as they
+    # were (counted in the optimizer/skipped metrics; nothing is pushed or checkpointed for it), "stop"
+    # fails the trainer with an error naming the version
     on_nonfinite: Literal["skip", "stop"] = "skip"
     # several optimizer updates per fetched batch (PPO epochs x mini-batches, as slime's / verl's): each
     # epoch splits this rank's samples into `mini_batches` parts, one update each. logp_old is then

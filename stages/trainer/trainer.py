@@ -86,6 +86,7 @@ class Trainer:
         self.critic: ValueModel | None = backend.build_critic() if tc.loss.advantage == "ppo" else None
         self.checkpoints = CheckpointManager(self.run_dir, keep=tc.keep_checkpoints)
         self.version = 0
+        self._applied = 0  # optimizer updates applied in the current step (a skipped step applies none)
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self._params: int | None = None  # the whole model's parameters (perf/tflops)
@@ -95,6 +96,7 @@ class Trainer:
             if state:
                 self.version = int(state["version"])
                 self.last_checkpoint = self.version
+        self.start_version = self.version  # where this trainer began (resumed): logs and tests only
         self.feed.set_version(self.version)
 
     @property
@@ -118,8 +120,11 @@ class Trainer:
         return metrics
 
     def train_on_batch(self, batch: pa.RecordBatch) -> dict:
-        """Optimizer step on one batch of complete groups; version += 1. Collective over all ranks."""
+        """Optimizer step on one batch of complete groups; version += 1, unless every update of the batch
+        was skipped as non-finite (trainer.on_nonfinite=skip): the weights did not change, so neither does
+        the policy version. Collective over all ranks."""
         t0 = time.perf_counter()
+        self._applied = 0  # optimizer updates of this batch that were applied (not skipped)
         tb = _token_batch(batch)
         self.backend.check_batch(tb)
         shard = shard_samples(tb, self.backend.dp)[self.backend.dp_rank]
@@ -133,8 +138,11 @@ class Trainer:
         else:
             stats, old = self._updates(tb, shard, adv, old, ref, value_batch), old.cpu()
         stats.update(engine_mismatch(tb, old, shard, self.version))
-        self.version += 1
-        metrics = self._metrics(tb, adv, stats, value_batch)
+        trained_at = self.version
+        if self._applied:  # a skipped step leaves the policy, and so its version, as it was
+            self.version += 1
+        metrics = self._metrics(tb, adv, stats, value_batch, trained_at + 1)
+        metrics["version"] = self.version
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
         return metrics
@@ -175,7 +183,9 @@ class Trainer:
         stats, old = self.backend.train(
             tb, mbs, adv, old, ref, lr=lr, version=self.version, count_unpacked=first
         )
-        if stats["sum/skipped"]:
+        if not stats["sum/skipped"]:
+            self._applied += 1
+        else:
             self.skipped_steps += 1
             log.warning(
                 "optimizer step skipped at version %d (non-finite loss or gradients); %d skipped so far",
@@ -214,14 +224,15 @@ class Trainer:
                 acc[k] = acc[k] / n
         return acc
 
-    def _metrics(self, tb: TokenBatch, adv, stats: dict, value_batch) -> dict:
-        """Statistics reduced over micro-batches and ranks into one flat dict (same on every rank)."""
+    def _metrics(self, tb: TokenBatch, adv, stats: dict, value_batch, made: int) -> dict:
+        """Statistics reduced over micro-batches and ranks into one flat dict (same on every rank).
+        `made`: the version the step makes when applied (staleness is counted from the one before)."""
         red = self.backend.reduce_stats(stats, STAT_KEYS)
         metrics = step_metrics(
             red,
             tb,
             adv,
-            version=self.version,
+            version=made,
             skipped_total=self.skipped_steps,
             kl=self.backend.has_reference,
             critic=self.critic is not None,
@@ -242,6 +253,8 @@ class Trainer:
     def after_step(self, metrics: dict) -> None:
         self.feed.set_version(self.version)
         self.publisher.raise_if_failed()
+        if metrics.get("optimizer/skipped") and self._applied == 0:
+            return  # nothing changed: no new weights to push, checkpoint or export
         if self.publisher.due(self.version):
             metrics.update(self.push_weights())
         ce, every_s = self.tc.checkpoint_every, self.tc.checkpoint_every_s
