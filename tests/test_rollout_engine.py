@@ -155,6 +155,33 @@ def test_close_aborts_inflight(tiny_path):
     assert box and box[0].finish_reason == "abort"
 
 
+def test_a_caller_whose_event_loop_is_gone_does_not_end_the_engine(engine):
+    """A generator killed mid-request leaves its requests in the engine and its event loop closed; the
+    engine answering them must not end its thread, or the healed generator's requests hang for ever."""
+    params = SamplingParams(max_new_tokens=4)
+    engine.pause()  # the killed caller's requests are still queued when its loop closes
+
+    async def killed_caller():
+        asyncio.get_running_loop().create_task(
+            engine.generate([GenRequest(prompt_ids=p, params=params) for p in PROMPTS])
+        )
+        await asyncio.sleep(0.01)  # then asyncio.run cancels the task and closes the loop
+
+    asyncio.run(killed_caller())
+    assert engine.requests_in_flight() == len(PROMPTS)
+    engine.resume()
+
+    async def next_caller():
+        return await asyncio.wait_for(engine.generate([GenRequest(prompt_ids=PROMPTS[0], params=params)]), 30)
+
+    (out,) = asyncio.run(next_caller())
+    assert out.response_ids and out.finish_reason in ("stop", "length")
+    deadline = time.monotonic() + 10
+    while engine.requests_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.requests_in_flight() == 0, "the dead caller's answered requests must leave the count"
+
+
 def test_an_engine_pool_reports_busy_and_idle_over_its_engines():
     """The generator's `generator/idle_share` comes from the pool's sums (it showed '-' with SGLang)."""
     from stages.rollout.engine_pool import EnginePool

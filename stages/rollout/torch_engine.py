@@ -102,6 +102,7 @@ class TorchEngine(Engine):
         self._closed = False
         self._batch: Batch | None = None
         self._open = 0  # requests generate() submitted and not yet answered
+        self._open_lock = threading.Lock()
         self._stats = dict(tokens=0, prefill_tokens=0, steps=0, busy_s=0.0, idle_s=0.0, updates=0)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -124,21 +125,31 @@ class TorchEngine(Engine):
 
         def resolver(fut: asyncio.Future) -> Callback:
             def done(res: GenResult | BaseException) -> None:
-                loop.call_soon_threadsafe(self._answered, fut, res)
+                try:
+                    loop.call_soon_threadsafe(self._answered, fut, res)
+                except RuntimeError:
+                    # the caller's event loop is closed (its generator was killed mid-request and a new
+                    # one runs on a new loop): nobody awaits this answer, but it must neither raise into
+                    # the engine thread (that would end it, and hang every later caller) nor stay counted
+                    self._answered(fut, res)
 
             return done
 
         seqs = self.submit(requests, [resolver(f) for f in futures])
-        self._open += len(requests)
+        with self._open_lock:
+            self._open += len(requests)
         for f, seq in zip(futures, seqs):  # a caller that gives up frees the sequence's row
             f.add_done_callback(lambda f, seq=seq: _drop_if_cancelled(f, seq))
         return list(await asyncio.gather(*futures))
 
     def _answered(self, fut: asyncio.Future, res: GenResult | BaseException) -> None:
-        # on the caller's loop thread, so the count needs no lock; when the engine thread answers, not
-        # when the caller gives up (a cancelled request holds its row until the engine's next step)
-        self._open -= 1
-        _settle(fut, res)
+        # on the caller's loop thread (or the engine thread when that loop is gone), hence the lock;
+        # when the engine thread answers, not when the caller gives up (a cancelled request holds its
+        # row until the engine's next step)
+        with self._open_lock:
+            self._open -= 1
+        if not fut.get_loop().is_closed():
+            _settle(fut, res)
 
     def requests_in_flight(self) -> int:
         """Requests generate() submitted and not yet answered (each counted until its own answer)."""
@@ -268,7 +279,7 @@ class TorchEngine(Engine):
         with self._cond:
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
         for s in [s for s in new if s.cancelled]:  # given up while queued: never prefilled
-            s.done(_result(s, "abort"))
+            _deliver(s, _result(s, "abort"))
         new = [s for s in new if not s.cancelled]
         if not new:
             return 0
@@ -277,7 +288,7 @@ class TorchEngine(Engine):
         except Exception as e:
             log.exception("torch engine prefill failed; failing %d requests", len(new))
             for s in new:
-                s.done(e)
+                _deliver(s, e)
             return 1
         self._batch = joined if self._batch is None else _merge(self._batch, joined)
         self._retire()
@@ -349,7 +360,7 @@ class TorchEngine(Engine):
         for i, s in enumerate(b.seqs):
             reason = self._finish_reason(s, int(b.pos[i]))
             if reason:
-                s.done(_result(s, reason))
+                _deliver(s, _result(s, reason))
             else:
                 keep.append(i)
         if len(keep) == len(b.seqs):
@@ -380,7 +391,7 @@ class TorchEngine(Engine):
     def _fail_batch(self, err: BaseException) -> None:
         b, self._batch = self._batch, None
         for s in b.seqs if b else []:
-            s.done(err)
+            _deliver(s, err)
 
     def _abort_all(self) -> None:
         with self._cond:
@@ -388,7 +399,7 @@ class TorchEngine(Engine):
         running = self._batch.seqs if self._batch else []
         self._batch = None
         for s in running + queued:
-            s.done(_result(s, "abort"))
+            _deliver(s, _result(s, "abort"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -414,6 +425,15 @@ def _checkpoint_names(model) -> dict[str, torch.Tensor]:
             for e in range(p.shape[0]):
                 out[f"{base}{e}.down_proj.weight"] = p.data[e]
     return out
+
+
+def _deliver(s: _Seq, res: GenResult | BaseException) -> None:
+    """Hand a sequence its answer; a callback that raises loses its own answer, never the engine thread
+    (every later request would wait on a thread that is gone)."""
+    try:
+        s.done(res)
+    except Exception:
+        log.exception("torch engine: the callback of request %r raised; its answer is dropped", s.req.rid)
 
 
 def _drop_if_cancelled(fut: asyncio.Future, seq: _Seq) -> None:
