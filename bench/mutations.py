@@ -582,6 +582,61 @@ MUTATIONS = [
         "            if False:\n",
         ("tests/test_generator_resume.py",),
     ),
+    Mutation(
+        "lora_tp_grads_not_summed",
+        "LoRA under TP: the adapter gradients each rank holds a part of are never summed",
+        "stages/trainer/lora.py",
+        "                        torch.distributed.all_reduce(grad, group=group)\n",
+        "                        pass\n",
+        ("tests/test_lora.py::test_a_parallel_layout_trains_the_adapters_as_one_rank_does",),
+    ),
+    Mutation(
+        "lora_base_trains",
+        "LoRA: the base weights are not frozen (full fine-tuning with adapters on top)",
+        "stages/trainer/lora.py",
+        "    model.requires_grad_(False)\n",
+        "",
+        ("tests/test_lora.py::test_only_the_adapted_tensors_train",),
+    ),
+    Mutation(
+        "lora_merge_unscaled",
+        "LoRA: the merged push forgets alpha/r (the engine samples another policy than the trainer's)",
+        "stages/trainer/lora.py",
+        "        return (self.B.float() * self.mask) @ self.A.float() * self.scale\n",
+        "        return (self.B.float() * self.mask) @ self.A.float()\n",
+        (
+            "tests/test_lora.py::test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trainers_policy",
+            "tests/test_lora.py::test_the_peft_export_loads_in_peft_and_gives_the_trainers_logits",
+        ),
+    ),
+    Mutation(
+        "lora_reference_keeps_adapters",
+        "LoRA: the KL reference runs with the adapters on (the KL to the base is always zero)",
+        "stages/trainer/megatron_backend.py",
+        "        with self.policy.lora.disabled() if base_only else contextlib.nullcontext():\n",
+        "        with contextlib.nullcontext():\n",
+        (
+            "tests/test_lora.py::test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trainers_policy",
+        ),
+    ),
+    Mutation(
+        "lora_push_everything",
+        "LoRA: a push sends every tensor of the model, not only those with adapters",
+        "stages/trainer/export.py",
+        "        return self.policy.lora is not None\n",
+        "        return False\n",
+        (
+            "tests/test_lora.py::test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trainers_policy",
+        ),
+    ),
+    Mutation(
+        "lora_checkpoint_whole_model",
+        "LoRA: checkpoints hold the whole frozen base beside the adapters",
+        "stages/trainer/checkpoint.py",
+        '            model_sd = {k: v for k, v in model_sd.items() if ".lora." in k}\n',
+        "            pass\n",
+        ("tests/test_lora.py::test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly",),
+    ),
 ]
 
 

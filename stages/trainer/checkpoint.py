@@ -64,11 +64,15 @@ class Stateful(Protocol):
 class MegatronPart:
     """A DDP-wrapped megatron model (the policy's or the critic's) and its optimizer."""
 
-    def __init__(self, model: Any, optimizer: Any):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: Any, optimizer: Any, adapters_only: bool = False):
+        # adapters_only (LoRA): the frozen base is the model folder the run starts from; only the
+        # adapters (and their optimizer state) change, so only they are saved
+        self.model, self.optimizer, self.adapters_only = model, optimizer, adapters_only
 
     def state_dict(self, loading: bool = False, optimizer: bool = True) -> dict:
         model_sd = self.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
+        if self.adapters_only:
+            model_sd = {k: v for k, v in model_sd.items() if ".lora." in k}
         if not optimizer:
             return {"model": model_sd}
         if loading:
@@ -84,7 +88,17 @@ class MegatronPart:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.module.load_state_dict(state["model"])
+        if self.adapters_only:
+            gpt = self.model.module.module if hasattr(self.model.module, "module") else self.model.module
+            missing, unexpected = gpt.load_state_dict(state["model"], strict=False)
+            lost = [k for k in missing if ".lora." in k] + list(unexpected)
+            if lost:
+                raise ValueError(
+                    f"checkpoint: the LoRA adapters do not match this model's ({lost[:3]}...): was it saved "
+                    "with other trainer.lora.target_modules or another model?"
+                )
+        else:
+            self.model.module.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
 

@@ -95,6 +95,36 @@ class LossConfig(_Base):
             raise ValueError("trainer.loss.kl_coef and entropy_coef must be >= 0")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Base):
+    """trainer.lora: low-rank adapters on the policy's linear layers (stages/trainer/lora.py). The base
+    weights stay frozen (no gradient, no optimizer state, no fp32 master copy); only the adapters train."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank, as PEFT does
+    dropout: float = 0.0  # on the adapter's input only
+    # HF module names as PEFT spells them (GLM-4's fused MLP: gate_up_proj)
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from; "" = PEFT's
+    # initialisation (A kaiming-uniform, B zero: the policy starts as the base model)
+    init_from: str = ""
+    # how the engines get the trained policy: "merge" sends base + (alpha/rank) B.A for the tensors that
+    # have adapters (the rest never change), so the engine needs no LoRA support
+    push: Literal["merge"] = "merge"
+
+    def __post_init__(self):
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError("trainer.lora: rank must be >= 0 (0: off), alpha > 0 and 0 <= dropout < 1")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS) - {"gate_up_proj"})
+        if unknown or (self.rank and not self.target_modules):
+            raise ValueError(
+                f"trainer.lora.target_modules {unknown or '[]'}: name some of {', '.join(LORA_TARGETS)} "
+                "(PEFT's names; gate_up_proj for GLM-4's fused MLP)"
+            )
+
+
 class TrainerConfig(_Base):
     """Megatron trainer. Parallel sizes (tp x pp x cp x dp) multiply to the number of processes."""
 
@@ -179,6 +209,7 @@ class TrainerConfig(_Base):
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
     @property
     def ranks(self) -> int:
@@ -226,6 +257,16 @@ class TrainerConfig(_Base):
             )
         if self.logits_chunk_tokens < 1:
             raise ValueError("trainer.logits_chunk_tokens must be >= 1 (try 2048)")
+        if self.lora.rank and self.loss.advantage == "ppo":
+            raise ValueError(
+                "trainer.lora with trainer.loss.advantage=ppo: the critic has no adapters; use an estimator "
+                "without a critic (grpo, gspo, reinforce_pp) or full fine-tuning (trainer.lora.rank=0)"
+            )
+        if self.lora.rank and self.layer_spec == "te":
+            raise ValueError(
+                "trainer.lora adapts the local layer spec's linear layers (transformer-engine fuses the "
+                "norm into them); set trainer.layer_spec=local"
+            )
 
 
 def check_critic_layout(tc: TrainerConfig) -> None:

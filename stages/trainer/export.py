@@ -35,18 +35,29 @@ TOKENIZER_FILES = (
 )
 
 
-def _local_hf(policy: Policy, dense: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _local_hf(
+    policy: Policy, dense: bool = True, adapted_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's parameters, TP-merged and renamed to HF (on every rank of DP replica 0), one
     parameter at a time: only one gathered tensor exists at once, never a whole-model copy (an expert
     parameter: one per EP rank). Every rank must consume it to the end (each parameter's gather is a
-    collective); `dense=False` (ranks outside DP replica 0) takes part in the expert gathers only."""
+    collective); `dense=False` (ranks outside DP replica 0) takes part in the expert gathers only.
+    With LoRA (policy.lora) the adapted weights come merged (base + scale B.A) and the adapters
+    themselves not at all; `adapted_only` keeps just the HF tensors that have adapters (the others
+    never change: what a push sends)."""
     from megatron.core import parallel_state as ps
 
     m = unwrap(policy.model)
     hc = policy.hf_config
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
+    lora = policy.lora
     for key, p in m.named_parameters():
+        if lora is not None and lora.is_adapter_param(key):
+            continue
+        adapter = lora.adapter_for(key) if lora is not None else None
+        if adapted_only and adapter is None:  # decided by the key: alike on every rank of a collective
+            continue
         layer = None
         if key.startswith("decoder.layers."):
             layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
@@ -57,7 +68,7 @@ def _local_hf(policy: Policy, dense: bool = True) -> Iterator[tuple[str, torch.T
             continue
         if not dense:
             continue
-        t = p.detach()
+        t = p.detach() if adapter is None else lora.merged(key, p.detach())
         layout = hf_mapping.tp_layout(key) if tp > 1 else "replicated"
         if layout in ("col", "qkv"):
             # the shards' rows concatenate (merge_tp): gathered straight into the full tensor, without
@@ -71,7 +82,10 @@ def _local_hf(policy: Policy, dense: bool = True) -> Iterator[tuple[str, torch.T
             del shards
         else:
             full = t
-        yield from hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
+        pairs = hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
+        if adapted_only:  # of a fused weight, only the HF modules the adapters target (k_proj may not be)
+            pairs = [(n, w) for n, w in pairs if n.rsplit(".", 2)[-2] in adapter.targeted]
+        yield from pairs
         del full  # before the next parameter's gather: one gathered tensor at a time
 
 
@@ -92,7 +106,7 @@ class HostSnapshot:
         return buf
 
 
-def iter_hf_state(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_state(policy: Policy, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of export_hf_state, lazily and without copies: each full HF tensor on global rank 0
     where it was gathered (the trainer's GPU), one at a time, possibly a view of a live parameter;
     nothing on the other ranks. Collective: every rank consumes it to the end, in step, before any other
@@ -104,18 +118,22 @@ def iter_hf_state(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(DIRECT_NEEDS_ONE_STAGE)
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # the expert gathers only
-        for _ in _local_hf(policy, dense=False):
+        for _ in _local_hf(policy, dense=False, adapted_only=adapted_only):
             pass
         return
     rank0 = dist.get_rank() == 0
-    for name, t in _local_hf(policy):
+    for name, t in _local_hf(policy, adapted_only=adapted_only):
         if rank0:
             yield name, t
         del t  # let it go before the next gather (the consumer packs it and drops its own reference)
 
 
 def export_hf_state(
-    policy: Policy, dtype: torch.dtype | None = None, device: str = "cpu", host: HostSnapshot | None = None
+    policy: Policy,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    host: HostSnapshot | None = None,
+    adapted_only: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """Full HF state dict on global rank 0 (fresh copies on `device`, or in `host`'s pinned buffers);
     None on other ranks.
@@ -125,10 +143,10 @@ def export_hf_state(
     from megatron.core import parallel_state as ps
 
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:  # CP ranks hold the same weights
-        for _ in _local_hf(policy, dense=False):  # but other experts, under expert parallelism
+        for _ in _local_hf(policy, dense=False, adapted_only=adapted_only):  # but other experts (EP)
             pass
         return None
-    local = _local_hf(policy)
+    local = _local_hf(policy, adapted_only=adapted_only)
     pp = ps.get_pipeline_model_parallel_world_size()
     leader = ps.get_tensor_model_parallel_rank() == 0
     rank = dist.get_rank()
@@ -201,10 +219,16 @@ class PolicyExport:
     def snapshot(
         self, *, device: str = "cpu", host: HostSnapshot | None = None
     ) -> dict[str, torch.Tensor] | None:
-        return export_hf_state(self.policy, device=device, host=host)
+        return export_hf_state(self.policy, device=device, host=host, adapted_only=self._adapted_only)
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_hf_state(self.policy)
+        return iter_hf_state(self.policy, adapted_only=self._adapted_only)
+
+    @property
+    def _adapted_only(self) -> bool:
+        """With LoRA a push sends the merged tensors that have adapters: the engines hold the same frozen
+        base for the rest (they start from the model folder the trainer started from)."""
+        return self.policy.lora is not None
 
     def host_buffers(self) -> HostSnapshot:
         return HostSnapshot()
@@ -218,7 +242,9 @@ class PolicyExport:
         pp = ps.get_pipeline_model_parallel_world_size()
         dense = ps.get_tensor_model_parallel_world_size() * pp
         experts = ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size() * pp
+        lora = self.policy.lora
         return sum(
             p.numel() * p.element_size() * (experts if moe.is_expert_param(key) else dense)
             for key, p in unwrap(self.policy.model).named_parameters()
+            if lora is None or lora.adapter_for(key) is not None
         )

@@ -179,6 +179,26 @@ def _ungroup_qkv(w, hc):
     return q.reshape(nq * d, *rest), k.reshape(nkv * d, *rest), v.reshape(nkv * d, *rest)
 
 
+def fuse_rows(layout: str, parts: list[torch.Tensor], hc, tp: int, r: int) -> torch.Tensor:
+    """HF row blocks of one fused megatron linear -> TP rank r's rows of it: (q, k, v) -> linear_qkv's
+    group-interleaved rows ("qkv"), (gate, up) -> linear_fc1's [gate_r; up_r] ("fc1"). Any tensor with
+    those rows fits (a weight, or a LoRA B matrix of another width)."""
+    if layout == "qkv":
+        return _group_qkv(*parts, hc, tp, r)
+    if layout == "fc1":
+        return torch.cat([w.chunk(tp, 0)[r] for w in parts]).contiguous()
+    raise ValueError(f"fuse_rows: layout {layout!r} is not a fused one (qkv, fc1)")
+
+
+def split_rows(layout: str, full: torch.Tensor, hc) -> list[torch.Tensor]:
+    """The inverse of fuse_rows on the TP-merged tensor (merge_tp): its HF row blocks."""
+    if layout == "qkv":
+        return list(_ungroup_qkv(full, hc))
+    if layout == "fc1":
+        return list(full.chunk(2, 0))
+    raise ValueError(f"split_rows: layout {layout!r} is not a fused one (qkv, fc1)")
+
+
 def _gate_up(get, hc, p: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) of a dense MLP; GLM4 stores them fused as gate_up_proj = cat(gate, up)."""
     if hc.model_type == "glm4":

@@ -7,8 +7,10 @@ The step itself (trainer.py) sees none of this: it calls the TrainBackend method
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -20,17 +22,12 @@ from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.trainer.context_parallel import cp_info, local_positions, local_view
 from stages.trainer.export import PolicyExport, export_hf_state, save_hf
 from stages.trainer.lm_head import head_logprobs
-from stages.trainer.model import (
-    build_policy,
-    causal_block_mask,
-    head_weight,
-    init_distributed,
-    packed_row_params,
-    unwrap,
-)
+from stages.trainer.lora import save_peft
+from stages.trainer.model import build_policy, head_weight, init_distributed, unwrap
 from stages.trainer.optimizer import build_optimizer, use_fused_adam
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack
 from stages.trainer.routing_replay import RoutingReplay
+from stages.trainer.row_layout import causal_block_mask, packed_row_params
 from stages.trainer.step_metrics import accumulate
 
 log = logging.getLogger(__name__)
@@ -74,7 +71,12 @@ class MegatronBackend:
             moe_experts=tc.moe_experts,
         )
         self.policy = build_policy(
-            model_path, **self.arch, recompute=tc.recompute, distributed_optimizer=self.dist_opt
+            model_path,
+            **self.arch,
+            recompute=tc.recompute,
+            distributed_optimizer=self.dist_opt,
+            lora=tc.lora,
+            seed=run.seed,
         )
         self.hf_config = self.policy.hf_config
         self.replay = None  # trainer.routing_replay: the policy's routers take the engine's experts
@@ -86,10 +88,11 @@ class MegatronBackend:
                 )
             self.replay = RoutingReplay(unwrap(self.policy.model), self.hf_config)
         self.ref = None
-        if tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0:  # frozen initial policy for the KL
+        self.has_reference = tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0
+        # the KL's frozen initial policy: with LoRA the policy itself with its adapters off (no copy)
+        if self.has_reference and self.policy.lora is None:
             self.ref = build_policy(model_path, **self.arch, ddp=False)
             unwrap(self.ref.model).eval().requires_grad_(False)
-        self.has_reference = self.ref is not None
         self.opt_cfg = OptimizerConfig(
             optimizer=tc.optimizer,
             lr=tc.lr,
@@ -195,7 +198,8 @@ class MegatronBackend:
     def logprobs(self, tb: TokenBatch, mbs: list[MicroBatch], *, reference: bool = False) -> torch.Tensor:
         """Per-token logprobs of the policy (or the reference) for this rank's micro-batches (filled on
         the last PP stage), on the trainer's device."""
-        model = self.ref.model if reference else self.policy.model
+        base_only = reference and self.ref is None  # LoRA: the reference is the base, adapters off
+        model = self.ref.model if reference and not base_only else self.policy.model
         out = torch.zeros(len(tb.rollout_logprobs), dtype=torch.float32, device=self.device)
         model.eval()
 
@@ -206,7 +210,8 @@ class MegatronBackend:
             out[mb.tok_index.to(self.device)] = lp.float()
             return hidden.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
-        self.run_schedule(model, mbs, loss_fn, forward_only=True)
+        with self.policy.lora.disabled() if base_only else contextlib.nullcontext():
+            self.run_schedule(model, mbs, loss_fn, forward_only=True)
         model.train()
         return self._cp_whole(out)
 
@@ -401,13 +406,19 @@ class MegatronBackend:
         return PolicyExport(self.policy)
 
     def save_hf(self, out_dir: str) -> str | None:
+        """The merged model as a save_pretrained folder; with LoRA also the adapters alone as a PEFT
+        folder in its `adapter/` (a sub-folder: transformers would take an adapter_config.json beside
+        config.json for an adapter to load onto the base)."""
         state = export_hf_state(self.policy)
+        if self.policy.lora is not None:
+            save_peft(self.policy.lora, os.path.join(out_dir, "adapter"), self.policy.model_path)
         if self.rank != 0:
             return None
         return save_hf(state, self.policy.model_path, out_dir)
 
     def checkpoint_part(self) -> MegatronPart:
-        return MegatronPart(self.policy.model, self.optimizer)
+        # with LoRA the checkpoint holds the adapters and their optimizer state (the base is the model folder)
+        return MegatronPart(self.policy.model, self.optimizer, adapters_only=self.policy.lora is not None)
 
     def nonfinite_param(self) -> str | None:
         for name, p in unwrap(self.policy.model).named_parameters():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import glob
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from buffer.net import free_port
 from stages.models import moe_layer_flags
 from stages.trainer import cpu_shim, hf_mapping, moe
+from stages.trainer.config import LoraConfig
 from stages.weights.sglang_protocol import align_nccl_env
 
 
@@ -111,6 +111,7 @@ class Policy:
     model_path: str
     layout: str = "sdpa"  # how micro-batches are fed: "varlen" / "te" (packed row) or block-mask rows
     router_stats: object = None  # moe.RouterStats of an MoE model (collective .metrics() per step)
+    lora: object = None  # lora.Lora when trainer.lora is on: the adapters, by the weight they adapt
 
 
 def head_weight(model) -> torch.Tensor | None:
@@ -292,6 +293,8 @@ def build_policy(
     moe_aux_loss_coef: float = 0.0,
     moe_capacity_factor: float | None = None,
     moe_experts: str = "auto",
+    lora: LoraConfig | None = None,
+    seed: int = 0,
 ) -> Policy:
     """GPTModel with HF weights, wrapped for training. Call init_distributed first.
 
@@ -304,6 +307,8 @@ def build_policy(
     `moe_aux_loss_coef` > 0 adds megatron's load-balancing loss (trainer.moe_aux_loss_coef), and
     `moe_capacity_factor` makes routing drop tokens past that capacity (None: dropless);
     `moe_experts` (trainer.moe_experts) picks how the local spec runs experts (resolve_moe_experts).
+    `lora` (trainer.lora, rank > 0) freezes the base and attaches adapters (stages/trainer/lora.py),
+    initialised from `seed` or from lora.init_from; they need the local layer spec.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
@@ -318,7 +323,8 @@ def build_policy(
     from stages.trainer import specs  # imports megatron: not at module import
 
     hc = AutoConfig.from_pretrained(model_path)
-    te = use_te(layer_spec)
+    with_lora = lora is not None and lora.rank > 0
+    te = use_te(layer_spec) and not with_lora  # LoRA adapts the local spec's linears (config refuses "te")
     cfg = transformer_config(
         hc,
         tp=tp,
@@ -375,6 +381,13 @@ def build_policy(
     if layers:  # GLM: its expert bias exported as a parameter, n_routed_experts read as num_experts
         moe.adapt_built_model(model, hc)
     load_hf_weights(model, model_path, hc, te)
+    adapters = None
+    if with_lora:  # before any wrapper: DDP then holds gradient buffers for the adapters only
+        from stages.trainer.lora import apply_lora, load_peft_into
+
+        adapters = apply_lora(model, hc, lora, tp=tp, sp=sequence_parallel, seed=seed)
+        if lora.init_from:
+            load_peft_into(adapters, lora.init_from)
     stats = None
     if layers:  # hooks on the routers, before any wrapper
         stats = moe.RouterStats(model, hc, moe_capacity_factor, aux_loss=moe_aux_loss_coef > 0)
@@ -396,6 +409,8 @@ def build_policy(
         model = DistributedDataParallel(cfg, ddp_cfg, model)
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
+        if adapters is not None and tp > 1:
+            cfg.finalize_model_grads_func = adapters.after(finalize_model_grads)
     return Policy(
         model=model,
         hf_config=hc,
@@ -404,6 +419,7 @@ def build_policy(
         model_path=model_path,
         layout=layout,
         router_stats=stats,
+        lora=adapters,
     )
 
 
@@ -454,44 +470,5 @@ def load_hf_weights(model, model_path: str, hc, te: bool) -> None:
         )
 
 
-# -- attention layouts ---------------------------------------------------------------------------------
-def causal_block_mask(segments: torch.Tensor) -> torch.Tensor:
-    """Segment ids [b, s] -> boolean mask [b, 1, s, s], True = masked (megatron's convention).
-
-    Packed sequences see only earlier tokens of their own segment. Because RoPE scores depend only
-    on the relative position, a sequence packed at any offset gets the same logits as alone (W3: the
-    explicit mask also keeps megatron from building its default mask on "cuda").
-    """
-    s = segments.shape[1]
-    same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-    return ~(same & causal)[:, None]
-
-
-def packed_row_params(mb, layout: str, device):
-    """PackedSeqParams for a packed-row micro-batch (layout "varlen" or "te").
-
-    te: megatron's 'thd' format, which TE's attention and RoPE understand (positions restart per
-    sequence). varlen: the 'sbhd' layout with a batch of one, so megatron's RoPE runs over the row as
-    one sequence; `max_seqlen_q` is therefore the row length (megatron sizes the rotary table from
-    it), and the longest segment, which the kernel needs, travels as `max_segment_len`.
-    """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = mb.cu_seqlens.to(device)
-    if layout == "te":
-        n = mb.max_segment_len
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n
-        )
-    t = mb.segments.numel()  # the whole row, also where a context-parallel rank holds part of it
-    params = PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=t, max_seqlen_kv=t
-    )
-    params.max_segment_len = mb.max_segment_len
-    return params
-
-
-def read_hf_config(model_path: str) -> dict:
-    with open(os.path.join(model_path, "config.json")) as f:
-        return json.load(f)
+# re-exported: the feeding layouts live in row_layout.py (callers import them from here too)
+from stages.trainer.row_layout import causal_block_mask, packed_row_params  # noqa: E402, F401

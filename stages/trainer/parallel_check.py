@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument(
         "--routing-replay", action="store_true", help="MoE: samples carry recorded experts, replayed"
     )
+    ap.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (all target modules)")
     a = ap.parse_args()
 
     import torch
@@ -113,6 +114,10 @@ def main() -> None:
     tc.optimizer, tc.distributed_optimizer = a.optimizer, a.distributed_optimizer
     tc.checkpoint_every = a.checkpoint_every
     tc.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
+    if a.lora_rank:
+        from stages.trainer.config import LoraConfig
+
+        tc.lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
     run = TrainerRun(run_dir=a.out + "/run")  # the run-wide defaults (seed 0, 60 steps, staleness 2)
     # resumed: the batches the uninterrupted run takes after the checkpoint's version (step i: seed i)
     tr_offset = resumed_version(a.out + "/run")
@@ -141,6 +146,10 @@ def main() -> None:
     losses = [tr.step() for _ in range(a.steps)]
     tr.close()
     state = export_hf_state(tr.policy)
+    if tr.policy.lora is not None:  # collective: the adapters alone, as a PEFT folder
+        from stages.trainer.lora import save_peft
+
+        save_peft(tr.policy.lora, a.out + "/adapter", a.model_path)
     if state is not None:
         os.makedirs(a.out, exist_ok=True)
         save_file(state, a.out + "/weights.safetensors")

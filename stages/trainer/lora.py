@@ -1,0 +1,415 @@
+"""LoRA on the megatron policy (trainer.lora, issue #37): low-rank adapters beside the local layer spec's
+linear layers, the base frozen (no gradient, no optimizer state, no fp32 master copy).
+
+Where: each decoder layer's fused megatron linears carry the HF modules PEFT names (`sites`):
+linear_qkv = q_proj, k_proj, v_proj; linear_proj = o_proj; linear_fc1 = gate_proj, up_proj (GLM-4:
+gate_up_proj); linear_fc2 = down_proj. The adapters are PEFT's, one per targeted module (so a PEFT folder
+maps onto them exactly, both ways): a site's A matrices are stacked [P*r, in]; its B matrices are laid
+out like the fused weight's rows, each module's B in its own r columns and zero elsewhere (a fixed mask
+keeps those zero), so a site's update is one pair of GEMMs: x -> x A^T -> (.) (B*mask)^T, times alpha/r.
+
+Tensor parallelism follows the base layer's: a column-parallel site (qkv, fc1) holds all of A and its
+rows of B; a row-parallel one (proj, fc2) its columns of A and all of B, and its partial x A^T is summed
+over TP (reduce-scattered under sequence parallelism) as the base layer's output is. The gradients that
+come out partial on each TP rank (a column site's A; a row site's B under sequence parallelism) are
+summed over TP after the data-parallel reduction (`Lora.finalize_grads`). Pipeline stages hold their own
+layers' adapters; data and context parallelism need nothing (DDP reduces the adapters' gradients).
+
+The adapters are the layer's `lora` child (LoraAdapters), not the linear's: megatron's linears checkpoint
+every tensor they hold as sharded like their weight, and the adapters shard differently. A forward hook
+on the linear adds the adapter's output to the linear's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from stages.trainer import hf_mapping
+from stages.trainer.config import LoraConfig
+
+PEFT_PREFIX = "base_model.model."  # PEFT's names: base_model.model.<HF module>.lora_A.weight
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Site:
+    """A megatron linear of a decoder layer and the HF modules fused in it."""
+
+    linear: str  # path in the decoder layer
+    hf_module: str  # HF parent module: self_attn / mlp
+    parts: tuple[str, ...]  # the HF modules (PEFT target names), in the fused rows' order
+    layout: str  # "qkv" / "fc1" (column-parallel, fused rows: hf_mapping.fuse_rows) or "row"
+
+
+def sites(hc) -> tuple[Site, ...]:
+    fc1 = ("gate_up_proj",) if hc.model_type == "glm4" else ("gate_proj", "up_proj")
+    return (
+        Site("self_attention.linear_qkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
+        Site("self_attention.linear_proj", "self_attn", ("o_proj",), "row"),
+        Site("mlp.linear_fc1", "mlp", fc1, "fc1"),
+        Site("mlp.linear_fc2", "mlp", ("down_proj",), "row"),
+    )
+
+
+def part_shape(hc, part: str) -> tuple[int, int]:
+    """(out, in) of an HF module's weight."""
+    h, d, i = hc.hidden_size, hf_mapping.head_dim(hc), hc.intermediate_size
+    nq, nkv = hc.num_attention_heads, hc.num_key_value_heads
+    return {
+        "q_proj": (nq * d, h),
+        "k_proj": (nkv * d, h),
+        "v_proj": (nkv * d, h),
+        "o_proj": (h, nq * d),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "gate_up_proj": (2 * i, h),
+        "down_proj": (h, i),
+    }[part]
+
+
+class SiteAdapter(torch.nn.Module):
+    """The adapters of one megatron linear (module docstring): A, B and B's mask on this TP rank."""
+
+    def __init__(
+        self,
+        site: Site,
+        targeted: tuple[str, ...],
+        hf_layer: int,
+        hc,
+        lc: LoraConfig,
+        tp: int,
+        tp_rank: int,
+        sp: bool,
+        seed: int,
+    ):
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        self.site, self.targeted, self.hf_layer, self.hc = site, targeted, hf_layer, hc
+        self.r, self.scale, self.p_drop = lc.rank, lc.alpha / lc.rank, lc.dropout
+        self.tp, self.tp_rank, self.sp = tp, tp_rank, sp
+        self.enabled = True
+        width = len(targeted) * self.r
+        a = torch.empty(width, part_shape(hc, targeted[0])[1])
+        # PEFT's init, from a generator seeded by the layer and site: every TP rank and layout draws alike
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + hf_layer * 8 + sites(hc).index(site))
+        for j in range(len(targeted)):
+            torch.nn.init.kaiming_uniform_(a[j * self.r : (j + 1) * self.r], a=math.sqrt(5), generator=gen)
+        self.A = torch.nn.Parameter(self._local_a(a))
+        self.B = torch.nn.Parameter(self._local_rows({}, width))
+        ones = {p: torch.ones(part_shape(hc, p)[0], self.r) for p in targeted}
+        self.register_buffer("mask", self._local_rows(ones, width).bool(), persistent=False)
+        if site.layout == "row":  # A split along its input like the weight; B whole on every rank
+            set_tensor_model_parallel_attributes(self.A, True, 1, 1)
+            self.B.lora_tp_partial = sp and tp > 1  # each rank saw its own tokens' share
+        else:  # B's rows split like the weight's; A whole on every rank, its gradient partial
+            set_tensor_model_parallel_attributes(self.B, True, 0, 1)
+            self.A.lora_tp_partial = tp > 1
+
+    def hf_name(self, part: str) -> str:
+        return f"model.layers.{self.hf_layer}.{self.site.hf_module}.{part}"
+
+    # -- layouts: PEFT's per-module tensors <-> this rank's fused ones --------------------------------
+    def _local_a(self, a_full: torch.Tensor) -> torch.Tensor:
+        return a_full.chunk(self.tp, 1)[self.tp_rank].contiguous() if self.site.layout == "row" else a_full
+
+    def _local_rows(self, blocks: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        """Each targeted module's block [out_p, r] in its own r columns of a [out_p, width] slab (zeros for
+        the modules of the site not targeted), fused into this rank's rows of the site."""
+        slabs = []
+        for p in self.site.parts:
+            slab = torch.zeros(part_shape(self.hc, p)[0], width)
+            if p in blocks:
+                j = self.targeted.index(p)
+                slab[:, j * self.r : (j + 1) * self.r] = blocks[p]
+            slabs.append(slab)
+        if self.site.layout == "row":
+            return slabs[0]
+        if self.site.parts == ("gate_up_proj",):  # GLM-4: one HF module holding [gate; up]
+            slabs = list(slabs[0].chunk(2, 0))
+        return hf_mapping.fuse_rows(self.site.layout, slabs, self.hc, self.tp, self.tp_rank)
+
+    def peft_blocks(
+        self, a_full: torch.Tensor, b_full: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """TP-gathered A [P*r, in] and B [out, P*r] -> {module: (lora_A [r, in], lora_B [out_p, r])}."""
+        rows = (
+            [b_full]
+            if self.site.layout == "row"
+            else hf_mapping.split_rows(self.site.layout, b_full, self.hc)
+        )
+        if self.site.parts == ("gate_up_proj",):
+            rows = [torch.cat(rows)]
+        by_part = dict(zip(self.site.parts, rows, strict=True))
+        return {
+            p: (a_full[j * self.r : (j + 1) * self.r], by_part[p][:, j * self.r : (j + 1) * self.r])
+            for j, p in enumerate(self.targeted)
+        }
+
+    @torch.no_grad()
+    def load_peft(self, blocks: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        a = torch.cat([blocks[p][0].float() for p in self.targeted])
+        b = self._local_rows({p: blocks[p][1].float() for p in self.targeted}, len(self.targeted) * self.r)
+        self.A.copy_(self._local_a(a))
+        self.B.copy_(b)
+
+    # -- compute -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        if self.p_drop and self.training:  # each TP rank draws its own mask for its copy of x
+            x = F.dropout(x, self.p_drop)
+        if self.site.layout == "row":  # x is this rank's share of the input features
+            h = F.linear(x, self.A)
+            if self.tp > 1:
+                h = (
+                    mappings.reduce_scatter_to_sequence_parallel_region(h)
+                    if self.sp
+                    else mappings.reduce_from_tensor_model_parallel_region(h)
+                )
+            return F.linear(h, self.B) * self.scale
+        if self.tp > 1:  # the whole sequence (SP) and input's gradient summed over the ranks' rows of B
+            x = (
+                mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+                if self.sp
+                else mappings.copy_to_tensor_model_parallel_region(x)
+            )
+        return F.linear(F.linear(x, self.A), self.B * self.mask) * self.scale
+
+    @torch.no_grad()
+    def delta(self) -> torch.Tensor:
+        """(alpha/r) B.A in this rank's layout of the site's weight, fp32."""
+        return (self.B.float() * self.mask) @ self.A.float() * self.scale
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        axis = {"A": 1} if self.site.layout == "row" else {"B": 0}  # the other one: a replica per TP rank
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+
+class LoraAdapters(torch.nn.ModuleDict):
+    """A decoder layer's adapters by linear name; checkpoints each with its own sharding."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        out = {}
+        for name, adapter in self.items():
+            out.update(adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
+
+
+def _add_output(adapter: SiteAdapter):
+    def hook(module, args, kwargs, output):
+        if not adapter.enabled:
+            return output
+        out, bias = output
+        return out + adapter(args[0] if args else kwargs["input_"]).to(out.dtype), bias
+
+    return hook
+
+
+class Lora:
+    """The policy's adapters, by the megatron weight they adapt (decoder.layers.{i}.<linear>.weight)."""
+
+    def __init__(self, cfg: LoraConfig, hc, adapters: dict[str, SiteAdapter]):
+        self.cfg, self.hc, self.adapters = cfg, hc, adapters
+
+    @staticmethod
+    def is_adapter_param(key: str) -> bool:
+        return ".lora." in key
+
+    def adapter_for(self, weight_key: str) -> SiteAdapter | None:
+        return self.adapters.get(weight_key)
+
+    def merged(self, weight_key: str, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of base + (alpha/r) B.A, in the weight's dtype."""
+        return (weight.float() + self.adapters[weight_key].delta()).to(weight.dtype)
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model (the KL reference): adapters off for the forwards inside."""
+        for a in self.adapters.values():
+            a.enabled = False
+        try:
+            yield
+        finally:
+            for a in self.adapters.values():
+                a.enabled = True
+
+    def after(self, finalize):
+        """megatron's gradient finalisation `finalize`, followed by finalize_grads."""
+
+        def finalize_with_lora(*args, **kwargs):
+            finalize(*args, **kwargs)
+            self.finalize_grads()
+
+        return finalize_with_lora
+
+    def finalize_grads(self) -> None:
+        """Sum over TP the adapter gradients each rank holds a part of (module docstring)."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        for a in self.adapters.values():
+            for p in (a.A, a.B):
+                if getattr(p, "lora_tp_partial", False):
+                    grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+                    if grad is not None:
+                        torch.distributed.all_reduce(grad, group=group)
+
+    # -- PEFT folders ------------------------------------------------------------------------------
+    def peft_config(self) -> dict:
+        c = self.cfg
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": c.rank,
+            "lora_alpha": c.alpha,
+            "lora_dropout": c.dropout,
+            "target_modules": sorted({p for a in self.adapters.values() for p in a.targeted}),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+        }
+
+    def local_peft_state(self, tp_shards) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's adapters under PEFT's names, full and fp32 (`tp_shards(t)`: the TP ranks'
+        shards of t, in rank order). Collective over TP: every rank consumes it to the end."""
+        for a in self.adapters.values():
+            A, B = a.A.detach().float(), a.B.detach().float()
+            if a.site.layout == "row":
+                a_full, b_full = torch.cat(tp_shards(A), 1), B
+            else:
+                fused = "linear_qkv.weight" if a.site.layout == "qkv" else "linear_fc1.weight"
+                a_full, b_full = A, hf_mapping.merge_tp(fused, tp_shards(B), a.hc)
+            for part, (la, lb) in a.peft_blocks(a_full, b_full).items():
+                base = f"{PEFT_PREFIX}{a.hf_name(part)}"
+                yield f"{base}.lora_A.weight", la.contiguous()
+                yield f"{base}.lora_B.weight", lb.contiguous()
+
+
+def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lora:
+    """Freeze `model` (a GPTModel, before any wrapper) and attach adapters to the targeted linears of
+    its decoder layers on this rank. Layer `l`'s adapters start the same whatever the parallel layout."""
+    from megatron.core import parallel_state as ps
+
+    targets = set(lc.target_modules)
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+    model.requires_grad_(False)
+    adapters: dict[str, SiteAdapter] = {}
+    for i, layer in enumerate(model.decoder.layers):
+        hf_layer = layer.layer_number - 1
+        box = LoraAdapters()
+        for site in sites(hc):
+            targeted = tuple(p for p in site.parts if p in targets)
+            if not targeted:
+                continue
+            try:
+                linear = operator.attrgetter(site.linear)(layer)
+            except AttributeError:
+                raise ValueError(
+                    f"trainer.lora.target_modules {list(targeted)}: layer {hf_layer} of this "
+                    f"{hc.model_type} model has no {site.linear} (an MoE layer: LoRA on experts is not "
+                    "supported yet); target the attention modules (q_proj, k_proj, v_proj, o_proj)"
+                ) from None
+            adapter = SiteAdapter(site, targeted, hf_layer, hc, lc, tp, tp_rank, sp, seed)
+            box[site.linear.rsplit(".", 1)[1]] = adapter
+            linear.register_forward_hook(_add_output(adapter), with_kwargs=True)
+            adapters[f"decoder.layers.{i}.{site.linear}.weight"] = adapter
+        if len(box):
+            layer.add_module("lora", box)
+    if not adapters and model.decoder.layers:
+        raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no linear layer of this model")
+    return Lora(lc, hc, adapters)
+
+
+def read_peft(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT adapter folder's config and tensors; a clear error for what is not one."""
+    from safetensors.torch import load_file
+
+    path = Path(folder)
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(
+            f"trainer.lora.init_from={folder!r} is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} "
+            f"and {ADAPTER_WEIGHTS} (what peft's save_pretrained writes)"
+        )
+    return json.loads((path / ADAPTER_CONFIG).read_text()), load_file(str(path / ADAPTER_WEIGHTS))
+
+
+def load_peft_into(lora: Lora, folder: str) -> None:
+    """Start the adapters from a PEFT folder of the same rank and target modules (refused otherwise)."""
+    cfg, tensors = read_peft(folder)
+    if int(cfg.get("r", -1)) != lora.cfg.rank or float(cfg.get("lora_alpha", -1)) != lora.cfg.alpha:
+        raise ValueError(
+            f"trainer.lora.init_from={folder!r} has r={cfg.get('r')} lora_alpha={cfg.get('lora_alpha')}; "
+            f"set trainer.lora.rank and trainer.lora.alpha to match"
+        )
+    for a in lora.adapters.values():
+        blocks = {}
+        for part in a.targeted:
+            base = f"{PEFT_PREFIX}{a.hf_name(part)}"
+            try:
+                blocks[part] = (tensors[f"{base}.lora_A.weight"], tensors[f"{base}.lora_B.weight"])
+            except KeyError:
+                raise ValueError(
+                    f"trainer.lora.init_from={folder!r} has no adapter for {base[len(PEFT_PREFIX) :]}; "
+                    "its target_modules must include trainer.lora.target_modules"
+                ) from None
+        a.load_peft(blocks)
+
+
+def save_peft(lora: Lora, out_dir: str, base_model: str) -> str | None:
+    """Write the adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) on global
+    rank 0; returns its path there, None elsewhere. Collective: every rank calls it. The TP shards are
+    gathered inside DP replica 0's TP groups, the pipeline stages' adapters sent to rank 0."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    local: dict[str, torch.Tensor] = {}
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+        def tp_shards(t: torch.Tensor) -> list[torch.Tensor]:
+            if tp == 1:
+                return [t]
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            return shards
+
+        local = {n: t.cpu() for n, t in lora.local_peft_state(tp_shards)}
+        if ps.get_tensor_model_parallel_rank() != 0:
+            local = {}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    tensors = {n: t for part in parts for n, t in part.items()}
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (path / ADAPTER_CONFIG).write_text(
+        json.dumps(dict(lora.peft_config(), base_model_name_or_path=base_model), indent=2)
+    )
+    return str(path)

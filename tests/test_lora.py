@@ -1,0 +1,213 @@
+"""LoRA on the megatron trainer (trainer.lora, issue #37): the base stays frozen and only the adapters
+train; TP (with and without sequence parallelism), PP and DP train as one rank does; the PEFT folder it
+exports loads in `peft` and gives the trainer's logits, and a run starts from one (init_from); a
+checkpoint holds the adapters only and resumes exactly; a push sends the merged tensors that have
+adapters, after which the engine's logprobs are the trainer's, and the KL reference is the base."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages.trainer.config import LoraConfig, TrainerConfig
+from stages.trainer.testing import (
+    ListSource,
+    assert_same_training,
+    checkpoint_state,
+    make_batch,
+    make_tiny_hf,
+    run_parallel_check,
+)
+
+LORA = ("--lora-rank", "4", "--steps", "3")  # 3 steps: B starts at zero, so A first moves at step 2
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    path = make_tiny_hf(str(d / "qwen2"), "qwen2", vocab_size=259)
+    return path, d, run_parallel_check(path, str(d / "tp1"), 1, *LORA)
+
+
+def test_only_the_adapted_tensors_train(one_rank):
+    path, d, (metrics, weights) = one_rank
+    base = load_file(f"{path}/model.safetensors")
+    adapted = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "_proj.weight")
+    for name, w in weights.items():
+        moved = not torch.equal(w, base[name].to(w.dtype))
+        assert moved == name.endswith(adapted), name  # biases, norms and embeddings stay the base's
+    assert metrics[0]["loss"] != metrics[-1]["loss"]
+
+
+@pytest.mark.parametrize(
+    "layout", [("--tp", "2"), ("--tp", "2", "--sp"), ("--pp", "2")], ids=["tp2", "tp2-sp", "pp2"]
+)
+def test_a_parallel_layout_trains_the_adapters_as_one_rank_does(one_rank, layout):
+    path, d, (ref_m, ref_w) = one_rank
+    name = "-".join(layout)
+    m, w = run_parallel_check(path, str(d / name), 2, *LORA, *layout)
+    assert_same_training(ref_m, ref_w, m, w)
+    ref_adapter = load_file(f"{d}/tp1/adapter/adapter_model.safetensors")
+    adapter = load_file(f"{d}/{name}/adapter/adapter_model.safetensors")
+    assert set(adapter) == set(ref_adapter)
+    for k in ref_adapter:  # the adapters themselves, gathered from the TP shards / pipeline stages
+        assert torch.allclose(adapter[k], ref_adapter[k], atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_dp2_trains_the_adapters_as_one_rank_does(one_rank):
+    path, d, (ref_m, ref_w) = one_rank
+    m, w = run_parallel_check(path, str(d / "dp2"), 2, *LORA)
+    assert_same_training(ref_m, ref_w, m, w)
+
+
+def test_the_peft_export_loads_in_peft_and_gives_the_trainers_logits(one_rank):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, d, (_, merged) = one_rank
+    adapter = d / "tp1" / "adapter"
+    tokens = torch.tensor([[3, 17, 42, 7, 250, 9, 100, 11]])
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(adapter))
+        via_peft = peft_model(tokens).logits
+        trained = AutoModelForCausalLM.from_pretrained(path)
+        trained.load_state_dict(merged, strict=False)  # the trainer's merged weights (tied head)
+        mine = trained(tokens).logits
+        base = AutoModelForCausalLM.from_pretrained(path)(tokens).logits
+    assert (via_peft - mine).abs().max().item() < 1e-4
+    assert (via_peft - base).abs().max().item() > 1e-3  # the adapters moved the model
+
+
+def test_init_from_a_peft_folder_starts_where_it_was_saved(one_rank, dist1):
+    from stages.trainer.export import export_hf_state
+    from stages.trainer.model import build_policy
+
+    path, d, (_, merged) = one_rank
+    lc = LoraConfig(rank=4, alpha=8.0, init_from=str(d / "tp1" / "adapter"))
+    state = export_hf_state(build_policy(path, lora=lc, ddp=False))
+    for name, w in merged.items():
+        assert torch.allclose(state[name], w, atol=1e-6), name
+    with pytest.raises(ValueError, match="trainer.lora.rank and trainer.lora.alpha"):
+        build_policy(path, lora=LoraConfig(rank=8, alpha=8.0, init_from=lc.init_from), ddp=False)
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter folder"):
+        build_policy(path, lora=LoraConfig(rank=4, init_from=str(d)), ddp=False)
+
+
+def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
+    args = ("--lora-rank", "4", "--optimizer", "adam", "--lr", "0.01")
+    full = str(tmp_path / "full")
+    full_m, full_w = run_parallel_check(path, full, 1, *args, "--steps", "4", "--checkpoint-every", "2")
+    tensors, _ = checkpoint_state(f"{full}/run/checkpoints/step_000004")
+    model_keys = [k for k in tensors if not k.startswith("optimizer.")]
+    assert model_keys and all(".lora." in k for k in model_keys)
+    assert any(".exp_avg_sq." in k for k in tensors)  # the adapters' Adam state
+    cut = str(tmp_path / "resumed")
+    shutil.copytree(f"{full}/run", f"{cut}/run")
+    shutil.rmtree(f"{cut}/run/checkpoints/step_000004")
+    with open(f"{cut}/run/checkpoints/latest", "w") as f:
+        f.write("step_000002")
+    second, weights = run_parallel_check(path, cut, 1, *args, "--steps", "2")
+    assert_same_training(full_m, full_w, full_m[:2] + second, weights)
+
+
+def test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trainers_policy(tmp_path):
+    from trainer_setup import make_trainer
+
+    from buffer.record import Sample, samples_to_batch
+    from pipeline.config import RunConfig
+    from stages.rollout.engine import GenRequest, SamplingParams
+    from stages.rollout.torch_engine import TorchEngine
+    from stages.trainer.packing import pack, to_token_batch
+    from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
+
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
+    cfg = RunConfig()
+    cfg.trainer.batch_groups, cfg.trainer.lr = 2, 5e-2
+    cfg.trainer.loss.kl_coef = 0.1  # the reference: the base, with the adapters off
+    cfg.trainer.lora = LoraConfig(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    cfg.weights.push_every = 1
+    batches = [make_batch(2, 4, seed=i) for i in range(2)]
+    trainer = make_trainer(cfg, ListSource(batches), path, str(tmp_path / "run"))
+    sender = ZmqWeightSender(timeout_s=30, min_engines=1)
+    engine, base_engine = TorchEngine(path, seed=0), TorchEngine(path, seed=0)
+    receiver = WeightReceiver(sender.address, engine, name="torch")
+    pushed: list[str] = []
+    apply = engine.update_weights
+
+    def recording(named, version):
+        named = list(named)
+        pushed.extend(n for n, _ in named)
+        apply(named, version)
+
+    engine.update_weights = recording
+    trainer.attach_sender(sender)
+    try:
+        for _ in range(2):
+            trainer.step()
+        trainer.wait_push()
+        assert engine.version == trainer.version == 2
+        sent = {n.split(".", 3)[3] for n in pushed}  # model.layers.{i}.<module>.weight
+        assert sent == {"self_attn.q_proj.weight", "self_attn.v_proj.weight", "mlp.down_proj.weight"}
+        req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
+        res = asyncio.run(engine.generate([req]))[0]
+        s = Sample.build(
+            uid="x",
+            group_id="x",
+            prompt_ids=req.prompt_ids,
+            response_ids=res.response_ids,
+            rollout_logprobs=res.logprobs,
+            versions=res.versions,
+        )
+        tb = to_token_batch(samples_to_batch([s]))
+        mbs = pack(tb, [0], 4096)
+        mine = trainer.backend.logprobs(tb, mbs)
+        assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
+        # the KL reference is the base model: what an engine that never got a push computes
+        ref = trainer.backend.logprobs(tb, mbs, reference=True)
+        base_lp = _engine_logprobs(base_engine, req.prompt_ids, res.response_ids)
+        assert (ref - base_lp).abs().max().item() <= 1e-4
+        assert (ref - mine).abs().max().item() > 1e-4
+    finally:
+        receiver.close(), sender.close(), engine.close(), base_engine.close(), trainer.close()
+
+
+def _engine_logprobs(engine, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Logprobs of `response` after `prompt` under the engine's model (temperature 1)."""
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(lora={"rank": 4}, layer_spec="te"), "trainer.layer_spec=local"),
+        (dict(lora={"rank": 4, "target_modules": ["qkv_proj"]}), "target_modules"),
+        (dict(lora={"rank": 4}, loss={"advantage": "ppo"}), "critic has no adapters"),
+    ],
+    ids=["te-spec", "unknown-module", "ppo-critic"],
+)
+def test_a_lora_setting_the_trainer_cannot_honour_is_refused_with_the_key(change, match):
+    import msgspec
+
+    raw = msgspec.to_builtins(TrainerConfig())
+    raw.update(change)
+    with pytest.raises((ValueError, msgspec.ValidationError), match=match):
+        msgspec.convert(raw, TrainerConfig)
+
+
+def test_lora_on_moe_experts_is_refused_naming_the_modules_that_work(tmp_path, dist1):
+    from stages.trainer.model import build_policy
+    from stages.trainer.tiny_families import make_tiny
+
+    path = make_tiny(str(tmp_path / "moe"), "qwen3_moe")
+    with pytest.raises(ValueError, match="target the attention modules"):
+        build_policy(path, lora=LoraConfig(rank=4), ddp=False)
+    policy = build_policy(path, lora=LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]), ddp=False)
+    assert len(policy.lora.adapters) == 2 * policy.hf_config.num_hidden_layers
