@@ -637,6 +637,14 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_lora.py::test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly",),
     ),
+    Mutation(
+        "heal_misses_the_batch_in_training",
+        "a generator healed while the trainer trains on a batch counts that batch as still in the buffer",
+        "stages/rollout/position.py",
+        "        version += 1\n",
+        "        pass\n",
+        ("tests/test_heal_evictions.py",),
+    ),
 ]
 
 

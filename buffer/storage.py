@@ -50,6 +50,10 @@ class Buffer:
         self.directory = Path(directory) if directory else None
         self.durable = bool(cfg.durable and self.directory)
         self.version = 0
+        # the trainer version of the last fetch served (-1: none). Equal to `version` while the trainer
+        # trains on that batch: its groups left the buffer, but the version that consumed them is only
+        # announced after the step (a healed generator counts them as taken: stages/rollout/position.py)
+        self.served_version = -1
         self.live_rows = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self.evicted_by_producer: collections.Counter[str] = collections.Counter()  # generator_id -> groups
@@ -300,6 +304,7 @@ class Buffer:
                 self._retire(g)
         self.counters["served_samples"] += len(uids)
         self.counters["served_groups"] += len(chosen)
+        self.served_version = version
         if self._log is not None:
             self._log.append("served", version, uids, consumer, req)
         self.sync_log()
@@ -382,6 +387,7 @@ class Buffer:
         for r in self._log.records:
             if r.op == "served":
                 served.update(r.uids)
+                self.served_version = r.v
                 if r.consumer:
                     if r.consumer in last:
                         answered.append((r.consumer, last[r.consumer].req))
@@ -454,6 +460,7 @@ class Buffer:
             "complete_groups": len(self._complete),
             "capacity_samples": self.cfg.capacity_samples,
             "version": self.version,
+            "served_version": self.served_version,
             "policy": self.policy.name,
             "durable": self.durable,
             "seen_uids": len(self._seen),

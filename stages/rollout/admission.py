@@ -55,11 +55,13 @@ class StalenessAdmission:
 
     def resume(self, prior_live: int, trainer_version: int) -> None:
         """A new incarnation of a generator: its predecessors left `prior_live` groups live in the buffer
-        and the trainer is at `trainer_version`. Count as if this generator had kept `trainer_version *
-        batch_groups` groups that were consumed plus those live ones, so that at engine version
-        `trainer_version` only (max_staleness + 1) * batch_groups - prior_live more may start (fresh
-        counters would admit (trainer_version + max_staleness + 1) * batch_groups groups: far more than
-        the trainer can take in time, so the buffer would evict the surplus as too stale)."""
+        and the trainer's next fetch is at `trainer_version`, so it has taken that many batches (its
+        version, or one more mid-step: position.live_groups_left). Count as if this generator had kept
+        `trainer_version * batch_groups` groups that were consumed plus those live ones, so that at
+        engine version `trainer_version` only (max_staleness + 1) * batch_groups - prior_live more may
+        start (fresh counters would admit (trainer_version + max_staleness + 1) * batch_groups groups:
+        far more than the trainer can take in time, so the buffer would evict the surplus as too stale).
+        The count is never corrected later: one batch too few here is one batch of surplus for good."""
         self._kept_offset = -(prior_live + trainer_version * self.batch_groups)
 
     def _in_relaunch_dip(self, version: int, relaunches: int, dip_wait_s: float) -> bool:

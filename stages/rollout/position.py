@@ -21,6 +21,7 @@ DATA_POS_KEY = "slipstream_data_pos"  # Sample.metadata: [epoch, index] of the g
 log = logging.getLogger(__name__)
 EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
 MAX_INCARNATIONS = 8  # earlier generator ids a state remembers (their groups in the buffer are its own)
+SNAPSHOT_TRIES = 20  # reads of the buffer at a resume until one saw no fetch served meanwhile
 
 
 class DataPosition:
@@ -90,24 +91,48 @@ class DataPosition:
 async def live_groups_left(sink, prior_ids: list[str]) -> tuple[int, int, dict] | None:
     """(trainer version, groups evicted so far, {group id: prompt position or None}) of the groups
     that the generators `prior_ids` left live in the buffer, from its stats and one peek of every live
-    row; None for a sink without stats."""
+    row; None for a sink without stats.
+
+    The version is the one of the trainer's next fetch, i.e. the batches it has taken: one more than
+    the buffer's version while the trainer trains on a batch served at that version (those groups left
+    the buffer, the version that consumed them is announced only after the step). Counted from the
+    buffer's version alone, a heal during a step misses one batch, and the new incarnation admits
+    batch_groups groups too many for good (each one the buffer evicts frees its place for another).
+    The peek is taken between two reads of the stats, again until no fetch or eviction came in between:
+    a batch served meanwhile would be missing from the peek and not yet counted in the version."""
     stats_fn = getattr(sink, "stats", None)
     if stats_fn is None:
         return None
-    stats = await asyncio.to_thread(stats_fn)
     prior = set(prior_ids)
-    evicted = sum(stats.get("evicted_groups_by_producer", {}).get(p, 0) for p in prior)
-    live: dict[str, tuple[int, int] | None] = {}
-    peek, rows = getattr(sink, "peek", None), int(stats.get("rows", 0))
-    if peek is not None and rows:
-        batch = await asyncio.to_thread(peek, rows)
+    peek = getattr(sink, "peek", None)
+    stats = await asyncio.to_thread(stats_fn)
+    for _ in range(SNAPSHOT_TRIES):
+        live: dict[str, tuple[int, int] | None] = {}
+        rows = int(stats.get("rows", 0))
+        batch = await asyncio.to_thread(peek, rows) if peek is not None and rows else None
         if batch is not None:
             cols = (batch.column(c).to_pylist() for c in ("generator_id", "group_id", "metadata"))
             for gen_id, group_id, meta in zip(*cols, strict=True):
                 if gen_id in prior and group_id not in live:
                     pos = json.loads(meta or "{}").get(DATA_POS_KEY)
                     live[group_id] = (int(pos[0]), int(pos[1])) if pos else None
-    return int(stats.get("version", 0)), evicted, live
+        after = await asyncio.to_thread(stats_fn)
+        unchanged = _consumed(after) == _consumed(stats)
+        stats = after
+        if unchanged:
+            break
+    evicted = sum(stats.get("evicted_groups_by_producer", {}).get(p, 0) for p in prior)
+    version = int(stats.get("version", 0))
+    if stats.get("served_version") == version:  # mid-step: the batch of its next version is taken
+        version += 1
+    return version, evicted, live
+
+
+def _consumed(stats: dict) -> tuple:
+    """What changes in a buffer's stats when the trainer takes groups out of it (a fetch served, groups
+    evicted, a version announced)."""
+    keys = ("version", "served_version", "served_groups", "evicted_groups")
+    return tuple(stats.get(k) for k in keys)
 
 
 class ResumableGenerator:
