@@ -633,7 +633,7 @@ MUTATIONS = [
         "lora_checkpoint_whole_model",
         "LoRA: checkpoints hold the whole frozen base beside the adapters",
         "stages/trainer/checkpoint.py",
-        '            model_sd = {k: v for k, v in model_sd.items() if ".lora." in k}\n',
+        '            model_sd = {k: v for k, v in model_sd.items() if self.keep(k)}\n',
         "            pass\n",
         ("tests/test_lora.py::test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly",),
     ),
@@ -644,6 +644,14 @@ MUTATIONS = [
         "        version += 1\n",
         "        pass\n",
         ("tests/test_heal_evictions.py",),
+    ),
+    Mutation(
+        "lora_modules_to_save_frozen",
+        "LoRA: the modules named in modules_to_save stay frozen",
+        "stages/trainer/lora.py",
+        "        if key in whole:\n            p.requires_grad_(True)\n",
+        "        if key in whole:\n            pass\n",
+        ("tests/test_lora.py::test_modules_to_save_train_whole_and_under_tp_as_on_one_rank",),
     ),
 ]
 

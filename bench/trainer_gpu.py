@@ -133,6 +133,14 @@ def parse() -> argparse.Namespace:
         "add tokens_per_s_experts_<mode>, e.g. the loop over experts as the baseline)",
     )
     ap.add_argument("--distributed-optimizer", action="store_true", help="trainer.distributed_optimizer")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also train with trainer.lora (this rank, alpha 2x, attention + MLP): keys *_lora<rank>; with "
+        "--lora-only the full fine-tune is not run (a model only LoRA fits)",
+    )
+    ap.add_argument("--lora-only", action="store_true")
     ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
@@ -263,7 +271,7 @@ def workload(shape: str, a, vocab: int, step: int):
     )
 
 
-def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto") -> dict:
+def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto", lora_rank=0) -> dict:
     import torch
 
     from buffer.config import BufferConfig
@@ -279,6 +287,10 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto") -> dic
     tc.logits_chunk_tokens = a.logits_chunk_tokens
     tc.ep = a.ep  # as main's init_distributed made the groups (a dense model has no experts to split)
     tc.moe_experts, tc.distributed_optimizer = experts, a.distributed_optimizer
+    if lora_rank:
+        from stages.trainer.config import LoraConfig
+
+        tc.lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank)
     if is_moe(shape):  # megatron's MoE layers take sequence-parallel input under TP
         tc.sequence_parallel = a.tp > 1
     cfg.run.max_staleness, cfg.run.steps = 10**6, a.steps + a.warmup
@@ -544,14 +556,20 @@ def main() -> None:
         # variants: each trainer.old_logprobs mode, then (MoE) each further expert implementation
         experts = a.moe_experts.split(",") if is_moe(shape) else ["auto"]
         variants = [
-            (m, experts[0], "" if i == 0 else f"_{m}") for i, m in enumerate(a.old_logprobs.split(","))
+            (m, experts[0], "" if i == 0 else f"_{m}", 0) for i, m in enumerate(a.old_logprobs.split(","))
         ]
-        variants += [(variants[0][0], e, f"_experts_{e}") for e in experts[1:]]
+        variants += [(variants[0][0], e, f"_experts_{e}", 0) for e in experts[1:]]
+        if a.lora_rank:  # the frozen base needs no weight-gradient GEMMs and no optimizer state
+            lora = (variants[0][0], experts[0], f"_lora{a.lora_rank}", a.lora_rank)
+            variants = [lora] if a.lora_only else [*variants, lora]
+            row["lora_rank"] = a.lora_rank
         if is_moe(shape):
             row["moe_experts"] = experts[0]
-        for i, (mode, impl, key) in enumerate(variants):
+        for i, (mode, impl, key, lora_rank) in enumerate(variants):
             try:
-                res, tr = run_trainer(shape, path, a, int(mbt[shape]), shape in recompute, mode, impl)
+                res, tr = run_trainer(
+                    shape, path, a, int(mbt[shape]), shape in recompute, mode, impl, lora_rank
+                )
             except torch.OutOfMemoryError as e:
                 res, tr = {"error": f"out of memory: {str(e)[:200]}"}, None
             if "error" in res:
@@ -571,11 +589,16 @@ def main() -> None:
                     row["active_params"] = res["active_params"]
                 if i == 0:
                     row["old_logprobs"] = mode
-                if tr is not None and i == 0 and not shape.endswith("32k"):  # HF fp32 can't hold 32k
+                if (
+                    tr is not None and i == 0 and not lora_rank and not shape.endswith("32k")
+                ):  # HF fp32 can't hold 32k
                     row.update(parity(tr, path, shape, a))
             del tr
             gc.collect()
             torch.cuda.empty_cache()
+        lora_tps = row.get(f"tokens_per_s_lora{a.lora_rank}")
+        if a.lora_rank and row.get("tokens_per_s") and lora_tps:
+            row["lora_vs_full"] = round(lora_tps / row["tokens_per_s"], 3)
         if row.get("tokens_per_s") and row.get("tokens_per_s_experts_sequential"):
             row["vs_sequential_experts"] = round(
                 row["tokens_per_s"] / row["tokens_per_s_experts_sequential"], 3

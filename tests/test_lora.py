@@ -58,6 +58,45 @@ def test_a_parallel_layout_trains_the_adapters_as_one_rank_does(one_rank, layout
         assert torch.allclose(adapter[k], ref_adapter[k], atol=1e-5), k
 
 
+SAVE = ("--lora-save", "embed_tokens,model.norm,input_layernorm")
+
+
+@pytest.fixture(scope="module")
+def with_whole_modules(one_rank):
+    """The LoRA run with modules trained whole beside the adapters (modules_to_save), at TP=1."""
+    path, d, _ = one_rank
+    return path, d, run_parallel_check(path, str(d / "save-tp1"), 1, *LORA, *SAVE)
+
+
+def test_modules_to_save_train_whole_and_under_tp_as_on_one_rank(with_whole_modules):
+    path, d, (ref_m, ref_w) = with_whole_modules
+    base = load_file(f"{path}/model.safetensors")
+    assert not torch.equal(ref_w["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    assert not torch.equal(ref_w["model.norm.weight"], base["model.norm.weight"])
+    assert torch.equal(
+        ref_w["model.layers.0.post_attention_layernorm.weight"],
+        base["model.layers.0.post_attention_layernorm.weight"],
+    )
+    m, w = run_parallel_check(path, str(d / "save-tp2"), 2, *LORA, *SAVE, "--tp", "2")
+    assert_same_training(ref_m, ref_w, m, w)  # the vocabulary-parallel embedding's gradient too
+
+
+def test_a_peft_folder_with_modules_to_save_loads_in_peft_with_the_embeddings_tied(with_whole_modules):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, d, (_, merged) = with_whole_modules
+    tokens = torch.tensor([[3, 17, 42, 7, 250, 9, 100, 11]])
+    with torch.no_grad():
+        via_peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(path), str(d / "save-tp1" / "adapter")
+        )(tokens).logits
+        trained = AutoModelForCausalLM.from_pretrained(path)
+        trained.load_state_dict(merged, strict=False)
+        mine = trained(tokens).logits
+    assert (via_peft - mine).abs().max().item() < 1e-4
+
+
 @pytest.mark.slow
 def test_dp2_trains_the_adapters_as_one_rank_does(one_rank):
     path, d, (ref_m, ref_w) = one_rank
@@ -105,7 +144,7 @@ def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
     full_m, full_w = run_parallel_check(path, full, 1, *args, "--steps", "4", "--checkpoint-every", "2")
     tensors, _ = checkpoint_state(f"{full}/run/checkpoints/step_000004")
     model_keys = [k for k in tensors if not k.startswith("optimizer.")]
-    assert model_keys and all(".lora." in k for k in model_keys)
+    assert model_keys and all(".lora." in k for k in model_keys)  # no frozen base weight
     assert any(".exp_avg_sq." in k for k in tensors)  # the adapters' Adam state
     cut = str(tmp_path / "resumed")
     shutil.copytree(f"{full}/run", f"{cut}/run")
@@ -211,3 +250,29 @@ def test_lora_on_moe_experts_is_refused_naming_the_modules_that_work(tmp_path, d
         build_policy(path, lora=LoraConfig(rank=4), ddp=False)
     policy = build_policy(path, lora=LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]), ddp=False)
     assert len(policy.lora.adapters) == 2 * policy.hf_config.num_hidden_layers
+
+
+def test_one_lora_step_raises_the_logprobs_of_positive_advantage_tokens(tmp_path):
+    """The policy-gradient direction through the adapters, checked from outside as for full fine-tuning
+    (tests/test_trainer_direction.py): HF forwards of the initial folder and of the merged export."""
+    from test_trainer_direction import BIG_CLIP, _advantage_signs, _cfg, _hf_logprobs, _samples
+    from trainer_setup import make_trainer
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
+    hf_initial = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    samples = _samples(hf_initial, seed=1)
+    cfg = _cfg(optimizer="adam", lr=1e-2, grad_clip=BIG_CLIP)
+    cfg.trainer.lora = LoraConfig(rank=8, alpha=16)
+    from buffer.record import samples_to_batch
+
+    tr = make_trainer(cfg, ListSource([samples_to_batch(samples)]), path, str(tmp_path / "run"))
+    tr.step()
+    hf_after = AutoModelForCausalLM.from_pretrained(tr.save_hf(str(tmp_path / "hf")), dtype=torch.float32)
+    before, after = _hf_logprobs(hf_initial, samples), _hf_logprobs(hf_after.eval(), samples)
+    sign = _advantage_signs(samples)
+    delta = [a - b for a, b in zip(after, before)]
+    gain = sum(float(sg * d.sum()) for sg, d in zip(sign, delta))
+    moved = sum(float(abs(d).sum()) for d in delta)
+    assert moved > 1e-2 * sum(len(d) for d in delta), (gain, moved)
+    assert gain > 0.5 * moved, (gain, moved)

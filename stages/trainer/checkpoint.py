@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -64,15 +65,15 @@ class Stateful(Protocol):
 class MegatronPart:
     """A DDP-wrapped megatron model (the policy's or the critic's) and its optimizer."""
 
-    def __init__(self, model: Any, optimizer: Any, adapters_only: bool = False):
-        # adapters_only (LoRA): the frozen base is the model folder the run starts from; only the
-        # adapters (and their optimizer state) change, so only they are saved
-        self.model, self.optimizer, self.adapters_only = model, optimizer, adapters_only
+    def __init__(self, model: Any, optimizer: Any, keep: Callable[[str], bool] | None = None):
+        # keep (LoRA): the model keys training changes; the frozen rest is the model folder the run
+        # starts from, so only those (and their optimizer state) are saved
+        self.model, self.optimizer, self.keep = model, optimizer, keep
 
     def state_dict(self, loading: bool = False, optimizer: bool = True) -> dict:
         model_sd = self.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
-        if self.adapters_only:
-            model_sd = {k: v for k, v in model_sd.items() if ".lora." in k}
+        if self.keep is not None:
+            model_sd = {k: v for k, v in model_sd.items() if self.keep(k)}
         if not optimizer:
             return {"model": model_sd}
         if loading:
@@ -88,10 +89,10 @@ class MegatronPart:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if self.adapters_only:
+        if self.keep is not None:
             gpt = self.model.module.module if hasattr(self.model.module, "module") else self.model.module
             missing, unexpected = gpt.load_state_dict(state["model"], strict=False)
-            lost = [k for k in missing if ".lora." in k] + list(unexpected)
+            lost = [k for k in missing if self.keep(k)] + list(unexpected)
             if lost:
                 raise ValueError(
                     f"checkpoint: the LoRA adapters do not match this model's ({lost[:3]}...): was it saved "

@@ -96,6 +96,10 @@ class LossConfig(_Base):
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# modules trained whole beside the adapters, by PEFT's names (its `modules_to_save`)
+# ("model.norm": the final norm; peft matches these as suffixes of module names, so a bare "norm" would
+# be every norm of the model)
+LORA_FULL_MODULES = ("embed_tokens", "lm_head", "model.norm", "input_layernorm", "post_attention_layernorm")
 
 
 class LoraConfig(_Base):
@@ -110,6 +114,10 @@ class LoraConfig(_Base):
     # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from; "" = PEFT's
     # initialisation (A kaiming-uniform, B zero: the policy starts as the base model)
     init_from: str = ""
+    # modules trained in full beside the adapters (PEFT's modules_to_save): some of LORA_FULL_MODULES.
+    # A small model's output sharpness lives in its embeddings and norms (the CPU default learns with
+    # embed_tokens trained, not without: bench/RESULTS.md, "LoRA")
+    modules_to_save: list[str] = msgspec.field(default_factory=list)
     # how the engines get the trained policy: "merge" sends base + (alpha/rank) B.A for the tensors that
     # have adapters (the rest never change), so the engine needs no LoRA support
     push: Literal["merge"] = "merge"
@@ -118,6 +126,16 @@ class LoraConfig(_Base):
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise ValueError("trainer.lora: rank must be >= 0 (0: off), alpha > 0 and 0 <= dropout < 1")
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS) - {"gate_up_proj"})
+        whole = sorted(set(self.modules_to_save) - set(LORA_FULL_MODULES))
+        if whole:
+            raise ValueError(
+                f"trainer.lora.modules_to_save {whole}: name some of {', '.join(LORA_FULL_MODULES)} (PEFT's names)"
+            )
+        if self.init_from and self.modules_to_save:
+            raise ValueError(
+                "trainer.lora.init_from with trainer.lora.modules_to_save: starting the whole modules from a PEFT "
+                "folder is not supported; start from the adapters alone (modules_to_save: [])"
+            )
         if unknown or (self.rank and not self.target_modules):
             raise ValueError(
                 f"trainer.lora.target_modules {unknown or '[]'}: name some of {', '.join(LORA_TARGETS)} "

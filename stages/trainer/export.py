@@ -56,7 +56,7 @@ def _local_hf(
         if lora is not None and lora.is_adapter_param(key):
             continue
         adapter = lora.adapter_for(key) if lora is not None else None
-        if adapted_only and adapter is None:  # decided by the key: alike on every rank of a collective
+        if adapted_only and not lora.changes(key):  # decided by the key: alike on every rank of a collective
             continue
         layer = None
         if key.startswith("decoder.layers."):
@@ -83,7 +83,7 @@ def _local_hf(
         else:
             full = t
         pairs = hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
-        if adapted_only:  # of a fused weight, only the HF modules the adapters target (k_proj may not be)
+        if adapted_only and adapter is not None:  # of a fused weight, only the targeted HF modules
             pairs = [(n, w) for n, w in pairs if n.rsplit(".", 2)[-2] in adapter.targeted]
         yield from pairs
         del full  # before the next parameter's gather: one gathered tensor at a time
@@ -246,5 +246,5 @@ class PolicyExport:
         return sum(
             p.numel() * p.element_size() * (experts if moe.is_expert_param(key) else dense)
             for key, p in unwrap(self.policy.model).named_parameters()
-            if lora is None or lora.adapter_for(key) is not None
+            if lora is None or lora.changes(key)
         )

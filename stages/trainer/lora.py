@@ -229,15 +229,38 @@ def _add_output(adapter: SiteAdapter):
     return hook
 
 
-class Lora:
-    """The policy's adapters, by the megatron weight they adapt (decoder.layers.{i}.<linear>.weight)."""
+def _trained_whole(key: str, modules: set[str], tied: bool) -> bool:
+    """Whether megatron parameter `key` belongs to one of `modules` (PEFT's modules_to_save names)."""
+    return (
+        ("embed_tokens" in modules and key == "embedding.word_embeddings.weight")
+        # a tied model's last pipeline stage holds the shared embedding as output_layer.weight
+        or (key == "output_layer.weight" and ("lm_head" in modules or (tied and "embed_tokens" in modules)))
+        or ("model.norm" in modules and key == "decoder.final_layernorm.weight")
+        or ("input_layernorm" in modules and key.endswith(".input_layernorm.weight"))
+        or ("post_attention_layernorm" in modules and key.endswith(".pre_mlp_layernorm.weight"))
+    )
 
-    def __init__(self, cfg: LoraConfig, hc, adapters: dict[str, SiteAdapter]):
-        self.cfg, self.hc, self.adapters = cfg, hc, adapters
+
+class Lora:
+    """The policy's adapters, by the megatron weight they adapt (decoder.layers.{i}.<linear>.weight), and
+    the parameters trained whole beside them (trainer.lora.modules_to_save), by megatron key."""
+
+    def __init__(self, cfg: LoraConfig, hc, adapters: dict[str, SiteAdapter], whole: set[str]):
+        self.cfg, self.hc, self.adapters, self.whole = cfg, hc, adapters, whole
 
     @staticmethod
     def is_adapter_param(key: str) -> bool:
         return ".lora." in key
+
+    def trains(self, key: str) -> bool:
+        """Whether megatron parameter `key` is trained (an adapter, or a module trained whole): what a
+        checkpoint holds."""
+        return key in self.whole or self.is_adapter_param(key)
+
+    def changes(self, key: str) -> bool:
+        """Whether training changes the HF tensors of megatron parameter `key` (an adapted weight, merged,
+        or a module trained whole): what a push sends."""
+        return key in self.adapters or key in self.whole
 
     def adapter_for(self, weight_key: str) -> SiteAdapter | None:
         return self.adapters.get(weight_key)
@@ -288,6 +311,9 @@ class Lora:
             "lora_alpha": c.alpha,
             "lora_dropout": c.dropout,
             "target_modules": sorted({p for a in self.adapters.values() for p in a.targeted}),
+            "modules_to_save": sorted(c.modules_to_save) or None,
+            # a tied model trains one matrix for embed_tokens and lm_head: peft must keep them one
+            "ensure_weight_tying": bool(self.hc.tie_word_embeddings and "embed_tokens" in c.modules_to_save),
             "bias": "none",
             "fan_in_fan_out": False,
             "inference_mode": True,
@@ -316,7 +342,17 @@ def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lo
 
     targets = set(lc.target_modules)
     tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+    if "lm_head" in lc.modules_to_save and hc.tie_word_embeddings:
+        raise ValueError(
+            "trainer.lora.modules_to_save names lm_head, but this model ties it to the embeddings: name "
+            "embed_tokens (it trains both)"
+        )
     model.requires_grad_(False)
+    tied = bool(hc.tie_word_embeddings)
+    whole = {k for k, _ in model.named_parameters() if _trained_whole(k, set(lc.modules_to_save), tied)}
+    for key, p in model.named_parameters():
+        if key in whole:
+            p.requires_grad_(True)
     adapters: dict[str, SiteAdapter] = {}
     for i, layer in enumerate(model.decoder.layers):
         hf_layer = layer.layer_number - 1
@@ -341,7 +377,7 @@ def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lo
             layer.add_module("lora", box)
     if not adapters and model.decoder.layers:
         raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no linear layer of this model")
-    return Lora(lc, hc, adapters)
+    return Lora(lc, hc, adapters, whole)
 
 
 def read_peft(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -379,10 +415,11 @@ def load_peft_into(lora: Lora, folder: str) -> None:
         a.load_peft(blocks)
 
 
-def save_peft(lora: Lora, out_dir: str, base_model: str) -> str | None:
+def save_peft(lora: Lora, out_dir: str, base_model: str, hf_state: dict | None = None) -> str | None:
     """Write the adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) on global
     rank 0; returns its path there, None elsewhere. Collective: every rank calls it. The TP shards are
-    gathered inside DP replica 0's TP groups, the pipeline stages' adapters sent to rank 0."""
+    gathered inside DP replica 0's TP groups, the pipeline stages' adapters sent to rank 0. The modules
+    trained whole (modules_to_save) are taken from `hf_state`, the full HF state on rank 0."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
@@ -406,6 +443,12 @@ def save_peft(lora: Lora, out_dir: str, base_model: str) -> str | None:
     if dist.get_rank() != 0:
         return None
     tensors = {n: t for part in parts for n, t in part.items()}
+    whole = set(lora.cfg.modules_to_save)
+    for name, t in (hf_state or {}).items():  # PEFT saves a module_to_save under its own name
+        if any(name.rsplit(".", 1)[0].endswith(m) for m in whole):  # peft's rule: a suffix of the module
+            tensors[PEFT_PREFIX + name] = t.contiguous()
+            if name == "model.embed_tokens.weight" and lora.hc.tie_word_embeddings:
+                tensors[PEFT_PREFIX + "lm_head.weight"] = t.clone()  # peft ties it back (one matrix)
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -411,14 +411,17 @@ class MegatronBackend:
         config.json for an adapter to load onto the base)."""
         state = export_hf_state(self.policy)
         if self.policy.lora is not None:
-            save_peft(self.policy.lora, os.path.join(out_dir, "adapter"), self.policy.model_path)
+            save_peft(self.policy.lora, os.path.join(out_dir, "adapter"), self.policy.model_path, state)
         if self.rank != 0:
             return None
         return save_hf(state, self.policy.model_path, out_dir)
 
     def checkpoint_part(self) -> MegatronPart:
         # with LoRA the checkpoint holds the adapters and their optimizer state (the base is the model folder)
-        return MegatronPart(self.policy.model, self.optimizer, adapters_only=self.policy.lora is not None)
+        lora = self.policy.lora
+        return MegatronPart(
+            self.policy.model, self.optimizer, keep=lora.trains if lora is not None else None
+        )
 
     def nonfinite_param(self) -> str | None:
         for name, p in unwrap(self.policy.model).named_parameters():

@@ -90,6 +90,7 @@ def main() -> None:
         "--routing-replay", action="store_true", help="MoE: samples carry recorded experts, replayed"
     )
     ap.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (all target modules)")
+    ap.add_argument("--lora-save", default="", help="trainer.lora.modules_to_save, comma-separated")
     a = ap.parse_args()
 
     import torch
@@ -117,7 +118,8 @@ def main() -> None:
     if a.lora_rank:
         from stages.trainer.config import LoraConfig
 
-        tc.lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
+        save = [m for m in a.lora_save.split(",") if m]
+        tc.lora = LoraConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank, modules_to_save=save)
     run = TrainerRun(run_dir=a.out + "/run")  # the run-wide defaults (seed 0, 60 steps, staleness 2)
     # resumed: the batches the uninterrupted run takes after the checkpoint's version (step i: seed i)
     tr_offset = resumed_version(a.out + "/run")
@@ -149,7 +151,7 @@ def main() -> None:
     if tr.policy.lora is not None:  # collective: the adapters alone, as a PEFT folder
         from stages.trainer.lora import save_peft
 
-        save_peft(tr.policy.lora, a.out + "/adapter", a.model_path)
+        save_peft(tr.policy.lora, a.out + "/adapter", a.model_path, state)
     if state is not None:
         os.makedirs(a.out, exist_ok=True)
         save_file(state, a.out + "/weights.safetensors")
