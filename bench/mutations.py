@@ -653,6 +653,14 @@ MUTATIONS = [
         "        if key in whole:\n            pass\n",
         ("tests/test_lora.py::test_modules_to_save_train_whole_and_under_tp_as_on_one_rank",),
     ),
+    Mutation(
+        "lora_recompute_trains_nothing",
+        "LoRA with activation recompute: the frozen embedding's output needs no gradient, so none flows",
+        "stages/trainer/lora.py",
+        "        embedding.register_forward_hook(_needs_grad)\n",
+        "        pass\n",
+        ("tests/test_lora.py::test_activation_recompute_trains_the_adapters_as_without",),
+    ),
 ]
 
 

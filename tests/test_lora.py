@@ -97,6 +97,14 @@ def test_a_peft_folder_with_modules_to_save_loads_in_peft_with_the_embeddings_ti
     assert (via_peft - mine).abs().max().item() < 1e-4
 
 
+def test_activation_recompute_trains_the_adapters_as_without(one_rank):
+    """megatron's recompute checkpoints each layer; with the embeddings frozen the first layer's input
+    needs no gradient, and a checkpoint whose inputs need none passes none back: nothing would train."""
+    path, d, (ref_m, ref_w) = one_rank
+    m, w = run_parallel_check(path, str(d / "recompute"), 1, *LORA, "--recompute")
+    assert_same_training(ref_m, ref_w, m, w)
+
+
 @pytest.mark.slow
 def test_dp2_trains_the_adapters_as_one_rank_does(one_rank):
     path, d, (ref_m, ref_w) = one_rank

@@ -241,6 +241,10 @@ def _trained_whole(key: str, modules: set[str], tied: bool) -> bool:
     )
 
 
+def _needs_grad(module, args, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
+
+
 class Lora:
     """The policy's adapters, by the megatron weight they adapt (decoder.layers.{i}.<linear>.weight), and
     the parameters trained whole beside them (trainer.lora.modules_to_save), by megatron key."""
@@ -377,6 +381,13 @@ def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lo
             layer.add_module("lora", box)
     if not adapters and model.decoder.layers:
         raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no linear layer of this model")
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None and not embedding.word_embeddings.weight.requires_grad:
+        # with the embeddings frozen the first layer's input needs no gradient, and megatron's activation
+        # recompute (a reentrant checkpoint per layer) then returns outputs that need none either: no
+        # adapter would ever get a gradient (measured: a 7B "trained" on one H100 at 1.75 MFU, i.e. no
+        # backward). PEFT's enable_input_require_grads, for the same reason
+        embedding.register_forward_hook(_needs_grad)
     return Lora(lc, hc, adapters, whole)
 
 
