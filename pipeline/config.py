@@ -283,6 +283,7 @@ def trainer_run(cfg: RunConfig, run_dir: str) -> TrainerRun:
         max_staleness=effective_staleness(cfg),
         temperature=cfg.rollout.sampling.temperature,
         fp32_lm_head=cfg.model.fp32_lm_head,
+        max_new_tokens=cfg.rollout.sampling.max_new_tokens,
     )
 
 

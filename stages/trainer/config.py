@@ -54,6 +54,15 @@ class LossConfig(_Base):
     tis_low: float = 0.0  # optional lower clip on w
     mis_low: float = 0.5  # masked IS: weights outside [mis_low, mis_high] are zeroed
     mis_high: float = 2.0
+    # DAPO's soft overlong punishment (0 = off): a response longer than overlong_max_len -
+    # overlong_buffer_len tokens loses overlong_penalty x (its excess / overlong_buffer_len) of reward, the
+    # whole overlong_penalty at overlong_max_len (0 = rollout.sampling.max_new_tokens) and beyond
+    overlong_buffer_len: int = 0
+    overlong_max_len: int = 0
+    overlong_penalty: float = 1.0
+    # DAPO's overlong filtering: truncated samples (they hit max_new_tokens) get no loss; their rewards
+    # still count in their group's statistics
+    mask_truncated: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -215,7 +224,16 @@ class TrainerConfig(_Base):
     # learning rate of the critic (trainer.loss.advantage=ppo); None = trainer.lr (slime's --critic-lr). It
     # follows the policy's schedule (warmup, cosine), scaled by critic_lr / lr
     critic_lr: float | None = None
-    recompute: bool = False  # full activation recompute (saves memory, costs a second forward)
+    recompute: bool = False  # activation recompute (saves memory, costs a second forward)
+    # what is recomputed (slime's --recompute-granularity / -method / -num-layers): full = whole layers,
+    # `recompute_num_layers` at a time (uniform) or the first that many of each stage (block); selective =
+    # the core attention only (cheap to recompute, the largest activations at long sequences)
+    recompute_granularity: Literal["full", "selective"] = "full"
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int = 1
+    # the KL reference (slime's --ref-load): an HF folder of the same architecture; "" = the initial
+    # weights (with LoRA: the base, adapters off)
+    ref_load: str = ""
     # the card's bf16 peak in TFLOP/s for the perf/mfu metric (0: not logged); an H100 SXM measured ~800
     # on an 8192^3 matmul (bench/trainer_gpu.py prints the peak it measures)
     peak_tflops: float = 0.0
@@ -228,6 +246,18 @@ class TrainerConfig(_Base):
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+
+    def megatron_recompute(self) -> dict:
+        """megatron TransformerConfig keys of trainer.recompute* ({} = no recompute)."""
+        if not self.recompute:
+            return {}
+        if self.recompute_granularity == "selective":
+            return {"recompute_granularity": "selective"}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": self.recompute_num_layers,
+        }
 
     @property
     def ranks(self) -> int:
@@ -275,6 +305,23 @@ class TrainerConfig(_Base):
             )
         if self.logits_chunk_tokens < 1:
             raise ValueError("trainer.logits_chunk_tokens must be >= 1 (try 2048)")
+        if self.ref_load and not (self.loss.kl_coef or self.loss.kl_in_reward_coef):
+            raise ValueError(
+                f"trainer.ref_load={self.ref_load!r} but no KL uses a reference: set trainer.loss.kl_coef "
+                "(or kl_in_reward_coef) > 0, or drop trainer.ref_load"
+            )
+        if self.recompute_num_layers < 1:
+            raise ValueError("trainer.recompute_num_layers must be >= 1 (layers per recomputed chunk)")
+        lc = self.loss
+        if lc.overlong_buffer_len < 0 or lc.overlong_max_len < 0 or lc.overlong_penalty < 0:
+            raise ValueError(
+                "trainer.loss.overlong_buffer_len, overlong_max_len and overlong_penalty must be >= 0"
+            )
+        if lc.overlong_buffer_len and lc.overlong_max_len and lc.overlong_buffer_len > lc.overlong_max_len:
+            raise ValueError(
+                f"trainer.loss.overlong_buffer_len={lc.overlong_buffer_len} > overlong_max_len="
+                f"{lc.overlong_max_len}: the penalty starts at max_len - buffer_len tokens"
+            )
         if self.lora.rank and self.loss.advantage == "ppo":
             raise ValueError(
                 "trainer.lora with trainer.loss.advantage=ppo: the critic has no adapters; use an estimator "
@@ -319,3 +366,4 @@ class TrainerRun:
     max_staleness: int = 2
     temperature: float = 1.0  # rollout.sampling.temperature: logprobs are of the sampling distribution
     fp32_lm_head: bool = True  # model.fp32_lm_head: logits in fp32 whatever the precision
+    max_new_tokens: int = 0  # rollout.sampling.max_new_tokens: DAPO's overlong length by default

@@ -134,7 +134,7 @@ def build_critic(
         finalize_model_grads,
     )
 
-    built = build_policy(model_path, **arch, recompute=tc.recompute, ddp=False)
+    built = build_policy(model_path, **arch, recompute=tc.megatron_recompute(), ddp=False)
     gpt = unwrap(built.model)
     # Zero init: V = 0 at the start, so the first advantages are the plain (discounted) returns. Stored in
     # the model's dtype (megatron's bf16 optimizer cannot checkpoint an fp32 parameter among bf16 ones:

@@ -33,6 +33,15 @@ from stages.trainer.step_metrics import accumulate
 log = logging.getLogger(__name__)
 
 
+def check_reference(ref_hc, policy_hc, ref_load: str) -> None:
+    """The KL compares the two models' distributions over one vocabulary: refuse another one."""
+    if ref_load and ref_hc.vocab_size != policy_hc.vocab_size:
+        raise ValueError(
+            f"trainer.ref_load={ref_load!r} has a vocabulary of {ref_hc.vocab_size}, the policy "
+            f"{policy_hc.vocab_size}: the KL needs the same tokenizer (a checkpoint of the same model family)"
+        )
+
+
 class MegatronBackend:
     """TrainBackend (backend.py) on megatron-core. Joins torch.distributed on construction."""
 
@@ -73,7 +82,7 @@ class MegatronBackend:
         self.policy = build_policy(
             model_path,
             **self.arch,
-            recompute=tc.recompute,
+            recompute=tc.megatron_recompute(),
             distributed_optimizer=self.dist_opt,
             lora=tc.lora,
             seed=run.seed,
@@ -89,9 +98,11 @@ class MegatronBackend:
             self.replay = RoutingReplay(unwrap(self.policy.model), self.hf_config)
         self.ref = None
         self.has_reference = tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0
-        # the KL's frozen initial policy: with LoRA the policy itself with its adapters off (no copy)
-        if self.has_reference and self.policy.lora is None:
-            self.ref = build_policy(model_path, **self.arch, ddp=False)
+        # the KL's frozen reference: trainer.ref_load, else the initial policy; with LoRA and no ref_load
+        # the policy itself with its adapters off (no copy)
+        if self.has_reference and (self.policy.lora is None or tc.ref_load):
+            self.ref = build_policy(tc.ref_load or model_path, **self.arch, ddp=False)
+            check_reference(self.ref.hf_config, self.hf_config, tc.ref_load)
             unwrap(self.ref.model).eval().requires_grad_(False)
         self.opt_cfg = OptimizerConfig(
             optimizer=tc.optimizer,
@@ -419,9 +430,7 @@ class MegatronBackend:
     def checkpoint_part(self) -> MegatronPart:
         # with LoRA the checkpoint holds the adapters and their optimizer state (the base is the model folder)
         lora = self.policy.lora
-        return MegatronPart(
-            self.policy.model, self.optimizer, keep=lora.trains if lora is not None else None
-        )
+        return MegatronPart(self.policy.model, self.optimizer, keep=lora.trains if lora is not None else None)
 
     def nonfinite_param(self) -> str | None:
         for name, p in unwrap(self.policy.model).named_parameters():

@@ -151,7 +151,7 @@ def transformer_config(
     tp: int,
     pp: int,
     bf16: bool,
-    recompute: bool = False,
+    recompute: bool | dict = False,
     cp: int = 1,
     sequence_parallel: bool = False,
     te: bool = False,
@@ -208,8 +208,10 @@ def transformer_config(
         )
     if not cpu:  # megatron's jit-fused SwiGLU (no bias): one kernel instead of silu, mul and their grads
         kw.update(bias_activation_fusion=True)
-    if recompute:  # full recompute: every layer's activations recomputed in the backward
+    if recompute is True:  # full recompute: every layer's activations recomputed in the backward
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute:  # trainer.recompute_* (TrainerConfig.megatron_recompute)
+        kw.update(recompute)
     return TransformerConfig(**kw)
 
 
@@ -282,7 +284,7 @@ def build_policy(
     pp: int = 1,
     bf16: bool = False,
     layer_spec: str = "auto",
-    recompute: bool = False,
+    recompute: bool | dict = False,
     ddp: bool = True,
     distributed_optimizer: bool = False,
     fp32_lm_head: bool = False,

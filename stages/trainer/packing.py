@@ -47,6 +47,7 @@ class TokenBatch:
     group_ids: list[str]
     # MoE routing replay: the routed_experts column (flat int16 values + offsets); None when no sample has any
     routed: tuple[np.ndarray, np.ndarray] | None = None
+    truncated: torch.Tensor | None = None  # [n] bool: status truncated (the response hit max_new_tokens)
 
 
 @dataclass
@@ -105,6 +106,7 @@ def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
         seq=seq,
         rewards=torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32)),
         trainable=ok,
+        truncated=torch.tensor([s == "truncated" for s in status], dtype=torch.bool),
         group_ids=[str(g) for g in batch.column("group_id").to_pylist()],
         routed=_routed_column(batch),
     )

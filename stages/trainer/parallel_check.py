@@ -91,7 +91,14 @@ def main() -> None:
     )
     ap.add_argument("--lora-rank", type=int, default=0, help="trainer.lora.rank (all target modules)")
     ap.add_argument("--lora-save", default="", help="trainer.lora.modules_to_save, comma-separated")
-    ap.add_argument("--recompute", action="store_true", help="trainer.recompute (full activation recompute)")
+    ap.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="",
+        choices=["full", "block", "selective"],
+        help="trainer.recompute: full (uniform, 1 layer), block (the first layer of each stage), selective",
+    )
     a = ap.parse_args()
 
     import torch
@@ -114,7 +121,9 @@ def main() -> None:
     # SGD: Adam's g / sqrt(v) turns float-rounding differences of near-zero gradients into visible
     # weight differences, which would hide real layout bugs behind a loose tolerance
     tc.optimizer, tc.distributed_optimizer = a.optimizer, a.distributed_optimizer
-    tc.checkpoint_every, tc.recompute = a.checkpoint_every, a.recompute
+    tc.checkpoint_every, tc.recompute = a.checkpoint_every, bool(a.recompute)
+    tc.recompute_granularity = "selective" if a.recompute == "selective" else "full"
+    tc.recompute_method = "block" if a.recompute == "block" else "uniform"
     tc.loss.entropy_coef = 0.01  # exercises the vocab-parallel entropy gradient
     if a.lora_rank:
         from stages.trainer.config import LoraConfig

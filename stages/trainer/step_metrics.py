@@ -100,10 +100,7 @@ def step_metrics(
         "staleness/mean": float(stale.float().mean()),
         "staleness/max": float(stale.max()),
         **{f"staleness/hist_{k}": int(c) for k, c in enumerate(torch.bincount(stale.clamp(min=0)).tolist())},
-        # share of samples the verifier scored as fully right (reward >= 1): the accuracy of training data
-        "reward/accuracy": float((tb.rewards >= 1.0).float().mean()),
-        "reward/mean": float(tb.rewards.mean()),
-        "reward/std": float(tb.rewards.std(correction=0)),
+        **reward_metrics(tb.rewards),
         # mean |advantage| over trained tokens (advantages are per token)
         "adv/abs_mean": float((adv.abs() * tb.mask).sum() / tb.mask.sum().clamp(min=1.0)),
         "tokens/trained": red["sum/tokens"],
@@ -135,3 +132,13 @@ def perf(
     if peak_tflops:
         out["perf/mfu"] = tflops / peak_tflops
     return out
+
+
+def reward_metrics(rewards: torch.Tensor) -> dict:
+    """reward/* of a batch's rewards (the task's, before any shaping: trainer.py passes those)."""
+    return {
+        # share of samples the verifier scored as fully right (reward >= 1): the accuracy of training data
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(correction=0)),
+    }

@@ -35,7 +35,15 @@ from stages.trainer.config import TrainerConfig, TrainerRun, check_critic_layout
 from stages.trainer.feed import BatchFeed, SourceExhausted
 from stages.trainer.optimizer import lr_at
 from stages.trainer.packing import MicroBatch, TokenBatch, shard_samples, to_token_batch
-from stages.trainer.step_metrics import STAT_KEYS, accumulate, engine_mismatch, perf, step_metrics
+from stages.trainer.shaping import shape_batch
+from stages.trainer.step_metrics import (
+    STAT_KEYS,
+    accumulate,
+    engine_mismatch,
+    perf,
+    reward_metrics,
+    step_metrics,
+)
 from stages.weights.config import WeightsConfig
 from stages.weights.publisher import WeightPublisher, rank0_says
 
@@ -125,7 +133,8 @@ class Trainer:
         the policy version. Collective over all ranks."""
         t0 = time.perf_counter()
         self._applied = 0  # optimizer updates of this batch that were applied (not skipped)
-        tb = _token_batch(batch)
+        raw = _token_batch(batch)
+        tb = shape_batch(raw, self.tc.loss, self.run.max_new_tokens)
         self.backend.check_batch(tb)
         shard = shard_samples(tb, self.backend.dp)[self.backend.dp_rank]
         mbs = self.backend.pack(tb, shard)
@@ -142,6 +151,9 @@ class Trainer:
         if self._applied:  # a skipped step leaves the policy, and so its version, as it was
             self.version += 1
         metrics = self._metrics(tb, adv, stats, value_batch, trained_at + 1)
+        if tb.rewards is not raw.rewards:  # reward/* stay the task's; the shaped mean beside them
+            metrics["reward/shaped_mean"] = float(tb.rewards.mean())
+            metrics.update(reward_metrics(raw.rewards))
         metrics["version"] = self.version
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
