@@ -685,6 +685,16 @@ MUTATIONS = [
         "            self.ref = build_policy(model_path, **self.arch, ddp=False)\n",
         ("tests/test_slime_knobs.py::test_ref_load_takes_the_kl_reference_from_another_model",),
     ),
+    Mutation(
+        "load_ignores_ckpt_step",
+        "trainer.ckpt_step is ignored: a run always starts from trainer.load's latest checkpoint",
+        "stages/trainer/checkpoint.py",
+        '    if step:\n        path = os.path.join(root, f"step_{step:06d}")\n',
+        '    if False:\n        path = os.path.join(root, f"step_{step:06d}")\n',
+        (
+            "tests/test_convert.py::test_a_run_starts_from_another_runs_checkpoint_at_its_version_or_fresh_with_finetune",
+        ),
+    ),
 ]
 
 

@@ -74,7 +74,7 @@ class MegatronPart:
         model_sd = self.model.module.sharded_state_dict()  # DDP wraps (Float16Module ->) GPTModel
         if self.keep is not None:
             model_sd = {k: v for k, v in model_sd.items() if self.keep(k)}
-        if not optimizer:
+        if not optimizer or self.optimizer is None:  # None: a model converted offline (convert.py)
             return {"model": model_sd}
         if loading:
             lay_out_state(self.optimizer)
@@ -104,10 +104,10 @@ class MegatronPart:
             self.optimizer.load_state_dict(state["optimizer"])
 
     def has_optimizer_state(self) -> bool:
-        return has_state(self.optimizer)
+        return self.optimizer is not None and has_state(self.optimizer)
 
     def optimizer_format(self) -> str:
-        return DISTRIBUTED if is_distributed(self.optimizer) else REPLICATED
+        return DISTRIBUTED if self.optimizer is not None and is_distributed(self.optimizer) else REPLICATED
 
 
 def _patch_writer() -> None:
@@ -223,11 +223,14 @@ class CheckpointManager:
     def load_latest(self, parts: dict[str, Stateful | None]) -> dict | None:
         """Load every part from the latest checkpoint of the run dir; returns its trainer_state.json, or
         None if there is none. A part this run has but the checkpoint lacks is refused."""
+        path = latest_path(self.run_dir)
+        return None if path is None else self.load(parts, path)
+
+    def load(self, parts: dict[str, Stateful | None], path: str, optimizer: bool = True) -> dict:
+        """Load every part from the checkpoint folder `path` (optimizer state too, where it has some and
+        `optimizer`); returns its trainer_state.json."""
         from megatron.core import dist_checkpointing
 
-        path = latest_path(self.run_dir)
-        if path is None:
-            return None
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         for part_name, part in parts.items():
@@ -237,7 +240,7 @@ class CheckpointManager:
                     f"trainer.loss.advantage=ppo for the critic), which this run trains: set "
                     "trainer.resume=false to start fresh, or resume with the checkpoint's settings"
                 )
-            if part is not None and state.get(_flag(part_name), True):  # only state that is there to load
+            if part is not None and optimizer and state.get(_flag(part_name), True):  # state to load
                 folder = path if part_name == ROOT else os.path.join(path, part_name)
                 saved = _saved_format(state, part_name, folder)
                 problem = _format_problem(path, part_name, saved, part.optimizer_format())
@@ -249,7 +252,7 @@ class CheckpointManager:
                     continue
                 folder = path if part_name == ROOT else os.path.join(path, part_name)
                 # checkpoints written before the flags existed were all saved after steps: with state
-                with_optimizer = state.get(_flag(part_name), True)
+                with_optimizer = optimizer and state.get(_flag(part_name), True)
                 template = part.state_dict(loading=True, optimizer=with_optimizer)
                 loaded = dist_checkpointing.load(template, folder)
                 # only what the template asked for: megatron also hands back the common (unsharded) state
@@ -257,6 +260,37 @@ class CheckpointManager:
                 part.load_state_dict({k: v for k, v in loaded.items() if k in template})
         log.info("resumed from %s at version %s", path, state["version"])
         return state
+
+
+def resolve_checkpoint(where: str, step: int = 0) -> str:
+    """trainer.load's checkpoint folder: `where` is a run dir, its checkpoints/ folder or one step_N
+    folder; `step` (trainer.ckpt_step) picks step_N among them, 0 the latest."""
+    if os.path.exists(os.path.join(where, "trainer_state.json")):
+        if step:
+            raise ValueError(
+                f"trainer.load={where!r} is one checkpoint already; drop trainer.ckpt_step={step}"
+            )
+        return where
+    root = (
+        where
+        if os.path.basename(os.path.normpath(where)) == "checkpoints"
+        else os.path.join(where, "checkpoints")
+    )
+    if step:
+        path = os.path.join(root, f"step_{step:06d}")
+        if not os.path.exists(os.path.join(path, "trainer_state.json")):
+            have = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+            raise FileNotFoundError(
+                f"trainer.ckpt_step={step}: no complete {path}; {root} has {have or 'none'}"
+            )
+        return path
+    path = latest_path(os.path.dirname(root))
+    if path is None:
+        raise FileNotFoundError(
+            f"trainer.load={where!r}: no checkpoint there (a run dir, its checkpoints/ folder, or a step_N "
+            "folder; python -m stages.trainer.convert makes one from an HF model)"
+        )
+    return path
 
 
 def latest_path(run_dir: str) -> str | None:

@@ -242,6 +242,12 @@ class TrainerConfig(_Base):
     # do not load into each other (refused)
     distributed_optimizer: bool = False
     resume: bool = True  # continue from <run dir>/checkpoints/latest when it exists
+    # a run with no checkpoint of its own starts from this one (slime's --load): a run dir, its checkpoints/
+    # folder or a step_N folder (python -m stages.trainer.convert makes one from an HF model); the weights,
+    # the optimizer state and the version (the LR schedule goes on from it)
+    load: str = ""
+    ckpt_step: int = 0  # slime's --ckpt-step: step_N of trainer.load; 0 = its latest
+    finetune: bool = False  # slime's --finetune: take only the weights of trainer.load; start at version 0
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -309,6 +315,10 @@ class TrainerConfig(_Base):
             raise ValueError(
                 f"trainer.ref_load={self.ref_load!r} but no KL uses a reference: set trainer.loss.kl_coef "
                 "(or kl_in_reward_coef) > 0, or drop trainer.ref_load"
+            )
+        if (self.ckpt_step or self.finetune) and not self.load:
+            raise ValueError(
+                "trainer.ckpt_step and trainer.finetune pick what trainer.load loads: set trainer.load"
             )
         if self.recompute_num_layers < 1:
             raise ValueError("trainer.recompute_num_layers must be >= 1 (layers per recomputed chunk)")

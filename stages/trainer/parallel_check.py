@@ -86,6 +86,9 @@ def main() -> None:
         help="weights.snapshot=direct into a recording sender on rank 0 (no engines); writes pushed.safetensors",
     )
     ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--load", default="", help="trainer.load: start from this run dir's checkpoint")
+    ap.add_argument("--ckpt-step", type=int, default=0, help="trainer.ckpt_step")
+    ap.add_argument("--finetune", action="store_true", help="trainer.finetune")
     ap.add_argument(
         "--routing-replay", action="store_true", help="MoE: samples carry recorded experts, replayed"
     )
@@ -133,6 +136,12 @@ def main() -> None:
     run = TrainerRun(run_dir=a.out + "/run")  # the run-wide defaults (seed 0, 60 steps, staleness 2)
     # resumed: the batches the uninterrupted run takes after the checkpoint's version (step i: seed i)
     tr_offset = resumed_version(a.out + "/run")
+    tc.load, tc.ckpt_step, tc.finetune = a.load, a.ckpt_step, a.finetune
+    if a.load and not a.finetune and not tr_offset:  # started from another run's checkpoint: its batches on
+        from stages.trainer.checkpoint import resolve_checkpoint
+
+        with open(os.path.join(resolve_checkpoint(a.load, a.ckpt_step), "trainer_state.json")) as f:
+            tr_offset = int(json.load(f)["version"])
     with open(os.path.join(a.model_path, "config.json")) as f:
         hc = json.load(f)
     vocab = hc["vocab_size"]

@@ -135,74 +135,22 @@ class ListSource:
 
 def run_parallel_check(model_path: str, out: str, nproc: int, *args: str, timeout_s: float = 300):
     """`nproc` ranks of `python -m stages.trainer.parallel_check` (tests of the parallel layouts) ->
-    (per-step metrics, exported HF weights).
-
-    Each rank is started directly with the environment torchrun would give it: torchrun's own start-up
-    took ~1 s of every check on the 2-core CI machine and buys nothing for one node. A rank that
-    fails ends the others, which would otherwise wait for it in a collective until `timeout_s`."""
-    import contextlib
+    (per-step metrics, exported HF weights). A failing rank raises AssertionError with its output."""
     import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    import time
 
     from safetensors.torch import load_file
 
-    from buffer.net import free_port
+    from stages.trainer.ranks import RanksFailed, run_ranks
 
-    path = os.environ.get("PYTHONPATH")  # kept after the repo: the GPU machine's wheels live there
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + (f":{path}" if path else ""), OMP_NUM_THREADS="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
-    env.update(LOCAL_WORLD_SIZE=str(nproc))
-    cmd = [
-        sys.executable,
-        "-m",
-        "stages.trainer.parallel_check",
-        "--model-path",
-        model_path,
-        "--out",
-        out,
-        *args,
-    ]
-    with contextlib.ExitStack() as stack:
-        logs = [
-            stack.enter_context(tempfile.TemporaryFile(mode="w+", errors="replace")) for _ in range(nproc)
-        ]
-        ranks: list[subprocess.Popen] = []
-        failed_first, timed_out = None, False
-        try:
-            for r, log in enumerate(logs):
-                env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-                ranks.append(subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                codes = [p.poll() for p in ranks]  # every rank, each pass: any of them may fail first
-                failed_first = next((r for r, c in enumerate(codes) if c), None)
-                if failed_first is not None or all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in ranks:  # the rest wait for the failed rank in a collective: end them
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if failed_first is not None or timed_out:
-            shown = failed_first if failed_first is not None else 0
-            why = (
-                f"ended after {timeout_s:g} s"
-                if timed_out
-                else f"rank {shown} exited {ranks[shown].returncode}"
-            )
-            logs[shown].seek(0)
-            raise AssertionError(
-                f"parallel_check {' '.join(args)}: {why}; ranks exited {[p.returncode for p in ranks]}; "
-                f"rank {shown}'s output:\n{logs[shown].read()[-4000:]}"
-            )
+    try:
+        run_ranks(
+            "stages.trainer.parallel_check",
+            ["--model-path", model_path, "--out", out, *args],
+            nproc,
+            timeout_s,
+        )
+    except RanksFailed as e:
+        raise AssertionError(f"parallel_check: {e}") from None
     with open(f"{out}/metrics.json") as f:
         return json.load(f), load_file(f"{out}/weights.safetensors")
 

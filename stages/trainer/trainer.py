@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from stages.trainer import advantages, losses
 from stages.trainer.backend import TrainBackend, ValueModel
-from stages.trainer.checkpoint import ROOT, CheckpointManager
+from stages.trainer.checkpoint import ROOT, CheckpointManager, resolve_checkpoint
 from stages.trainer.config import TrainerConfig, TrainerRun, check_critic_layout
 from stages.trainer.feed import BatchFeed, SourceExhausted
 from stages.trainer.optimizer import lr_at
@@ -99,11 +99,16 @@ class Trainer:
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self._params: int | None = None  # the whole model's parameters (perf/tflops)
         self.last_checkpoint = -1
-        if tc.resume:
-            state = self.checkpoints.load_latest(self._checkpoint_parts())
-            if state:
-                self.version = int(state["version"])
-                self.last_checkpoint = self.version
+        state = self.checkpoints.load_latest(self._checkpoint_parts()) if tc.resume else None
+        if state:
+            self.version = int(state["version"])
+            self.last_checkpoint = self.version
+        elif (
+            tc.load
+        ):  # a run of its own with no checkpoint yet starts from another run's (or a converted one)
+            path = resolve_checkpoint(tc.load, tc.ckpt_step)
+            state = self.checkpoints.load(self._checkpoint_parts(), path, optimizer=not tc.finetune)
+            self.version = 0 if tc.finetune else int(state["version"])
         self.start_version = self.version  # where this trainer began (resumed): logs and tests only
         self.feed.set_version(self.version)
 
