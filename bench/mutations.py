@@ -695,6 +695,14 @@ MUTATIONS = [
             "tests/test_convert.py::test_a_run_starts_from_another_runs_checkpoint_at_its_version_or_fresh_with_finetune",
         ),
     ),
+    Mutation(
+        "trainer_hook_before_train_step_skipped",
+        "trainer.hooks.before_train_step is never called",
+        "stages/trainer/trainer.py",
+        '        self.hooks.call("before_train_step", self._hook_context(), tb)\n',
+        "",
+        ("tests/test_trainer_hooks.py",),
+    ),
 ]
 
 

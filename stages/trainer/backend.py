@@ -75,6 +75,8 @@ class TrainBackend(ScheduleRunner, Protocol):
     has_reference: bool  # a frozen copy of the initial policy is kept (a KL term is on)
     hf_config: Any  # the model's HF config (the critic's and the metrics' sizes)
     model_path: str  # the HF folder the model was built from (checkpoints record it)
+    policy: Any  # the built policy (megatron: model.Policy, its .model the wrapped GPTModel): hooks, tests
+    optimizer: Any  # the policy's optimizer (the trainer's hooks get it)
 
     def pack(self, tb: TokenBatch, samples: list[int]) -> list[MicroBatch]:
         """`samples` of the batch in this rank's micro-batches."""

@@ -7,6 +7,8 @@ from typing import Literal
 
 import msgspec
 
+from stages.user_code import is_hook_spec
+
 
 class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -152,6 +154,22 @@ class LoraConfig(_Base):
             )
 
 
+class TrainerHooksConfig(_Base):
+    """trainer.hooks: user functions called inside the trainer (stages/trainer/hooks.py), "" = none."""
+
+    init: str = ""  # slime's --custom-megatron-init-path
+    before_log_prob: str = ""  # slime's --custom-megatron-before-log-prob-hook-path
+    before_train_step: str = ""  # slime's --custom-megatron-before-train-step-hook-path
+
+    def __post_init__(self):
+        for name in ("init", "before_log_prob", "before_train_step"):
+            spec = getattr(self, name)
+            if spec and not is_hook_spec(spec):
+                raise ValueError(
+                    f"trainer.hooks.{name}={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'"
+                )
+
+
 class TrainerConfig(_Base):
     """Megatron trainer. Parallel sizes (tp x pp x cp x dp) multiply to the number of processes."""
 
@@ -252,6 +270,7 @@ class TrainerConfig(_Base):
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    hooks: TrainerHooksConfig = msgspec.field(default_factory=TrainerHooksConfig)
 
     def megatron_recompute(self) -> dict:
         """megatron TransformerConfig keys of trainer.recompute* ({} = no recompute)."""

@@ -33,6 +33,7 @@ from stages.trainer.backend import TrainBackend, ValueModel
 from stages.trainer.checkpoint import ROOT, CheckpointManager, resolve_checkpoint
 from stages.trainer.config import TrainerConfig, TrainerRun, check_critic_layout
 from stages.trainer.feed import BatchFeed, SourceExhausted
+from stages.trainer.hooks import TrainerHookContext, TrainerHooks
 from stages.trainer.optimizer import lr_at
 from stages.trainer.packing import MicroBatch, TokenBatch, shard_samples, to_token_batch
 from stages.trainer.shaping import shape_batch
@@ -109,6 +110,8 @@ class Trainer:
             path = resolve_checkpoint(tc.load, tc.ckpt_step)
             state = self.checkpoints.load(self._checkpoint_parts(), path, optimizer=not tc.finetune)
             self.version = 0 if tc.finetune else int(state["version"])
+        self.hooks = TrainerHooks(tc.hooks)
+        self.hooks.call("init", self._hook_context())
         self.start_version = self.version  # where this trainer began (resumed): logs and tests only
         self.feed.set_version(self.version)
 
@@ -143,10 +146,12 @@ class Trainer:
         self.backend.check_batch(tb)
         shard = shard_samples(tb, self.backend.dp)[self.backend.dp_rank]
         mbs = self.backend.pack(tb, shard)
+        self.hooks.call("before_log_prob", self._hook_context(), tb)
         separate = self._separate_old_pass()
         old = self.backend.logprobs(tb, mbs) if separate else None
         ref = self.backend.logprobs(tb, mbs, reference=True) if self.backend.has_reference else None
         adv, value_batch = self._advantages(tb, mbs, old, ref)
+        self.hooks.call("before_train_step", self._hook_context(), tb)
         if self.tc.ppo_epochs * self.tc.mini_batches == 1:
             stats, old = self._update(tb, mbs, adv, old, ref, value_batch, first=True)
         else:
@@ -160,9 +165,20 @@ class Trainer:
             metrics["reward/shaped_mean"] = float(tb.rewards.mean())
             metrics.update(reward_metrics(raw.rewards))
         metrics["version"] = self.version
+        metrics.update(self.hooks.take_metrics())
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
         return metrics
+
+    def _hook_context(self) -> TrainerHookContext:
+        return TrainerHookContext(
+            config=self.tc,
+            run=self.run,
+            rank=self.rank,
+            model=self.backend.policy.model,
+            optimizer=self.backend.optimizer,
+            version=self.version,
+        )
 
     def _separate_old_pass(self) -> bool:
         """Whether logp_old takes a forward of its own. With one optimizer step per batch the training
