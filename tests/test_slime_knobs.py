@@ -155,3 +155,37 @@ def test_a_knob_set_in_a_way_that_cannot_work_is_refused_with_its_key(raw, match
     base.update({k: ({**base[k], **v} if isinstance(v, dict) else v) for k, v in raw.items()})
     with pytest.raises((ValueError, msgspec.ValidationError), match=match):
         msgspec.convert(base, TrainerConfig)
+
+
+def test_on_policy_distillation_as_a_kl_to_a_loaded_teacher_moves_the_student_toward_it(tmp_path):
+    """On-policy distillation = trainer.ref_load=<teacher> with the KL term (the reverse KL's k3 estimate
+    as a loss): with no reward signal (equal rewards: zero advantages) one step brings the student's
+    logprobs of the sampled tokens toward the teacher's."""
+    from trainer_setup import make_trainer
+
+    from pipeline.config import RunConfig
+    from stages.trainer.packing import pack
+
+    student = make_tiny_hf(str(tmp_path / "student"), "qwen2", seed=1)
+    teacher = make_tiny_hf(str(tmp_path / "teacher"), "qwen2", seed=2)
+    samples = make_samples(2, 4, seed=7)
+    for s in samples:
+        s.reward = 1.0
+    batch = samples_to_batch(samples)
+    tb = to_token_batch(batch)
+    cfg = RunConfig()
+    cfg.trainer.batch_groups, cfg.trainer.ref_load = 2, teacher
+    cfg.trainer.optimizer, cfg.trainer.lr = "sgd", 0.3
+    cfg.trainer.loss.kl_coef, cfg.trainer.loss.kl_type = 1.0, "k3"
+    cfg.trainer.loss.correction = "none"
+    tr = make_trainer(cfg, ListSource([batch]), student, str(tmp_path / "run"))
+    mbs = pack(tb, list(range(tb.n)), 4096)
+
+    def kl() -> float:  # mean |logp_student - logp_teacher| over the batch's response tokens
+        return float((tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean())
+
+    before = kl()
+    tr.step()
+    after = kl()
+    tr.close()
+    assert after < 0.9 * before, (before, after)
