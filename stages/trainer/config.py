@@ -173,6 +173,13 @@ class TrainerHooksConfig(_Base):
 class TrainerConfig(_Base):
     """Megatron trainer. Parallel sizes (tp x pp x cp x dp) multiply to the number of processes."""
 
+    # megatron: megatron-core (TP/PP/CP/EP, the families of hf_mapping.py); fsdp: any transformers causal LM
+    # through AutoModelForCausalLM, sharded over the ranks with torch's FSDP2 (data parallel only;
+    # stages/trainer/fsdp_backend.py). `check_fsdp` lists what fsdp refuses
+    backend: Literal["megatron", "fsdp"] = "megatron"
+    # fsdp backend: FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state in host memory,
+    # the optimizer step on the CPU); less GPU memory, slower steps
+    fsdp_cpu_offload: bool = False
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_tokens: int = 4096  # token budget per packed micro-batch
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -291,6 +298,7 @@ class TrainerConfig(_Base):
 
     def __post_init__(self):
         check_critic_layout(self)
+        check_fsdp(self)
         if self.critic_lr is not None and self.critic_lr < 0:
             raise ValueError("trainer.critic_lr must be >= 0, or null for trainer.lr")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
@@ -361,6 +369,41 @@ class TrainerConfig(_Base):
                 "trainer.lora adapts the local layer spec's linear layers (transformer-engine fuses the "
                 "norm into them); set trainer.layer_spec=local"
             )
+
+
+def check_fsdp(tc: TrainerConfig) -> None:
+    """Refuse, by key, what trainer.backend=fsdp does not implement (it would otherwise be ignored)."""
+    if tc.backend != "fsdp":
+        if tc.fsdp_cpu_offload:
+            raise ValueError("trainer.fsdp_cpu_offload is the fsdp backend's: set trainer.backend=fsdp")
+        return
+    fixes = (
+        ("trainer.tp=1", tc.tp > 1),
+        ("trainer.pp=1", tc.pp > 1),
+        ("trainer.cp=1", tc.cp > 1),
+        ("trainer.ep=1", tc.ep > 1),
+        ("trainer.etp=0", tc.etp > 1),
+        ("trainer.sequence_parallel=false", tc.sequence_parallel),
+        ("trainer.lora.rank=0", tc.lora.rank > 0),
+        ("trainer.routing_replay=false", tc.routing_replay),
+        (
+            "trainer.distributed_optimizer=false (FSDP shards the optimizer state already)",
+            tc.distributed_optimizer,
+        ),
+        ("trainer.layer_spec=auto", tc.layer_spec == "te"),
+        ("trainer.moe_aux_loss_coef=0", tc.moe_aux_loss_coef > 0),
+        (
+            "trainer.recompute_granularity=full (whole decoder layers are checkpointed)",
+            tc.recompute and tc.recompute_granularity != "full",
+        ),
+        ("trainer.loss.advantage other than ppo (no critic on this backend)", tc.loss.advantage == "ppo"),
+    )
+    bad = [fix for fix, on in fixes if on]
+    if bad:
+        raise ValueError(
+            f"trainer.backend=fsdp is data parallel over FSDP2 shards and does not support these settings; "
+            f"set {', '.join(bad)}, or use trainer.backend=megatron"
+        )
 
 
 def check_critic_layout(tc: TrainerConfig) -> None:

@@ -62,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"], help="trainer.backend")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
@@ -116,6 +117,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     tc, wc = TrainerConfig(), WeightsConfig()
+    tc.backend = a.backend
     tc.tp, tc.pp, tc.batch_groups = a.tp, a.pp, 2
     tc.cp, tc.sequence_parallel, tc.attention = a.cp, a.sp, a.layout
     tc.loss.advantage, tc.loss.correction = a.advantage, a.correction
@@ -166,7 +168,8 @@ def main() -> None:
         tr.attach_sender(recorder)  # None on the other ranks, which gather in step
     losses = [tr.step() for _ in range(a.steps)]
     tr.close()
-    state = export_hf_state(tr.policy)
+    # the fsdp backend's policy is an HF model: its export is the backend's own (HF names already)
+    state = export_hf_state(tr.policy) if a.backend == "megatron" else tr.backend.weight_export().snapshot()
     if tr.policy.lora is not None:  # collective: the adapters alone, as a PEFT folder
         from stages.trainer.lora import save_peft
 

@@ -72,10 +72,12 @@ class Trainer:
         check_critic_layout(tc)
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        if backend is None:
-            from stages.trainer.megatron_backend import MegatronBackend
-
-            backend = MegatronBackend(tc, run, model_path)
+        if backend is None:  # trainer.backend: megatron-core, or the HF-native FSDP2 one (fsdp_backend.py)
+            if tc.backend == "fsdp":
+                from stages.trainer.fsdp_backend import FsdpBackend as Backend
+            else:
+                from stages.trainer.megatron_backend import MegatronBackend as Backend
+            backend = Backend(tc, run, model_path)
         self.backend = backend
         self.rank, self.device = backend.rank, backend.device
         if self.rank == 0 and source is None:

@@ -1,0 +1,237 @@
+"""The policy of the fsdp backend (fsdp_backend.py): any transformers causal LM, built from its HF folder
+with AutoModelForCausalLM and sharded over the trainer's ranks with torch's FSDP2 (`fully_shard`).
+
+What is fed: packed rows as packing.pack lays them out, with position_ids restarting at every segment
+and no attention mask. transformers reads the segment boundaries from the position ids
+(masking_utils.find_packed_sequence_indices): flash_attention_2 turns them into cu_seqlens (varlen, no
+s x s mask), sdpa and eager into a block-diagonal causal mask it builds itself, flex_attention into a
+block mask. Sliding windows and the other per-family masks stay transformers' own.
+
+What comes out: the decoder's final hidden states at the response positions go through
+lm_head.head_logprobs (the fused chunked logprob / entropy head the megatron backend uses) with the
+model's output-embedding weight, inside the FSDP root's forward, so FSDP has that weight unsharded
+while the head uses it and its gradient flows back through FSDP's hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.trainer.lm_head import head_logprobs
+
+log = logging.getLogger(__name__)
+
+# trainer.attention -> transformers' attn_implementation ("auto" is resolved by `attention_impl`)
+ATTENTION = {"varlen": "flash_attention_2", "sdpa": "sdpa", "unfused": "eager"}
+
+
+def attention_impl(setting: str, cuda: bool, bf16: bool) -> str:
+    """transformers' attention implementation for trainer.attention. auto: FlashAttention's varlen
+    kernels on CUDA in bf16 when flash-attn is installed, else sdpa (on CPU with the block mask
+    transformers builds from the position ids)."""
+    if setting != "auto":
+        impl = ATTENTION[setting]
+        if impl == "flash_attention_2" and not _have_flash_attn():
+            raise ValueError(
+                "trainer.attention=varlen with trainer.backend=fsdp runs transformers' flash_attention_2, "
+                "which needs CUDA and the flash-attn package; use trainer.attention=sdpa"
+            )
+        return impl
+    return "flash_attention_2" if cuda and bf16 and _have_flash_attn() else "sdpa"
+
+
+def _have_flash_attn() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Segment ids [b, s] -> positions [b, s] restarting at 0 where each segment (and each row's padding
+    tail) begins: how transformers recognises packed sequences."""
+    s = segments.shape[1]
+    idx = torch.arange(s, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+@dataclass
+class HeadSpec:
+    """How this family turns final hidden states into logits, beyond `hidden @ lm_head.weight.T`:
+    `scale` multiplies the logits (granite's 1 / logits_scaling, cohere's logit_scale: folded into the
+    fused head's temperature), `softcap` is gemma2's tanh soft-capping (the fused head has none, so
+    such a model computes its logits unfused, t x V at once)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, hc) -> HeadSpec:
+        scale = 1.0 / float(getattr(hc, "logits_scaling", None) or 1.0)
+        scale *= float(getattr(hc, "logit_scale", None) or 1.0)
+        return cls(scale=scale, softcap=getattr(hc, "final_logit_softcapping", None) or None)
+
+
+def _plain_head(h, w, targets, temperature, spec: HeadSpec, entropy: bool):
+    """logprob (and entropy) through ordinary autograd, for heads the fused one does not compute."""
+    z = (h.float() @ w.float().t()) * spec.scale
+    if spec.softcap:
+        z = torch.tanh(z / spec.softcap) * spec.softcap
+    logp_all = F.log_softmax(z / temperature, dim=-1)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
+    return logp, ent
+
+
+class HeadedLM(nn.Module):
+    """The HF causal LM with the fused logprob head in its forward: the module FSDP shards as its root.
+    `lm` keeps HF's parameter names (state dicts strip the `lm.` prefix)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.head = HeadSpec.of(lm.config)
+
+    def hidden(self, tokens: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        out = self.lm.base_model(input_ids=tokens, position_ids=segment_positions(segments), use_cache=False)
+        return out.last_hidden_state
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        segments: torch.Tensor,
+        pick: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        entropy_grad: bool = False,
+        chunk: int = 2048,
+        fp32_logits: bool = True,
+    ):
+        """Final hidden states [b, s, h] (`pick` None), or (logp [t], entropy [t] or None) of `targets`
+        predicted at the flat positions `pick` of the b*s ones."""
+        hidden = self.hidden(tokens, segments)
+        if pick is None:
+            return hidden
+        h = hidden.reshape(-1, hidden.shape[-1])[pick]
+        w = self.lm.get_output_embeddings().weight
+        if self.head.softcap:
+            logp, ent = _plain_head(h, w, targets, temperature, self.head, entropy)
+            return logp, (ent if entropy_grad or ent is None else ent.detach())
+        return head_logprobs(
+            h,
+            w,
+            targets,
+            temperature=temperature / self.head.scale,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
+            chunk=chunk,
+            fp32_logits=fp32_logits,
+            vocab_size=w.shape[0],
+        )
+
+
+def load_lm(path: str, attn: str, fallback: bool = False) -> nn.Module:
+    """AutoModelForCausalLM of the HF folder in fp32 (FSDP keeps fp32 master weights; bf16 compute is
+    its mixed-precision policy's), dropout off everywhere as the megatron build has it: RL's logprobs
+    must be those of the deterministic policy the engines sample. `fallback` (trainer.attention=auto):
+    eager attention for a family that has no `attn` implementation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hc = AutoConfig.from_pretrained(path)
+    text = getattr(hc, "text_config", None)
+    for cfg in (hc, text) if text is not None else (hc,):
+        for k, v in list(vars(cfg).items()):
+            if "dropout" in k and isinstance(v, float):
+                setattr(cfg, k, 0.0)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, config=hc, dtype=torch.float32, attn_implementation=attn
+        )
+    except ValueError as e:  # a family without sdpa support (gemma2: attention soft-capping)
+        if not fallback or "does not support" not in str(e):
+            raise
+        log.warning("%s: %s has no %s attention; using eager", path, hc.model_type, attn)
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, config=hc, dtype=torch.float32, attn_implementation="eager"
+        )
+    for m in lm.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return lm
+
+
+def shard(model: HeadedLM, mesh, *, bf16: bool, offload: bool, reshard: bool = True) -> HeadedLM:
+    """FSDP2 over `mesh`: one unit per decoder layer (the classes the model lists in _no_split_modules,
+    transformers' own wrap policy), the rest (embeddings, final norm, LM head: tied weights stay in
+    one unit) in the root. bf16: bf16 compute, fp32 gradient reduction and master weights."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kw: dict[str, Any] = {"mesh": mesh}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw["offload_policy"] = CPUOffloadPolicy() if offload else OffloadPolicy()
+    names = set(getattr(model.lm, "_no_split_modules", None) or ())
+    layers = [m for m in model.lm.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model.lm).__name__} names no decoder-layer classes (_no_split_modules): the fsdp "
+            "backend shards one unit per layer and cannot find them"
+        )
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def hf_named(model: HeadedLM) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors as HF names them in a save_pretrained file: parameters (a tied LM head once,
+    under the embedding's name, as HF saves it) and persistent buffers. Values are FSDP's shards
+    (DTensors) or plain tensors."""
+    lm = model.lm
+    params = dict(lm.named_parameters())  # deduplicated: a tied weight under its first name
+    every = {n for n, _ in lm.named_parameters(remove_duplicate=False)}
+    sd = lm.state_dict(keep_vars=True)
+    return [(k, params[k] if k in params else v) for k, v in sd.items() if k in params or k not in every]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (collective over its mesh), or `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP DTensor (a view), or `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_optimizer(model: nn.Module, tc) -> torch.optim.Optimizer:
+    """torch's AdamW / SGD as megatron-core builds them (its torch fallback): weight decay on matrices
+    only (no decay for biases and 1-D parameters), decoupled for Adam, SGD with megatron's default
+    momentum 0.9, Adam's eps 1e-8."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": tc.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if tc.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=tc.lr, momentum=0.9)
+    fused = {"fused": True} if torch.cuda.is_available() and not tc.fsdp_cpu_offload else {}
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=1e-8, **fused)
