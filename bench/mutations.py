@@ -703,6 +703,17 @@ MUTATIONS = [
         "",
         ("tests/test_trainer_hooks.py",),
     ),
+    Mutation(
+        "fsdp_positions_run_across_segments",
+        "fsdp backend: packed sequences see each other (positions run on across the row's segments)",
+        "stages/trainer/fsdp_model.py",
+        "        out = self.lm.base_model(input_ids=tokens, position_ids=segment_positions(segments), use_cache=False)\n",
+        "        out = self.lm.base_model(input_ids=tokens, use_cache=False)\n",
+        (
+            "tests/test_fsdp_backend.py::test_fsdp_trains_as_megatron",
+            "tests/test_fsdp_backend.py::test_logprobs_equal_megatron_in_fp32",
+        ),
+    ),
 ]
 
 
