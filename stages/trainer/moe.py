@@ -179,12 +179,9 @@ def freeze_expert_bias(model) -> int:
 
 
 def adapt_built_model(model, hc) -> None:
-    """After building an MoE policy: expert biases as frozen parameters (freeze_expert_bias), and the
-    HF config's expert count under the `num_experts` name code outside this module reads (GLM calls it
-    n_routed_experts)."""
+    """After building an MoE policy: expert biases as frozen parameters (freeze_expert_bias). (The expert
+    count is read through moe_config.num_experts everywhere: GLM names it n_routed_experts.)"""
     freeze_expert_bias(model)
-    if getattr(hc, "num_experts", None) is None:
-        hc.num_experts = num_experts(hc)
 
 
 def expert_biases(model) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
