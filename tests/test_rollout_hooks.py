@@ -221,7 +221,8 @@ def _doc_examples(tmp_path) -> dict[str, str]:
 
 def test_the_examples_of_docs_rollouts_run(tok, tmp_path):
     files = _doc_examples(tmp_path)
-    assert set(files) == {"my_env.py", "my_loop.py", "my_filter.py"}
+    # my_agent.py (rollout.agent_fn) is run by tests/test_agent_episodes.py
+    assert set(files) == {"my_env.py", "my_loop.py", "my_filter.py", "my_agent.py"}
     engine = ScriptedEngine([(ANSWER, "stop", None)])
     cfg = _cfg(group_size=2, generate_fn=f"{files['my_env.py']}:generate", generate_kwargs={"hint": "Check."})
     sink, _ = _run(cfg, engine, tok)

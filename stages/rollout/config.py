@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgspec
 
 from stages.reward.config import RewardConfig
+from stages.user_code import is_hook_spec
 
 
 class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -15,12 +16,6 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 BUILTIN_FILTERS = ("none", "nonzero_std")  # rollout.filter names besides "module:function"
-
-
-def is_hook_spec(spec: str) -> bool:
-    """ "package.module:function" or "path/to/file.py:function" (the form only; loading is hooks.py's)."""
-    where, _, attr = spec.rpartition(":")
-    return bool(where) and attr.isidentifier()
 
 
 def absolute_spec(spec: str) -> str:
@@ -104,6 +99,29 @@ class SGLangConfig(_Base):
     freeze_gc: bool = True
 
 
+class AgentConfig(_Base):
+    """`rollout.agent`: the OpenAI-compatible endpoint an agent_fn runs against, and an episode's budgets
+    (stages/rollout/agent_run.py; docs/rollouts.md, "Agents")."""
+
+    host: str = "127.0.0.1"  # the endpoint binds here (loopback: agents run in the generator's process)
+    port: int = 0  # 0 = a free port per generator; a fixed port serves one generator only
+    # an episode (one agent_fn call) running longer is cancelled and ends `truncated` with what it made
+    timeout_s: float = 600.0
+    # model calls per episode; a call past it is refused (HTTP 400) and the episode ends `truncated`
+    max_turns: int = 32
+    model_name: str = "policy"  # what /v1/models lists; requests may name any model (there is one)
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"rollout.agent.timeout_s={self.timeout_s}: must be > 0 (seconds per episode)")
+        if self.max_turns < 1:
+            raise ValueError(
+                f"rollout.agent.max_turns={self.max_turns}: must be >= 1 (model calls per episode)"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"rollout.agent.port={self.port}: a TCP port (0 = a free one)")
+
+
 class RolloutConfig(_Base):
     num_generators: int = 1
     engine: Literal["torch", "sglang"] = "torch"
@@ -132,6 +150,11 @@ class RolloutConfig(_Base):
     # rollout_fn replaces the generation loop: an async iterator of groups streamed to the buffer under
     # the same admission control (stages/rollout/custom_loop.py); it excludes generate_fn
     rollout_fn: str = ""
+    # agent_fn runs each episode as an agent against an OpenAI-compatible endpoint the generator serves:
+    # `async def fn(base_url, api_key, record, session_id, **generate_kwargs) -> float | None`
+    # (stages/rollout/agent_run.py); it replaces generate_fn, and rollout.agent holds its endpoint and budgets
+    agent_fn: str = ""
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
     engine_retries: int = 1  # an engine error fails the group; retry it this many times
     delay_model: str = ""  # bench only: "longtail:<mean_s>" adds a per-sequence engine delay
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -140,7 +163,7 @@ class RolloutConfig(_Base):
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
     def __post_init__(self):
-        for key in ("generate_fn", "rollout_fn", "filter"):
+        for key in ("generate_fn", "rollout_fn", "agent_fn", "filter"):
             spec = getattr(self, key)
             if key == "filter" and spec in BUILTIN_FILTERS:
                 continue
@@ -154,6 +177,11 @@ class RolloutConfig(_Base):
             raise ValueError(
                 f"rollout.max_inflight_requests={self.max_inflight_requests} is below rollout.group_size="
                 f"{self.group_size}: no group could start; set it to 0 (no request cap) or >= group_size"
+            )
+        if self.agent_fn and (self.generate_fn or self.rollout_fn or self.generate_per_sample):
+            raise ValueError(
+                "rollout.agent_fn runs each episode itself, through the generator's OpenAI-compatible "
+                "endpoint: leave rollout.generate_fn, rollout.rollout_fn and rollout.generate_per_sample unset"
             )
         if self.generate_fn and self.rollout_fn:
             raise ValueError(

@@ -36,6 +36,9 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
     index: int = 0  # row / example index in the dataset
     epoch: int = 0
+    # the chat messages `text` renders (data.system_prompt included; [] without the chat template): what
+    # an agent (rollout.agent_fn) sends to reproduce exactly this prompt
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 def _row_to_example(row: Any, cfg: DataConfig, where: str) -> Example:
@@ -205,6 +208,7 @@ class PromptSource:
 
     def _render(self, i: int) -> Prompt | None:
         ex = self.example(i)
+        messages = self.chat_messages(ex.prompt) if self.cfg.apply_chat_template else []
         text = self.render_text(ex.prompt)
         ids = list(self.tok(text, add_special_tokens=not self.cfg.apply_chat_template).input_ids)
         limit = self.cfg.max_prompt_tokens
@@ -216,16 +220,27 @@ class PromptSource:
             ids = ids[-limit:]
             text = self.tok.decode(ids)
         return Prompt(
-            text=text, ids=ids, label=ex.label, metadata=dict(ex.metadata), index=i, epoch=self.epoch
+            text=text,
+            ids=ids,
+            label=ex.label,
+            metadata=dict(ex.metadata),
+            index=i,
+            epoch=self.epoch,
+            messages=messages,
         )
+
+    def chat_messages(self, prompt: str | list[dict[str, str]]) -> list[dict[str, str]]:
+        """A prompt as the chat messages the template renders (data.system_prompt inserted)."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return messages
 
     def render_text(self, prompt: str | list[dict[str, str]]) -> str:
         """Prompt text as the model sees it: chat-templated (with generation prompt) or plain."""
         if not self.cfg.apply_chat_template:
             return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if self.cfg.system_prompt and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        messages = self.chat_messages(prompt)
         if not getattr(self.tok, "chat_template", None):
             raise DataError(
                 "data.apply_chat_template is on but the model's tokenizer has no chat template; "

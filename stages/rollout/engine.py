@@ -31,6 +31,9 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams
     rid: str = ""  # caller's id, echoed back
+    # requests with the same key go to the same engine of a pool while that engine is up (an agent
+    # episode's calls: a later turn then finds its earlier context where it was computed); "" = any
+    affinity: str = ""
 
 
 @dataclass(kw_only=True)

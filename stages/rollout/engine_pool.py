@@ -1,9 +1,17 @@
 """Several SGLang engines behind one Engine: requests go to the engine with the fewest outstanding ones,
-and weight updates run on every engine at once (a collective needs all ranks together)."""
+and weight updates run on every engine at once (a collective needs all ranks together).
+
+Session affinity: a request with an `affinity` key (GenRequest.affinity; an agent episode's session id)
+goes to the engine its key's first request went to, as long as that engine is available; the load
+balancing is then across keys, not across the calls of one episode (whose later turns extend the earlier
+ones' context, which that engine may still hold in its prefix cache). A key whose engine is down or being
+restarted moves to the least loaded engine that is up, and stays there.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,15 +22,19 @@ from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult
 from stages.rollout.sglang_engine import SGLangEngine
 
+MAX_AFFINITY_KEYS = 65536  # keys remembered (least recently used dropped): far more than episodes in flight
+
 
 class EnginePool(Engine):
-    """Several engines behind one Engine: each request goes to the engine with the fewest outstanding."""
+    """Several engines behind one Engine: each request goes to the engine with the fewest outstanding
+    (or, with an affinity key, to the engine that key is pinned to: see the module docstring)."""
 
     def __init__(self, engines: list[SGLangEngine]):
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self.engines = list(engines)
         self._dispatching = 0  # requests handed to an engine whose generate() has not run yet
+        self._pinned: OrderedDict[str, int] = OrderedDict()  # affinity key -> engine index
 
     @classmethod
     def launch(
@@ -71,8 +83,8 @@ class EnginePool(Engine):
         up = [e.available() for e in self.engines]
         load = [e.outstanding if ok or not any(up) else float("inf") for e, ok in zip(self.engines, up)]
         parts: list[list[int]] = [[] for _ in self.engines]
-        for i in range(len(requests)):
-            k = min(range(len(load)), key=load.__getitem__)
+        for i, req in enumerate(requests):
+            k = self._engine_for(req.affinity, up, load)
             parts[k].append(i)
             load[k] += 1
         used = [(e, [requests[i] for i in p]) for e, p in zip(self.engines, parts) if p]
@@ -85,6 +97,29 @@ class EnginePool(Engine):
             for i, r in zip(p, out):
                 results[i] = r
         return results  # type: ignore[return-value]
+
+    def _engine_for(self, key: str, up: list[bool], load: list[float]) -> int:
+        """The engine index for a request: its key's engine while that one is up (or none is), else the
+        least loaded, which a key is then pinned to."""
+        k = self._pinned.get(key) if key else None
+        if k is not None and (up[k] or not any(up)):
+            self._pinned.move_to_end(key)
+            return k
+        k = min(range(len(load)), key=load.__getitem__)
+        if key:
+            self._pinned[key] = k
+            self._pinned.move_to_end(key)
+            while len(self._pinned) > MAX_AFFINITY_KEYS:
+                self._pinned.popitem(last=False)
+        return k
+
+    def forget_affinity(self, key: str) -> None:
+        """Drop an affinity key (its episode ended): the pool keeps no state for finished episodes."""
+        self._pinned.pop(key, None)
+
+    def pinned(self, key: str) -> int | None:
+        """The engine index `key` is pinned to, or None."""
+        return self._pinned.get(key)
 
     async def _dispatch(self, used: list[tuple[SGLangEngine, list[GenRequest]]]) -> list[list[GenResult]]:
         """Each engine's share at once. An engine counts its requests when its generate() first runs, a

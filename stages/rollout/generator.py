@@ -43,6 +43,7 @@ from buffer.transport import SampleSink
 from stages.models import ModelConfig
 from stages.reward.registry import RewardScorer
 from stages.rollout.admission import StalenessAdmission, abort_stale
+from stages.rollout.agent_run import AgentGenerateFn
 from stages.rollout.build import load_source
 from stages.rollout.config import RolloutConfig
 from stages.rollout.custom_loop import run_rollout_fn
@@ -84,7 +85,8 @@ class Generator(ResumableGenerator):
 
     Each group is made by the generate_fn (rollout.generate_fn, default: single_turn), called once per
     group or, with rollout.generate_per_sample, once per sample (generate_fn.GenerateFn, which the evaluator
-    calls too); what it returns is checked (hooks.check_samples), scored, filtered and put.
+    calls too; with rollout.agent_fn, agent_run.AgentGenerateFn runs one agent episode per member); what
+    it returns is checked (hooks.check_samples), scored, filtered and put.
     """
 
     def __init__(
@@ -112,7 +114,7 @@ class Generator(ResumableGenerator):
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
         self.scorer = scorer or RewardScorer.from_config(r.reward)
         self.group_filter = group_filter if group_filter is not None else resolve_filter(r.filter)
-        self.generate = GenerateFn.from_config(r, self.tok)
+        self.generate = (AgentGenerateFn if r.agent_fn else GenerateFn).from_config(r, self.tok)
         self.rollout_fn = load_hook(r.rollout_fn, "rollout.rollout_fn") if r.rollout_fn else None
         self.rollout_ctx = None  # the RolloutContext while a rollout_fn runs (custom_loop.run_rollout_fn)
         stop_ids = tuple(r.sampling.stop_token_ids)

@@ -26,81 +26,35 @@ checked with check_samples (here).
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import logging
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from buffer.record import F32, I16, I32, U8, Sample, Status, pack
-from stages.rollout.config import BUILTIN_FILTERS, RolloutConfig, is_hook_spec
+from stages.rollout.config import BUILTIN_FILTERS, RolloutConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.user_code import HookError, hook_name, is_hook_spec, load_hook  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-
-class HookError(ValueError):
-    """A hook could not be loaded, or returned something the pipeline cannot use."""
 
 
 class EngineCallError(RuntimeError):
     """The engine failed under a hook's request (retried by the generator like any engine error)."""
 
 
-# -- loading -----------------------------------------------------------------------------------------
-def load_hook(spec: str, key: str) -> Callable[..., Any]:
-    """The callable named by spec; `key` (e.g. "rollout.generate_fn") is named in every error."""
-    if not is_hook_spec(spec):
-        raise HookError(f"{key}={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
-    where, _, attr = spec.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise HookError(f"{key}={spec!r}: no file {path}")
-        name = f"slipstream_hook_{abs(hash(str(path.resolve())))}"
-        module = sys.modules.get(name)
-        if module is None:
-            module_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
-            try:
-                module_spec.loader.exec_module(module)
-            except Exception as e:
-                del sys.modules[name]
-                raise HookError(f"{key}={spec!r}: loading {path} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise HookError(
-                f"{key}={spec!r}: cannot import {where!r} ({e}); put its folder on PYTHONPATH "
-                "or give the file's path (path/to/file.py:function)"
-            ) from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise HookError(f"{key}={spec!r}: {where} has no callable {attr!r}")
-    return fn
-
-
-def hook_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
-
-
 def check_hooks(rollout_cfg: RolloutConfig) -> None:
     """Load every hook of a RolloutConfig once (the driver does, before any stage starts), so that a typo
     fails in a second naming the key rather than in a generator's traceback."""
-    for key in ("generate_fn", "rollout_fn"):
+    for key in ("generate_fn", "rollout_fn", "agent_fn"):
         spec = getattr(rollout_cfg, key)
         if spec:
             fn = load_hook(spec, f"rollout.{key}")
-            if key == "generate_fn" and not inspect.iscoroutinefunction(fn):
-                raise HookError(f"rollout.generate_fn={spec!r}: must be an `async def` function")
+            if key in ("generate_fn", "agent_fn") and not inspect.iscoroutinefunction(fn):
+                raise HookError(f"rollout.{key}={spec!r}: must be an `async def` function")
     resolve_filter(rollout_cfg.filter)
 
 
