@@ -714,6 +714,22 @@ MUTATIONS = [
             "tests/test_fsdp_backend.py::test_logprobs_equal_megatron_in_fp32",
         ),
     ),
+    Mutation(
+        "agent_turn_reencoded",
+        "agent endpoint: a model turn is stored as other tokens than the engine sampled (here: reordered)",
+        "stages/rollout/agent_session.py",
+        "        ids = [int(t) for t in res.response_ids]\n",
+        "        ids = [int(t) for t in reversed(res.response_ids)]\n",
+        ("tests/test_agent_episodes.py",),
+    ),
+    Mutation(
+        "agent_no_session_affinity",
+        "engine pool: the calls of one agent episode go to whichever engine is least loaded",
+        "stages/rollout/engine_pool.py",
+        "        k = self._pinned.get(key) if key else None\n",
+        "        k = None\n",
+        ("tests/test_agent_endpoint.py",),
+    ),
 ]
 
 
