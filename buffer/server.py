@@ -23,6 +23,7 @@ stats()["auth_refused"].
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ from buffer.record import samples_to_batch
 from buffer.storage import Buffer, Plan
 from buffer.validate import check_batch, read_ipc_batch
 from buffer.warm_up import warm_up
+
+BIND_RETRY_S = 5.0  # how long a bind waits out "address in use" (bind_retrying)
 
 log = logging.getLogger("buffer.server")
 
@@ -183,7 +186,7 @@ class BufferServer:
                 warm_up()
             except Exception:  # only a speed-up: a real ingest reports whatever this hit
                 log.warning("ingest warm-up failed; serving anyway", exc_info=True)
-            sock.bind(self.bind_address)
+            bind_retrying(sock, self.bind_address)
             self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._bound.set()
             self._loop(sock, wake_r)
@@ -429,3 +432,18 @@ class BufferServer:
         s["auth_refused"] = self._guard.refused if self._guard is not None else 0
         s.update(self.counters)
         return s
+
+
+def bind_retrying(sock: zmq.Socket, address: str, wait_s: float = BIND_RETRY_S) -> None:
+    """Bind, retrying "address in use" for up to `wait_s`: a buffer restarted on its old address (a heal,
+    a test) may bind while ZeroMQ's I/O thread is still closing the old socket's listener, which
+    `close()` only queues. Any other error, or one that lasts, is raised."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
