@@ -8,7 +8,6 @@ when it is created.
 
 from __future__ import annotations
 
-import datetime
 import glob
 import importlib.util
 import os
@@ -17,11 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from buffer.net import free_port
 from stages.models import moe_layer_flags
 from stages.trainer import cpu_shim, hf_mapping, moe
 from stages.trainer.config import LoraConfig
-from stages.weights.sglang_protocol import align_nccl_env
+from stages.trainer.world import join_world
 
 
 def init_distributed(
@@ -44,19 +42,7 @@ def init_distributed(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            align_nccl_env()  # before the first communicator: the weight-push group must agree
-        backend = "nccl" if cuda else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
-            )
+    join_world(timeout_s)
     cpu_shim.activate()
     world = dist.get_world_size()
     if world % (tp * pp * cp):
