@@ -400,8 +400,8 @@ MUTATIONS = [
         "empty_optimizer_state_loaded",
         "a checkpoint saved before the first step (no optimizer state) cannot be resumed: its keys are missing",
         "stages/trainer/checkpoint.py",
-        "                with_optimizer = state.get(_flag(part_name), True)\n",
-        "                with_optimizer = True\n",
+        "                with_optimizer = optimizer and state.get(_flag(part_name), True)\n",
+        "                with_optimizer = optimizer\n",
         ("tests/test_trainer_step.py::test_a_checkpoint_saved_before_any_step_resumes",),
     ),
     Mutation(
