@@ -46,6 +46,7 @@ VALUED: dict[str, tuple[str, _Conv]] = {
     "--rollout-max-prompt-len": ("rollout.data.max_prompt_tokens", int),
     "--rollout-temperature": ("rollout.sampling.temperature", float),
     "--rollout-top-p": ("rollout.sampling.top_p", float),
+    "--rollout-top-k": ("rollout.sampling.top_k", int),
     "--custom-generate-function-path": ("rollout.generate_fn", str),
     "--rollout-function-path": ("rollout.rollout_fn", str),
     "--custom-rm-path": ("rollout.reward.fn", str),
@@ -135,8 +136,6 @@ ARCHITECTURE_VALUELESS = {
 NOT_YET = {
     "--partial-rollout": "aborted stale groups are dropped, not recycled",
     "--offload": "colocated offload is not built yet",
-    "--rollout-top-k": "top-k sampling is not a key yet",
-    "--rollout-stop": "string stop sequences are not a key yet (rollout.sampling.stop_token_ids)",
 }
 
 
@@ -171,6 +170,7 @@ def to_overrides(argv: list[str]) -> list[str]:
             "--recompute-granularity",
             "--global-batch-size",
             "--rollout-stop-token-ids",
+            "--rollout-stop",
         ):
             if value is None:
                 raise SlimeArgsError(f"{flag} needs a value")
@@ -181,12 +181,18 @@ def to_overrides(argv: list[str]) -> list[str]:
                 out.update({"trainer.recompute": True, "trainer.recompute_granularity": value})
             elif flag == "--global-batch-size":
                 global_batch = int(value)
-            else:  # slime takes them space-separated
-                ids = [int(value)]
+            else:  # slime takes both lists space-separated
+                items = [value]
                 while i < len(argv) and not argv[i].startswith("--"):
-                    ids.append(int(argv[i]))
+                    items.append(argv[i])
                     i += 1
-                out["rollout.sampling.stop_token_ids"] = ids
+                if flag == "--rollout-stop":
+                    out["rollout.sampling.stop"] = items
+                else:
+                    try:
+                        out["rollout.sampling.stop_token_ids"] = [int(v) for v in items]
+                    except ValueError:
+                        raise SlimeArgsError(f"{flag} {' '.join(items)}: token ids are integers") from None
         elif flag in VALUED:
             if value is None:
                 raise SlimeArgsError(f"{flag} needs a value")

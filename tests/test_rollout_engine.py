@@ -32,8 +32,9 @@ def engine(tiny_path):
     eng.close()
 
 
-def reference_logprobs(model, prompt, response, temperature, top_p):
-    """Independent recomputation: one unpadded forward, then temperature and nucleus by hand."""
+def reference_logprobs(model, prompt, response, temperature, top_p, top_k=-1):
+    """Independent recomputation: one unpadded forward, then temperature, top-k and nucleus by hand
+    (jointly, as SGLang filters: the nucleus mass is of the whole distribution, not of the top k)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].double()
     out = []
@@ -42,11 +43,11 @@ def reference_logprobs(model, prompt, response, temperature, top_p):
         order = torch.argsort(p, descending=True)
         keep, mass = [], 0.0
         for j in order.tolist():
-            if mass >= top_p:
+            if mass >= top_p or len(keep) == (top_k if top_k > 0 else len(p)):
                 break
             keep.append(j)
             mass += float(p[j])
-        assert tok in keep, "sampled a token outside the nucleus"
+        assert tok in keep, "sampled a token outside the top-k / nucleus"
         out.append(float(torch.log(p[tok] / p[keep].sum())))
     return torch.tensor(out, dtype=torch.float64)
 
@@ -55,21 +56,24 @@ def run(engine, requests):
     return asyncio.run(engine.generate(requests))
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
-def test_logprobs_equal_plain_forward(engine, temperature, top_p):
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12)
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [(1.0, 1.0, -1), (0.7, 1.0, -1), (1.3, 0.8, -1), (1.0, 1.0, 0), (1.0, 1.0, 4), (1.3, 0.9, 6)],
+)
+def test_logprobs_equal_plain_forward(engine, temperature, top_p, top_k):
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=12)
     reqs = [GenRequest(prompt_ids=p, params=params, rid=str(i)) for i, p in enumerate(PROMPTS * 2)]
     results = run(engine, reqs)
     assert [r.rid for r in results] == [q.rid for q in reqs]
     for q, r in zip(reqs, results):
         assert 1 <= len(r.response_ids) <= 12 and len(r.logprobs) == len(r.response_ids) == len(r.versions)
         assert r.finish_reason == ("stop" if r.response_ids[-1] == 258 else "length")
-        ref = reference_logprobs(engine.model, q.prompt_ids, r.response_ids, temperature, top_p)
+        ref = reference_logprobs(engine.model, q.prompt_ids, r.response_ids, temperature, top_p, top_k)
         assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=1e-5), (
             r.logprobs,
             ref,
         )
-        if temperature == 1.0 and top_p == 1.0:  # then it is plain log_softmax of the logits
+        if temperature == 1.0 and top_p == 1.0 and top_k <= 0:  # then it is plain log_softmax
             with torch.no_grad():
                 logits = engine.model(torch.tensor([q.prompt_ids + r.response_ids])).logits[0]
             lsm = torch.log_softmax(logits[len(q.prompt_ids) - 1 : -1], -1)
@@ -86,6 +90,24 @@ def test_greedy_is_argmax_with_logprob_zero(engine):
             assert tok == int(engine.model(torch.tensor([ids])).logits[0, -1].argmax())
         ids.append(tok)
     assert r.logprobs == [0.0] * 6 and r.finish_reason == "length"
+
+
+def test_top_k_1_is_argmax_with_logprob_zero_and_rows_keep_their_own_k(engine):
+    """top_k=1 samples the argmax (the truncated distribution is a point mass: logprob 0) while a row
+    of the same batch without top-k keeps sampling from everything."""
+    one = SamplingParams(temperature=1.3, top_k=1, max_new_tokens=8, ignore_eos=True)
+    free = SamplingParams(temperature=1.3, max_new_tokens=8, ignore_eos=True)
+    r1, r2 = run(
+        engine,
+        [GenRequest(prompt_ids=PROMPTS[0], params=one), GenRequest(prompt_ids=PROMPTS[0], params=free)],
+    )
+    ids = list(PROMPTS[0])
+    for tok in r1.response_ids:
+        with torch.no_grad():
+            assert tok == int(engine.model(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(tok)
+    assert r1.logprobs == [0.0] * 8
+    assert all(lp < 0 for lp in r2.logprobs)  # a full distribution: no token has probability 1
 
 
 def test_requests_join_running_batch(engine):

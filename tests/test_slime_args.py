@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.slime_args import SlimeArgsError, to_overrides
 
 # configs/default.yaml as a slime script would say it (with the model-architecture arguments of slime's
@@ -29,7 +29,7 @@ def test_slime_arguments_reach_their_keys():
     over = to_overrides(
         "--advantage-estimator reinforce_plus_plus --recompute-granularity selective --bf16 --finetune "
         "--load /ckpt --rollout-stop-token-ids 2 7 --sglang-context-length 4096 --n-samples-per-prompt 4 "
-        "--rollout-batch-size 8 --global-batch-size 16".split()
+        "--rollout-batch-size 8 --global-batch-size 16 --rollout-top-k 20 --rollout-stop </answer> END".split()
     )
     assert set(over) == {
         "trainer.loss.advantage=reinforce_pp",
@@ -39,6 +39,8 @@ def test_slime_arguments_reach_their_keys():
         "trainer.finetune=true",
         "trainer.load=/ckpt",
         "rollout.sampling.stop_token_ids=[2, 7]",
+        "rollout.sampling.top_k=20",
+        'rollout.sampling.stop=["</answer>", "END"]',
         'rollout.sglang.extra_args=["--context-length", "4096"]',
         "rollout.group_size=4",
         "trainer.batch_groups=8",
@@ -52,6 +54,9 @@ def test_slime_arguments_reach_their_keys():
         ("--partial-rollout", "aborted stale groups are dropped"),
         ("--some-new-flag 3", "no slipstream equivalent known for --some-new-flag"),
         ("--lr", "--lr needs a value"),
+        ("--rollout-stop", "--rollout-stop needs a value"),
+        ("--rollout-stop-token-ids 2 x", "token ids are integers"),
+        ("--rollout-top-k 1.5", "not a int"),
         ("--n-samples-per-prompt 3 --rollout-batch-size 2 --global-batch-size 4", "does not divide"),
     ],
 )
@@ -69,3 +74,14 @@ def test_the_converted_default_runs(tmp_path):
     )
     res = run_pipeline(cfg)
     assert res.status == "completed", res.error
+
+
+def test_converted_sampling_knobs_load_and_a_misspelt_sglang_flag_is_named():
+    # a stop string with real newlines (a shell's $'\n\n') reaches the config as it was
+    cfg = load_config(None, to_overrides(["--rollout-top-k", "20", "--rollout-stop", "</answer>", "\n\n"]))
+    assert cfg.rollout.sampling.top_k == 20 and cfg.rollout.sampling.stop == ["</answer>", "\n\n"]
+    spec = "--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 3 --sglang-speculative-eagle-topk 1"
+    cfg = load_config(None, to_overrides(spec.split()))
+    assert cfg.rollout.sglang.extra_args[:2] == ["--speculative-algorithm", "EAGLE"]
+    with pytest.raises(ConfigError, match="did you mean --speculative-num-steps"):
+        load_config(None, to_overrides(["--sglang-speculative-num-step", "3"]))

@@ -71,11 +71,8 @@ class EvalSet:
             batched=cfg.rollout.reward.batched if same_reward else False,
         )
         s = cfg.rollout.sampling
-        self.params = SamplingParams(
-            temperature=spec.temperature,
-            top_p=s.top_p,
-            max_new_tokens=spec.max_new_tokens or s.max_new_tokens,
-            stop_token_ids=tuple(s.stop_token_ids),
+        self.params = SamplingParams.from_config(
+            s, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens or s.max_new_tokens
         )
         self.generate = GenerateFn.from_config(cfg.rollout, self.tok)  # as training calls it
         self.retries = cfg.rollout.engine_retries

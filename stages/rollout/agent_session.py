@@ -41,7 +41,7 @@ from stages.rollout.agent_messages import (
     read_tool_calls,
     returned_message,
 )
-from stages.rollout.engine import GenRequest, GenResult, SamplingParams
+from stages.rollout.engine import GenRequest, GenResult, SamplingParams, stop_token_of
 from stages.rollout.hooks import fill_response
 from stages.rollout.multiturn import TemplateError, TurnTemplate
 
@@ -121,7 +121,7 @@ class Segment:
         self.logprobs += [float(x) for x in res.logprobs]
         self.versions += [int(v) for v in res.versions]
         self.last_finish = res.finish_reason
-        self.last_stop = ids[-1] if res.finish_reason == "stop" and ids else None
+        self.last_stop = stop_token_of(res)  # None after a stop string: its last token is text
         self.routed_experts = res.routed_experts
 
     def status(self) -> Status:
@@ -357,7 +357,7 @@ class AgentSession:
                 completion_tokens=0,
             )
         ids = list(res.response_ids)
-        body = ids[:-1] if res.finish_reason == "stop" and ids else ids
+        body = ids[:-1] if stop_token_of(res) is not None else ids  # a stop string's text stays
         text = self.tok.decode(body, skip_special_tokens=False)
         if list(self.tok(text, add_special_tokens=False).input_ids) != body:
             seg.retokenize_diffs += 1  # what a proxy that re-encodes the text would have trained on wrongly

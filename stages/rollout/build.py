@@ -45,6 +45,13 @@ def build_engine(
     if r.engine == "sglang":
         from stages.rollout.engine_pool import EnginePool
 
+        if r.sampling.stop and run.routing_replay:  # the engine would fail every such request
+            raise ValueError(
+                "rollout.sampling.stop with trainer.routing_replay on SGLang: SGLang sends a response's "
+                "routed experts when it finishes, and a stop string ends the request before; stop on "
+                "tokens (rollout.sampling.stop_token_ids) or use rollout.engine: torch"
+            )
+
         return EnginePool.launch(
             path,
             r.sglang,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgspec
 
 from stages.reward.config import RewardConfig
+from stages.rollout.sglang_args import check_extra_args
 from stages.user_code import is_hook_spec
 
 
@@ -47,8 +48,16 @@ class DataConfig(_Base):
 class SamplingConfig(_Base):
     temperature: float = 1.0
     top_p: float = 1.0
+    # sample among the k most likely tokens only; -1 or 0 = off (SGLang's -1). With top_p too, a token
+    # is kept when it is in the top k and the tokens ranked above it hold less than top_p of the mass
+    # (SGLang's joint filter); the engines' logprobs are then of the truncated distribution, the
+    # trainer's are not (docs/rollouts.md, "Sampling"): TIS corrects the difference
+    top_k: int = -1
     max_new_tokens: int = 16
     stop_token_ids: list[int] = []  # empty = the tokenizer's eos
+    # strings that end a response: it stops at the token whose text completes one of them (that token
+    # kept, finish "stop"); in addition to stop_token_ids / eos
+    stop: list[str] = []
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -58,8 +67,17 @@ class SamplingConfig(_Base):
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.sampling.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(
+                f"rollout.sampling.top_k={self.top_k}: must be >= 1, or -1 / 0 for no top-k truncation"
+            )
         if self.max_new_tokens < 1:
             raise ValueError("rollout.sampling.max_new_tokens must be >= 1")
+        if any(not s for s in self.stop):
+            raise ValueError(
+                f"rollout.sampling.stop={self.stop!r}: an empty string would stop every response at its "
+                "first token; remove it"
+            )
 
 
 class SGLangConfig(_Base):
@@ -69,7 +87,9 @@ class SGLangConfig(_Base):
     pause_mode: Literal["in_place", "retract"] = "in_place"
     startup_timeout_s: float = 300.0
     disable_cuda_graph: bool = False
-    # appended to `python -m sglang.launch_server ...` as given; numbers are fine ([--context-length, 8192])
+    # appended to `python -m sglang.launch_server ...` as given; numbers are fine ([--context-length, 8192]).
+    # Each --flag is checked against SGLang's server arguments (stages/rollout/sglang_args.py) when the
+    # config loads: a typo is named there, not by the server's start
     extra_args: list[str | int | float] = []
     host: str = "127.0.0.1"  # the server binds here (loopback: the engine is reached only from this host)
     port: int = 0  # first engine's HTTP port (engine i uses port + 10 i); 0 = a free port per engine
@@ -97,6 +117,9 @@ class SGLangConfig(_Base):
     # 2026-11-27). Frozen, a server under 256 streams logged no collection over 50 ms in 30 s, against
     # six of ~0.5 s unfrozen (bench/sglang_gc.py): most of what they walked was there from start-up
     freeze_gc: bool = True
+
+    def __post_init__(self):
+        check_extra_args(self.extra_args)
 
 
 class AgentConfig(_Base):

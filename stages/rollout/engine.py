@@ -21,9 +21,25 @@ if TYPE_CHECKING:  # the interface needs no torch at import: the driver loads ho
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # <= 0 = off; with top_p, SGLang's joint filter (stages/rollout/sampling.py)
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos token(s)
-    ignore_eos: bool = False  # never stop early (benchmarks); stop_token_ids are then ignored too
+    # strings that end the response at the token whose decoded text completes one (kept, finish "stop")
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # never stop early (benchmarks); stop_token_ids and stop are then ignored too
+
+    @classmethod
+    def from_config(cls, sampling, **overrides) -> SamplingParams:
+        """The parameters of a `rollout.sampling` section (training and evaluation alike), with overrides."""
+        fields = dict(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            stop=tuple(sampling.stop),
+        )
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(kw_only=True)
@@ -40,13 +56,21 @@ class GenRequest:
 class GenResult:
     rid: str
     response_ids: list[int]
-    logprobs: list[float]  # log p(token) under the sampling distribution (after temperature / top-p)
+    logprobs: list[float]  # log p(token) under the sampling distribution (after temperature / top-k / top-p)
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" | "length" | "abort"
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # "stop_string": the rollout.sampling.stop string that ended it
     # MoE routing replay (engines started with record_routing): [prompt + response - 1, moe_layers * k]
     # expert ids (numpy int16), the rows buffer.record.Sample.routed_experts stores; None otherwise
     routed_experts: object = None
+
+
+def stop_token_of(res: GenResult) -> int | None:
+    """The stop token that ended `res` (its last token), or None: it ran to its length, was aborted, or
+    a stop string ended it (then its last token is ordinary text, which readers of the turn keep)."""
+    if res.finish_reason == "stop" and res.response_ids and "stop_string" not in res.meta:
+        return res.response_ids[-1]
+    return None
 
 
 class Engine(ABC):

@@ -117,13 +117,7 @@ class Generator(ResumableGenerator):
         self.generate = (AgentGenerateFn if r.agent_fn else GenerateFn).from_config(r, self.tok)
         self.rollout_fn = load_hook(r.rollout_fn, "rollout.rollout_fn") if r.rollout_fn else None
         self.rollout_ctx = None  # the RolloutContext while a rollout_fn runs (custom_loop.run_rollout_fn)
-        stop_ids = tuple(r.sampling.stop_token_ids)
-        self.params = SamplingParams(
-            temperature=r.sampling.temperature,
-            top_p=r.sampling.top_p,
-            max_new_tokens=r.sampling.max_new_tokens,
-            stop_token_ids=stop_ids,
-        )
+        self.params = SamplingParams.from_config(r.sampling)
         self._rng = random.Random(f"{generator_id}:{run.seed}")
         self._delay_mean = _parse_delay(r.delay_model)
         self.trainer_version = engine.version

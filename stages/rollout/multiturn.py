@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from buffer.record import Sample, Status
-from stages.rollout.engine import GenResult, SamplingParams
+from stages.rollout.engine import GenResult, SamplingParams, stop_token_of
 from stages.rollout.hooks import EngineHandle, fill_response
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -176,14 +176,15 @@ class Conversation:
         self.routed_experts = res.routed_experts  # the last turn's covers every position before it
         self.model_turns += 1
         self.status = _FINISH.get(res.finish_reason, Status.ABORTED)
-        self._last_stop = res.response_ids[-1] if res.finish_reason == "stop" and res.response_ids else None
+        self._last_stop = stop_token_of(res)  # None after a stop string: its last token is text
         if res.finish_reason == "stop" and self.remaining <= 0:
             self._finished = True  # nothing fits after it: the conversation ends here, completed
         return res
 
     def turn_text(self, res: GenResult) -> str:
-        """A model turn's text (without its stop token), to read it: never re-encoded."""
-        ids = res.response_ids[:-1] if res.finish_reason == "stop" else res.response_ids
+        """A model turn's text (without its stop token; with all of a stop string), to read it: never
+        re-encoded."""
+        ids = res.response_ids[:-1] if stop_token_of(res) is not None else res.response_ids
         return self.tok.decode(ids, skip_special_tokens=False)
 
     # -- environment turns -------------------------------------------------------------------------

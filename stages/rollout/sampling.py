@@ -1,8 +1,14 @@
-"""The sampling distribution (temperature, top-p) and exact log-probabilities under it.
+"""The sampling distribution (temperature, top-k, top-p) and exact log-probabilities under it.
 
 The engine reports log p(token) under the distribution it actually sampled from; TIS divides by this
-probability, so it must include temperature scaling and top-p truncation + renormalisation, not the
-raw model softmax. Tests recompute it from a plain forward with `sampling_logprobs`.
+probability, so it must include temperature scaling and top-k / top-p truncation + renormalisation, not
+the raw model softmax. Tests recompute it from a plain forward with `sampling_logprobs`.
+
+Top-k and top-p together filter jointly, as SGLang's samplers do (flashinfer's
+`top_k_top_p_sampling_from_probs(filter_apply_order="joint")` and its torch fallback): a token is kept
+when it ranks among the k most likely AND the tokens ranked above it hold less than top_p of the whole
+(temperature-scaled) distribution's mass; the kept tokens are then renormalised. (HF's and vLLM's
+top-k-then-top-p measures top_p within the renormalised top k instead, which keeps fewer tokens.)
 """
 
 from __future__ import annotations
@@ -10,25 +16,35 @@ from __future__ import annotations
 import torch
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Log-probabilities of the sampling distribution for each row of `logits` [B, V] (float32).
 
-    `temperature` and `top_p` are [B] tensors. Tokens outside the top-p nucleus get -inf. The nucleus is
-    the smallest prefix of tokens sorted by probability whose mass reaches top_p (the first token is
-    always kept). Rows with temperature <= 0 are greedy: a point mass (logprob 0) on the argmax.
+    `temperature`, `top_p` and `top_k` are [B] tensors (top_k <= 0 or None = no top-k). Tokens outside
+    the kept set get -inf: the top-k tokens (ties broken by the sort) within the top-p nucleus, the
+    smallest prefix of tokens sorted by probability whose mass reaches top_p (the first token is always
+    kept). Rows with temperature <= 0 are greedy: a point mass (logprob 0) on the argmax.
     """
     logits = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     logp = torch.log_softmax(logits / t[:, None], dim=-1)
+    vocab = logp.shape[-1]
     needs_nucleus = (top_p < 1.0) & ~greedy
-    if bool(needs_nucleus.any()):
+    needs_top_k = torch.zeros_like(greedy) if top_k is None else (top_k > 0) & (top_k < vocab) & ~greedy
+    if bool(needs_nucleus.any()) or bool(needs_top_k.any()):
         sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
         # keep a token while the mass of the tokens ranked above it is still below top_p
-        keep_sorted = mass_before < top_p.to(logits.dtype)[:, None]
+        keep_sorted = (mass_before < top_p.to(logits.dtype)[:, None]) | ~needs_nucleus[:, None]
+        if top_k is not None:  # ... and its rank is below k
+            rank = torch.arange(vocab, device=logp.device)
+            keep_sorted &= (rank[None, :] < top_k[:, None]) | ~needs_top_k[:, None]
         keep_sorted[:, 0] = True
-        keep_sorted |= ~needs_nucleus[:, None]
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
         logp = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
     if bool(greedy.any()):
@@ -43,9 +59,10 @@ def sample(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    top_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token ids [B], their logprobs under the sampling dist [B])."""
-    logp = sampling_logprobs(logits, temperature, top_p)
+    logp = sampling_logprobs(logits, temperature, top_p, top_k)
     # Gumbel-max on the masked log-probs samples exactly from softmax(logp) in one vectorised op and,
     # unlike multinomial, never needs a probability vector normalised to within float tolerance.
     u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=logp.dtype)

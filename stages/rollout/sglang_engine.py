@@ -38,6 +38,7 @@ from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.routing import RoutingRows
 from stages.rollout.sglang_process import EngineError, kill_group, log_tail
 from stages.rollout.sglang_updates import SGLangWeightUpdates
+from stages.rollout.stop_strings import StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,12 @@ def _sampling(p: SamplingParams) -> dict:
         "max_new_tokens": p.max_new_tokens,
         "ignore_eos": bool(getattr(p, "ignore_eos", False)),
     }
+    if p.top_k > 0:  # SGLang takes -1 for off and refuses 0
+        sp["top_k"] = p.top_k
     if p.stop_token_ids and not sp["ignore_eos"]:
         sp["stop_token_ids"] = list(p.stop_token_ids)  # in addition to the model's eos
+    # no "stop": with --skip-tokenizer-init SGLang refuses string stops (it has no tokenizer to decode
+    # with); the engine matches them on the streamed tokens instead (stages/rollout/stop_strings.py)
     return sp
 
 
@@ -96,6 +101,8 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         # MoE routing replay: the server returns each request's experts (--enable-return-routed-experts)
         self.routing = RoutingRows.of_model(model_path) if record_routing else None
         self.model_path = str(model_path)
+        self._tokenizer = None  # the model folder's, loaded at the first request with stop strings
+        self._tokenizer_lock = threading.Lock()
         self.dtype = dtype
         self.name = name
         self.gpu_id = self.cfg.base_gpu_id if gpu_id is None else gpu_id
@@ -391,6 +398,14 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         # is then over- never under-estimated, by at most one chunk per update).
         import aiohttp
 
+        p = req.params
+        stop_text = StopStrings(p.stop, self.tokenizer()) if p.stop and not p.ignore_eos else None
+        if stop_text is not None and self.routing is not None:
+            raise ValueError(
+                "rollout.sampling.stop with trainer.routing_replay on SGLang: SGLang sends a response's "
+                "routed experts when it finishes, and a stop string ends the request before; stop on "
+                "tokens (rollout.sampling.stop_token_ids) or use the torch engine"
+            )
         payload = {
             "input_ids": list(req.prompt_ids),
             "sampling_params": _sampling(req.params),
@@ -404,7 +419,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
-        prev, finish, meta = start_v, None, {}
+        prev, finish, meta, stop_string = start_v, None, {}, None
         try:
             async with session.post(self.url + "/generate", json=payload) as resp:
                 if resp.status != 200:
@@ -425,6 +440,16 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
                     prev = stamp
                     finish = meta.get("finish_reason") or finish
                     routed = meta.get("routed_experts") or routed
+                    n_new = len(meta.get("output_token_logprobs") or ())
+                    hit = stop_text.first_match(ids, len(ids) - n_new) if stop_text and n_new else None
+                    if hit is not None:  # a stop string: keep up to the token that completed it
+                        cut, stop_string = hit
+                        del ids[cut:], lps[cut:], vers[cut:]
+                        finish = {"type": "stop"}
+                        # closing the stream ends the request: SGLang aborts one whose client went away
+                        # (http_server.py: is_disconnected, then the abort task)
+                        resp.close()
+                        break
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if isinstance(e, aiohttp.ClientConnectionError | OSError) and not isinstance(e, TimeoutError):
                 self._unreachable_at = time.monotonic()  # not there (a slow answer is not that)
@@ -439,9 +464,19 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
             logprobs=lps,
             versions=vers,
             finish_reason=reason,
-            meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)},
+            meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)}
+            | ({"stop_string": stop_string} if stop_string is not None else {}),
             routed_experts=self.routing.decode(routed) if routed and self.routing is not None else None,
         )
+
+    def tokenizer(self):
+        """The model folder's tokenizer, for stop strings (the server runs without one)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from stages.models import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.model_path)
+            return self._tokenizer
 
     def stats(self) -> dict:
         now = time.perf_counter()

@@ -30,8 +30,11 @@ import torch
 
 from stages.rollout.engine import Engine, GenRequest, GenResult
 from stages.rollout.sampling import sample
+from stages.rollout.stop_strings import StopStrings
 from stages.rollout.torch_batch import Batch, kv_pairs, make_cache, out_cache
 from stages.rollout.torch_batch import merge as _merge  # a test counts the merges through this name
+from stages.rollout.torch_model import checkpoint_names
+from stages.rollout.torch_model import record_routing as recorder_of  # the name is a parameter here
 
 log = logging.getLogger(__name__)
 Callback = Callable[[GenResult | BaseException], None]
@@ -42,6 +45,8 @@ class _Seq:
     req: GenRequest
     done: Callback
     stop: frozenset[int]
+    stop_text: StopStrings | None = None  # rollout.sampling.stop: checked after every token
+    matched: str | None = None  # the stop string that ended it
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -78,6 +83,9 @@ class TorchEngine(Engine):
         if max_batch_size < 1 or chunk_tokens < 1:
             raise ValueError("max_batch_size and chunk_tokens must be >= 1")
         self.device = torch.device(device)
+        self.model_path = str(model_path)
+        self._tokenizer = None  # loaded from the model folder at the first request with stop strings
+        self._tokenizer_lock = threading.Lock()
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -85,7 +93,7 @@ class TorchEngine(Engine):
         ).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
-        self._routers = _record_routing(self.model) if record_routing else None
+        self._routers = recorder_of(self.model) if record_routing else None
         self.eos_ids = self._eos_ids()
         # transformers >= 5.2x names the KV-cache argument and output `cache` (was past_key_values)
         self._cache_arg = (
@@ -164,13 +172,24 @@ class TorchEngine(Engine):
             if not req.prompt_ids:
                 raise ValueError(f"request {req.rid!r} has an empty prompt")
             stop = frozenset() if p.ignore_eos else frozenset(p.stop_token_ids or self.eos_ids)
-            seqs.append(_Seq(req=req, done=cb, stop=stop))
+            stop_text = StopStrings(p.stop, self.tokenizer()) if p.stop and not p.ignore_eos else None
+            seqs.append(_Seq(req=req, done=cb, stop=stop, stop_text=stop_text))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new one to generate")
             self._pending.extend(seqs)
             self._cond.notify_all()
         return seqs
+
+    def tokenizer(self):
+        """The model folder's tokenizer, for stop strings: loaded once, in the caller's thread (never
+        the engine thread's decode loop)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from stages.models import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.model_path)
+            return self._tokenizer
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         # materialise in the caller's thread: the iterable may be a generator reading from a transport
@@ -249,7 +268,7 @@ class TorchEngine(Engine):
 
     def _apply_update(self, upd: _Update) -> None:
         try:
-            params = _checkpoint_names(self.model)
+            params = checkpoint_names(self.model)
             tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
             unknown = [n for n, _ in upd.tensors if n not in params and not (tied and n == "lm_head.weight")]
             if unknown:
@@ -344,7 +363,8 @@ class TorchEngine(Engine):
     def _sample_into(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         temps = torch.tensor([s.req.params.temperature for s in seqs], device=self.device)
         top_p = torch.tensor([s.req.params.top_p for s in seqs], device=self.device)
-        tokens, logps = sample(logits, temps, top_p, self._gen)
+        top_k = torch.tensor([s.req.params.top_k for s in seqs], device=self.device)
+        tokens, logps = sample(logits, temps, top_p, self._gen, top_k)
         version = self._version
         for s, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             s.out.append(tok)
@@ -384,6 +404,10 @@ class TorchEngine(Engine):
             return "abort"
         if s.out and s.out[-1] in s.stop:
             return "stop"
+        if s.stop_text is not None and s.out:
+            s.matched = s.stop_text.match(s.out)
+            if s.matched is not None:
+                return "stop"
         if len(s.out) >= s.req.params.max_new_tokens or next_pos >= self.max_positions:
             return "length"
         return ""
@@ -403,30 +427,6 @@ class TorchEngine(Engine):
 
 
 # ---------------------------------------------------------------------------------------------------
-def _checkpoint_names(model) -> dict[str, torch.Tensor]:
-    """The model's tensors by the names checkpoints, SGLang and the trainer's export use.
-
-    transformers 5 keeps an MoE layer's experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, h],
-    `mlp.experts.down_proj` [E, h, I]) while checkpoints name each expert
-    (`mlp.experts.{e}.gate_proj.weight`, ...): those names become views into the fused tensors, so an
-    update writes the expert in place."""
-    out = dict(model.named_parameters())
-    out.update(model.named_buffers())
-    for name, p in list(out.items()):
-        if p.dim() != 3:
-            continue
-        if name.endswith(".experts.gate_up_proj"):
-            base, inter = name[: -len("gate_up_proj")], p.shape[1] // 2
-            for e in range(p.shape[0]):  # [gate; up] per expert, transformers' own order
-                out[f"{base}{e}.gate_proj.weight"] = p.data[e, :inter]
-                out[f"{base}{e}.up_proj.weight"] = p.data[e, inter:]
-        elif name.endswith(".experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(p.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = p.data[e]
-    return out
-
-
 def _deliver(s: _Seq, res: GenResult | BaseException) -> None:
     """Hand a sequence its answer; a callback that raises loses its own answer, never the engine thread
     (every later request would wait on a thread that is gone)."""
@@ -457,34 +457,7 @@ def _result(s: _Seq, reason: str) -> GenResult:
         logprobs=list(s.logprobs),
         versions=list(s.versions),
         finish_reason=reason,
+        meta={"stop_string": s.matched} if s.matched is not None else {},
         # prompt + response - 1 positions: the last sampled token was never fed back
         routed_experts=torch.cat(s.routed).flatten(1).to(torch.int16).numpy() if s.routed else None,
     )
-
-
-class _RouterRecorder:
-    """Forward hooks on an MoE model's routers (transformers' `*TopKRouter` or `*TopkRouter`, returning
-    (logits, weights, indices)) that keep the experts each forward chose, for routing replay in the
-    trainer."""
-
-    def __init__(self, routers: list[torch.nn.Module]):
-        self._chosen: list[torch.Tensor] = []
-        self.layers = len(routers)
-        for r in routers:
-            r.register_forward_hook(lambda _m, _in, out: self._chosen.append(out[2]))
-
-    def take(self, shape: torch.Size) -> torch.Tensor:
-        """The last forward's choices as [batch, seq, layers, k] (CPU), for input ids of `shape`."""
-        chosen, self._chosen = self._chosen[-self.layers :], []  # (a failed forward's are stale)
-        return torch.stack([c.view(*shape, -1) for c in chosen], dim=2).cpu()
-
-
-def _record_routing(model) -> _RouterRecorder:
-    # Qwen's `*TopKRouter`, GLM's `Glm4MoeTopkRouter`: both return (logits, weights, indices)
-    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
-    if not routers:
-        raise ValueError(
-            f"routing replay (trainer.routing_replay) records the engine's expert choices, but "
-            f"{model.config.model_type} has no MoE router; turn trainer.routing_replay off for a dense model"
-        )
-    return _RouterRecorder(routers)
