@@ -72,3 +72,18 @@ def test_bad_load_arguments_are_named(tmp_path):
         timeout=60,
     )
     assert out.returncode != 0 and "--load" in out.stderr
+
+
+def test_a_checkpoint_of_the_other_backend_is_refused_naming_both(tmp_path):
+    import json
+
+    from stages.trainer.checkpoint import CheckpointManager
+
+    step = tmp_path / "checkpoints" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"version": 3, "backend": "fsdp"}))
+    with pytest.raises(ValueError, match="trainer.backend=fsdp, this run is trainer.backend=megatron"):
+        CheckpointManager(str(tmp_path)).load({}, str(step), backend="megatron")
+    (step / "trainer_state.json").write_text(json.dumps({"version": 3}))  # before the key: megatron's
+    with pytest.raises(ValueError, match="trainer.backend=megatron, this run is trainer.backend=fsdp"):
+        CheckpointManager(str(tmp_path)).load({}, str(step), backend="fsdp")

@@ -220,19 +220,30 @@ class CheckpointManager:
         for d in steps[: -self.keep]:
             shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
 
-    def load_latest(self, parts: dict[str, Stateful | None]) -> dict | None:
+    def load_latest(self, parts: dict[str, Stateful | None], backend: str = "") -> dict | None:
         """Load every part from the latest checkpoint of the run dir; returns its trainer_state.json, or
         None if there is none. A part this run has but the checkpoint lacks is refused."""
         path = latest_path(self.run_dir)
-        return None if path is None else self.load(parts, path)
+        return None if path is None else self.load(parts, path, backend=backend)
 
-    def load(self, parts: dict[str, Stateful | None], path: str, optimizer: bool = True) -> dict:
+    def load(
+        self, parts: dict[str, Stateful | None], path: str, optimizer: bool = True, backend: str = ""
+    ) -> dict:
         """Load every part from the checkpoint folder `path` (optimizer state too, where it has some and
-        `optimizer`); returns its trainer_state.json."""
+        `optimizer`); returns its trainer_state.json. `backend` (trainer.backend): refuse a checkpoint
+        another backend wrote (their tensors are keyed differently)."""
         from megatron.core import dist_checkpointing
 
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
+        saved_by = state.get("backend", "megatron")  # checkpoints from before the key: megatron's
+        if backend and saved_by != backend:
+            raise ValueError(
+                f"{path} was written by trainer.backend={saved_by}, this run is trainer.backend={backend}: "
+                f"their checkpoints do not load into each other. Run with trainer.backend={saved_by}, or "
+                "start from an HF folder (the run's hf/ export, or python -m stages.trainer.convert "
+                "megatron-to-hf for a megatron checkpoint)"
+            )
         for part_name, part in parts.items():
             if part is not None and part_name != ROOT and not state.get(part_name):
                 raise ValueError(

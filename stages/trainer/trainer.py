@@ -102,15 +102,14 @@ class Trainer:
         self._checkpointed_at = time.monotonic()  # trainer.checkpoint_every_s counts from here
         self._params: int | None = None  # the whole model's parameters (perf/tflops)
         self.last_checkpoint = -1
-        state = self.checkpoints.load_latest(self._checkpoint_parts()) if tc.resume else None
+        parts, backend = self._checkpoint_parts(), tc.backend
+        state = self.checkpoints.load_latest(parts, backend=backend) if tc.resume else None
         if state:
             self.version = int(state["version"])
             self.last_checkpoint = self.version
-        elif (
-            tc.load
-        ):  # a run of its own with no checkpoint yet starts from another run's (or a converted one)
+        elif tc.load:  # a run with no checkpoint of its own starts from another run's (or a converted one)
             path = resolve_checkpoint(tc.load, tc.ckpt_step)
-            state = self.checkpoints.load(self._checkpoint_parts(), path, optimizer=not tc.finetune)
+            state = self.checkpoints.load(parts, path, optimizer=not tc.finetune, backend=backend)
             self.version = 0 if tc.finetune else int(state["version"])
         self.hooks = TrainerHooks(tc.hooks)
         self.hooks.call("init", self._hook_context())
@@ -317,7 +316,7 @@ class Trainer:
             raise FloatingPointError(
                 f"not saving a checkpoint at version {self.version}: parameter {bad} is not finite"
             )
-        meta = {"model_path": self.backend.model_path}
+        meta = {"model_path": self.backend.model_path, "backend": self.tc.backend}
         path = self.checkpoints.save(self.version, self._checkpoint_parts(), meta)
         self.last_checkpoint = self.version
         self._checkpointed_at = time.monotonic()
