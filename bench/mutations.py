@@ -64,9 +64,9 @@ MUTATIONS = [
     Mutation(
         "logp_old_is_rollout",
         "logp_old replaced by the engine's logprobs (the correction silently off)",
-        "stages/trainer/megatron_backend.py",
-        "                old[ix] = logp.detach()\n",
-        "                old[ix] = rollout[ix]\n",
+        "stages/trainer/step_loss.py",
+        "            self.old[ix] = logp.detach()\n",
+        "            self.old[ix] = self.rollout[ix]\n",
         ("tests/test_trainer_direction.py",),
     ),
     Mutation(
@@ -137,7 +137,7 @@ MUTATIONS = [
         "nonfinite_step_applied",
         "a NaN loss reaches the weights",
         "stages/trainer/megatron_backend.py",
-        "        if self.grads_finite(acc, self.policy.model):\n",
+        "        if self.grads_finite(loss.stats, self.policy.model):\n",
         "        if True:\n",
         ("tests/test_bad_values.py",),
     ),

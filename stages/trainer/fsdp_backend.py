@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stages.trainer import losses
 from stages.trainer.config import TrainerConfig, TrainerRun, check_fsdp
 from stages.trainer.export import save_hf
 from stages.trainer.fsdp_checkpoint import FsdpPart
@@ -27,7 +26,7 @@ from stages.trainer.fsdp_export import FsdpExport, iter_full
 from stages.trainer.fsdp_model import HeadedLM, attention_impl, build_optimizer, load_lm, local, shard
 from stages.trainer.moe import empty_microbatch
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack
-from stages.trainer.step_metrics import accumulate
+from stages.trainer.step_loss import StepLoss, refuse_nonfinite, step_stats
 from stages.trainer.world import join_world
 
 log = logging.getLogger(__name__)
@@ -190,18 +189,9 @@ class FsdpBackend:
         count_unpacked: bool = True,
     ) -> tuple[dict, torch.Tensor]:
         lc, dev, model = self.tc.loss, self.device, self.policy.model
-        acc: dict[str, torch.Tensor] = {}
-        rollout, mask, seq = (x.to(dev) for x in (tb.rollout_logprobs, tb.mask, tb.seq))
-        adv_tok = adv.to(dev)
-        # sample-mean over every sample of the step (sample_mean_denominator=all): samples without
-        # response tokens are in no micro-batch, so rank 0's first micro-batch counts them
-        unpacked = 0
-        if count_unpacked and losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
-            if self.dp_rank == 0:
-                unpacked = int((torch.bincount(tb.seq, minlength=tb.n) == 0).sum())
-        from_train = old is None
-        if from_train:
-            old = torch.zeros_like(rollout)
+        loss = StepLoss(
+            tb, adv, old, ref, self.tc, dev, count_unpacked=count_unpacked, first_rank=self.dp_rank == 0
+        )
         self.optimizer.zero_grad(set_to_none=True)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -213,26 +203,7 @@ class FsdpBackend:
             if mb.num_tokens == 0:  # an empty micro-batch (_equal_count): its backward joins FSDP's
                 logp.sum().mul(0.0).backward()
                 continue
-            ix = mb.tok_index.to(dev)
-            if from_train:
-                old[ix] = logp.detach()
-            num, den, st = losses.policy_loss(
-                logp,
-                old[ix],
-                rollout[ix],
-                adv_tok[ix],
-                mask[ix],
-                seq[ix],
-                tb.n,
-                lc,
-                logp_ref=ref[ix] if ref is not None else None,
-                entropy=ent,
-            )
-            if unpacked:
-                den = den + unpacked
-                st["sum/loss_den"] = st["sum/loss_den"] + unpacked
-                unpacked = 0
-            accumulate(acc, st)
+            num, den = loss(mb, logp, ent)
             num.backward()
             den_total += den.round().long()  # megatron's per-token normalisation counts whole tokens
         if self.dp > 1:
@@ -244,26 +215,17 @@ class FsdpBackend:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        ok = self.grads_finite(acc, model)
+        ok = self.grads_finite(loss.stats, model)
         grad_norm = 0.0
         if ok:
             if self.tc.grad_clip > 0:
                 grad_norm = self._clip(self.tc.grad_clip)
             self.optimizer.step()
-        else:  # one NaN reward or logprob would otherwise turn every weight into NaN, for good
-            if self.tc.on_nonfinite == "stop":
-                raise FloatingPointError(
-                    f"trainer at version {version}: the loss or a gradient is not finite (NaN/inf); "
-                    "nothing was applied. Check the batch's rewards and logprobs, or set "
-                    "trainer.on_nonfinite=skip to skip such steps"
-                )
+        else:
+            refuse_nonfinite(self.tc, version)
             grad_norm = float("nan")
         self.optimizer.zero_grad(set_to_none=True)
-        acc = {k: v.cpu() for k, v in acc.items()}
-        acc["sum/skipped"] = torch.tensor(float(not ok))
-        acc["sum/grad_norm"] = torch.tensor(float(grad_norm))
-        acc["sum/lr"] = torch.tensor(lr)
-        return acc, old.cpu()
+        return step_stats(loss.stats, applied=ok, grad_norm=grad_norm, lr=lr), loss.old.cpu()
 
     def _clip(self, max_norm: float) -> float:
         """The whole gradient's L2 norm (the shards' squares summed over the ranks), and megatron's

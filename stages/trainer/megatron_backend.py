@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stages.trainer import cpu_shim, critic, losses, moe
+from stages.trainer import cpu_shim, critic, moe
 from stages.trainer.checkpoint import MegatronPart
 from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.trainer.context_parallel import cp_info, local_positions, local_view
@@ -28,7 +28,7 @@ from stages.trainer.optimizer import build_optimizer, use_fused_adam
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack
 from stages.trainer.routing_replay import RoutingReplay
 from stages.trainer.row_layout import causal_block_mask, packed_row_params
-from stages.trainer.step_metrics import accumulate
+from stages.trainer.step_loss import StepLoss, refuse_nonfinite, step_stats
 
 log = logging.getLogger(__name__)
 
@@ -292,20 +292,18 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
 
         lc = self.tc.loss
-        acc: dict[str, torch.Tensor] = {}
-        dev = self.device
-        # token tensors go to the device once per step, not once per micro-batch
-        rollout, mask, seq = (x.to(dev) for x in (tb.rollout_logprobs, tb.mask, tb.seq))
-        adv_tok = adv.to(dev)
-        # sample-mean over every sample of the step (sample_mean_denominator=all, slime): samples without
-        # response tokens are in no micro-batch, so DP rank 0's first micro-batch counts them
-        unpacked = [0]
-        if count_unpacked and losses.aggregation_mode(lc) == "sample" and lc.sample_mean_denominator == "all":
-            if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-                unpacked[0] = int((torch.bincount(tb.seq, minlength=tb.n) == 0).sum())
-        from_train = old is None
-        if from_train:
-            old = torch.zeros_like(rollout)
+        first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        loss = StepLoss(
+            tb,
+            adv,
+            old,
+            ref,
+            self.tc,
+            self.device,
+            count_unpacked=count_unpacked,
+            first_rank=first,
+            cp_group=self.cp_group,
+        )
 
         def loss_fn(mb: MicroBatch, hidden):
             if mb.num_tokens == 0:  # an empty micro-batch (moe.equalize_microbatches): no loss, but
@@ -314,49 +312,21 @@ class MegatronBackend:
             logp, ent = self._mb_logprobs(
                 self.policy.model, mb, hidden, entropy=True, entropy_grad=lc.entropy_coef > 0
             )
-            ix = mb.tok_index.to(dev)
-            if from_train:
-                old[ix] = logp.detach()
-            num, den, st = losses.policy_loss(
-                logp,
-                old[ix],
-                rollout[ix],
-                adv_tok[ix],
-                mask[ix],
-                seq[ix],
-                tb.n,
-                lc,
-                logp_ref=ref[ix] if ref is not None else None,
-                entropy=ent,
-                cp_group=self.cp_group,
-            )
-            if unpacked[0]:
-                den = den + unpacked[0]
-                st["sum/loss_den"] = st["sum/loss_den"] + unpacked[0]
-                unpacked[0] = 0
-            accumulate(acc, st)
+            num, den = loss(mb, logp, ent)
             return num, den.round().int(), {}
 
         self.policy.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._set_lr(lr)
         self.run_schedule(self.policy.model, mbs, loss_fn, forward_only=False)
-        if self.grads_finite(acc, self.policy.model):
+        if self.grads_finite(loss.stats, self.policy.model):
             with cpu_shim.device_mode():
                 ok, grad_norm, _ = self.optimizer.step()
-        else:  # one NaN reward or logprob would otherwise turn every weight into NaN, for good
-            if self.tc.on_nonfinite == "stop":
-                raise FloatingPointError(
-                    f"trainer at version {version}: the loss or a gradient is not finite (NaN/inf); "
-                    "nothing was applied. Check the batch's rewards and logprobs, or set "
-                    "trainer.on_nonfinite=skip to skip such steps"
-                )
+        else:
+            refuse_nonfinite(self.tc, version)
             ok, grad_norm = False, float("nan")
-        acc = {k: v.cpu() for k, v in acc.items()}  # one transfer per step, after the GPU work
-        acc["sum/skipped"] = torch.tensor(float(not ok))
-        acc["sum/grad_norm"] = torch.tensor(float(0.0 if grad_norm is None else grad_norm))
-        acc["sum/lr"] = torch.tensor(lr)
-        return acc, (self._cp_whole(old) if from_train else old).cpu()
+        stats = step_stats(loss.stats, applied=ok, grad_norm=grad_norm, lr=lr)
+        return stats, (self._cp_whole(loss.old) if loss.from_train else loss.old).cpu()
 
     # -- figures -----------------------------------------------------------------------------------
     def reduce_stats(self, stats: dict, keys: tuple[str, ...]) -> dict[str, float]:
