@@ -26,6 +26,11 @@ def _med(rows: list[dict], key: str) -> float | None:
     return round(statistics.median(vals), 4) if vals else None
 
 
+def _mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+    return round(statistics.mean(vals), 4) if vals else None
+
+
 def _same_version_gap(rows: list[dict]) -> float | None:
     pairs = [
         (r["logp/abs_diff_same_version"], r["logp/same_version_tokens"])
@@ -89,6 +94,8 @@ def summarise(run_dir: Path) -> dict:
         "same_version_tokens": int(sum(r.get("logp/same_version_tokens", 0) for r in rows)),
         "logp_abs_diff_all": _med(rows, "logp/abs_diff_train_rollout"),
         "staleness_mean": round(statistics.mean(r["staleness/mean"] for r in rows), 2),
+        # MoE with trainer.routing_replay: how often the trainer's router chose the engine's experts
+        "routing_agreement": _mean(rows, "routing/agreement"),
         "reward_first": round(statistics.mean(r["reward/mean"] for r in rows[:k]), 3),
         "reward_last": round(statistics.mean(r["reward/mean"] for r in rows[-k:]), 3),
     }
