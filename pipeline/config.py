@@ -48,6 +48,25 @@ class RunSection(Base):
     restart_window_s: float = 600.0
 
 
+class OffloadConfig(Base):
+    """cluster.offload (slime's --offload-train / --offload-rollout; --offload is both): the trainer and
+    the engines take turns on the same GPUs in run.mode=sync, each handing its memory back while the
+    other works (docs/offload.md). Off by default: a static split of each GPU
+    (rollout.sglang.mem_fraction_static beside the trainer) needs no hand-over."""
+
+    # the trainer's weights, gradients and optimizer state leave the GPU while the engines generate
+    train: bool = False
+    # the engines' weights and KV cache (SGLang: --enable-memory-saver) leave it while the trainer steps
+    rollout: bool = False
+    # a release waits this long for the requests in flight (an evaluation) to finish, and a wake for
+    # its memory; past it the run stops naming what held it
+    timeout_s: float = 300.0
+
+    @property
+    def on(self) -> bool:
+        return self.train or self.rollout
+
+
 class ClusterConfig(Base):
     address: str = "local"  # "local": Ray in-process on this machine; "auto" or host:port joins a cluster
     num_cpus: int = 0  # 0 = let Ray detect
@@ -61,6 +80,7 @@ class ClusterConfig(Base):
     # all engines' GPUs; 0 = whatever rollout.num_generators x engines_per_generator x sglang.tp_size need
     rollout_num_gpus: int = 0
     colocate: bool = False  # the engines share the trainer's GPUs (weights.transport=cuda_ipc)
+    offload: OffloadConfig = msgspec.field(default_factory=OffloadConfig)  # taking turns on them
     # custom Ray resources added to each trainer rank's bundle (the buffer's too) and to each generator's
     # (and eval's), to pin them to nodes started with `ray start --resources '{"trainer_node": 8}'`
     trainer_resources: dict[str, float] = msgspec.field(default_factory=dict)
@@ -327,10 +347,33 @@ def validate(cfg: RunConfig) -> None:
             "cluster.colocate=true puts one engine on each trainer GPU: it needs rollout.sglang.tp_size=1 "
             "and rollout.engines_per_generator=1"
         )
+    _check_offload(cfg)
     names = [d.name for d in cfg.eval.sets()]
     if len(set(names)) != len(names):
         raise ConfigError(
             f"eval.datasets: names {names} repeat; give each set its own name (metrics eval/<name>/...)"
+        )
+
+
+def _check_offload(cfg: RunConfig) -> None:
+    """cluster.offload takes turns: nothing overlaps, which is what run.mode=async is for. Without
+    cluster.colocate it is allowed (the turns run, and their results are a run without offload's):
+    that is how the CPU runs it, where trainer and engines share the host's memory; a trainer on GPUs
+    of its own is refused at placement (placement.check_offload), where the device is known."""
+    o = cfg.cluster.offload
+    if not o.on:
+        return
+    keys = "/".join(k for k in ("train", "rollout") if getattr(o, k))
+    if cfg.run.mode != "sync":
+        raise ConfigError(
+            f"cluster.offload.{keys}=true needs run.mode=sync: with offload the trainer and the engines take "
+            "turns on the same GPUs, so generation cannot overlap training. Set run.mode=sync, or for "
+            "async overlap give the engines GPUs of their own (cluster.colocate=false and cluster.offload "
+            "off, as configs/gpu-2x-disaggregated.yaml)"
+        )
+    if o.timeout_s <= 0:
+        raise ConfigError(
+            f"cluster.offload.timeout_s={o.timeout_s:g}: must be > 0 (seconds a hand-over may wait)"
         )
 
 

@@ -76,8 +76,14 @@ FLAGS: dict[str, dict[str, object]] = {  # slime flags without a value
     "--no-load-optim": {"trainer.finetune": True},
     "--sequence-parallel": {"trainer.sequence_parallel": True},
     "--use-distributed-optimizer": {"trainer.distributed_optimizer": True},
+    "--async-save": {"trainer.async_save": True},
     "--bf16": {"trainer.precision": "bf16"},
-    "--colocate": {"cluster.colocate": True},
+    "--colocate": {"cluster.colocate": True},  # and offload, as slime's (see OFFLOAD_KEYS)
+    "--offload": {"cluster.offload.train": True, "cluster.offload.rollout": True},
+    "--offload-train": {"cluster.offload.train": True},
+    "--offload-rollout": {"cluster.offload.rollout": True},
+    "--no-offload-train": {"cluster.offload.train": False},
+    "--no-offload-rollout": {"cluster.offload.rollout": False},
     "--apply-chat-template": {"rollout.data.apply_chat_template": True},
     "--rollout-shuffle": {"rollout.data.shuffle": True},
     "--use-routing-replay": {"trainer.routing_replay": True},
@@ -135,8 +141,8 @@ ARCHITECTURE_VALUELESS = {
 }
 NOT_YET = {
     "--partial-rollout": "aborted stale groups are dropped, not recycled",
-    "--offload": "colocated offload is not built yet",
 }
+OFFLOAD_KEYS = ("cluster.offload.train", "cluster.offload.rollout")
 
 
 class SlimeArgsError(ValueError):
@@ -213,6 +219,11 @@ def to_overrides(argv: list[str]) -> list[str]:
             f"no slipstream equivalent known for {', '.join(unknown)}: see docs/slime.md for the keys, or set "
             "the key directly"
         )
+    if out.get("cluster.colocate"):  # slime: "always true on offload for colocate", unless told otherwise
+        for key in OFFLOAD_KEYS:
+            out.setdefault(key, True)
+    if any(out.get(key) for key in OFFLOAD_KEYS):  # slime offloads in train.py's loop, which is sync
+        out["run.mode"] = "sync"
     if global_batch is not None:  # slime: one rollout of rollout_batch x n samples, global_batch per update
         per_rollout = (rollout_batch or 1) * (samples or 1)
         if per_rollout % global_batch:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from buffer.config import BufferConfig
     from buffer.curve import CurveKeys
     from pipeline.config import RunConfig
+    from pipeline.orchestration.turns import Turn
 
 
 def _quiet() -> None:
@@ -145,6 +146,7 @@ class GeneratorActor(_Located):
         from buffer.client import BufferClient
         from pipeline.config import rollout_run
         from pipeline.orchestration.placement import local_gpus, rollout_on_gpus
+        from pipeline.orchestration.turns import rollout_cfg
         from stages.rollout.build import build_engine
         from stages.rollout.generator import Generator
         from stages.weights.zmq_transport import WeightReceiver
@@ -155,6 +157,7 @@ class GeneratorActor(_Located):
         self.id = generator_id
         cfg = rollout_on_gpus(cfg, local_gpus(), f"generator gen-{index}")  # the engines on Ray's GPUs
         cfg = _reachable(cfg) if reachable else cfg  # SGLang servers the trainer can reach
+        cfg = rollout_cfg(cfg)  # cluster.offload.rollout: SGLang servers that can release their memory
         # SGLang logs as <log_dir>/sglang-gen<index>-<engine>.log: one directory for every generator
         run = rollout_run(cfg)  # the run-wide values the stage takes (sync mode's staleness bound among them)
         self.engine = build_engine(
@@ -226,6 +229,19 @@ class GeneratorActor(_Located):
             raise RuntimeError(f"{self.id}: weight receiver failed: {self.receiver.error}")
         return out
 
+    # the hand-over's calls (handover.py): in a worker thread, since a release waits for requests that
+    # this actor's own event loop is still answering
+    async def release_memory(self, tags: list[str]) -> Turn:
+        """Release `tags` of the engines (none: only their bytes, for the metrics)."""
+        from pipeline.orchestration.turns import engine_turn
+
+        return await engine_turn(self.engine, True, tags, self.cfg.cluster.offload.timeout_s)
+
+    async def resume_memory(self, tags: list[str]) -> Turn:
+        from pipeline.orchestration.turns import engine_turn
+
+        return await engine_turn(self.engine, False, tags, self.cfg.cluster.offload.timeout_s)
+
     async def stop(self) -> None:
         self.gen.stop()
         self._save_state(every_s=0.0)
@@ -248,6 +264,7 @@ class TrainerActor(_Located):
     def __init__(self, world: int, cpus: int = 1):
         self.rank, self.world, self.cpus = -1, world, cpus  # the rank is given in setup()
         self.trainer = self.sender = self.source = None
+        self._batch = None  # the hand-over's fetched batch, until its train_turn
 
     def master_address(self, loopback: bool) -> str:
         """host:port for the process group, from rank 0's node (loopback on a one-node cluster)."""
@@ -328,11 +345,13 @@ class TrainerActor(_Located):
             weights=cfg.weights,
             sender=self.sender,
         )
-        if self.trainer.version > 0 or push_now:
+        self.offload = cfg.cluster.offload
+        if (self.trainer.version > 0 or push_now) and not self.offload.on:
             # resumed from a checkpoint: the engines start from the base model at version 0, and their
             # groups would all be too stale; send them the checkpoint's weights first (in the background:
             # the sender waits for the engines to connect, and they are started after the trainer).
-            # Collective: every rank takes part in gathering the weights.
+            # Collective: every rank takes part in gathering the weights. With cluster.offload the
+            # hand-over pushes instead, into engines that have woken their weights for it (handover.py).
             self.trainer.push_weights()
         self.sync = sync_mode(cfg)
         self._idle_s = 0.0
@@ -361,6 +380,26 @@ class TrainerActor(_Located):
             m["push/wait_s"] = time.perf_counter() - t0
             m["push/seconds"] = res.get("seconds", 0.0)
         self._idle_s += m.get("time/data_wait_s", 0.0)
+        m["version"] = self.trainer.version
+        m["trainer/idle_share"] = self._idle_s / max(time.perf_counter() - self._t0, 1e-9)
+        m["trainer/ranks"] = self.world
+        return m
+
+    # -- the hand-over's turns (cluster.offload, run.mode=sync; handover.py orders them) -------------
+    def fetch(self) -> float:
+        """The next batch, held for train_turn; the seconds waited (the engines generated meanwhile)."""
+        self._batch, wait = self.trainer.fetch()
+        self._idle_s += wait
+        return wait
+
+    def train_turn(self) -> dict:
+        """State back, one step on the fetched batch, gradients and optimizer state out (offload.train)."""
+        batch, self._batch = self._batch, None
+        return self.trainer.train_turn(batch, offload=self.offload.train)
+
+    def push_turn(self) -> dict:
+        """The push into the woken engines, waited for; then the weights out (offload.train)."""
+        m = self.trainer.push_turn(offload=self.offload.train)
         m["version"] = self.trainer.version
         m["trainer/idle_share"] = self._idle_s / max(time.perf_counter() - self._t0, 1e-9)
         m["trainer/ranks"] = self.world

@@ -44,13 +44,21 @@ class Calls:
             where = ""
         return StageFailed(f"{what} failed: {root_error(e)}{where}")
 
-    def wait(self, ref: Any, what: str, hint: str = "", on_death: Callable[[], object] | None = None) -> Any:
-        """ray.get with the run's timeout and an error that names the stage. `on_death`: called
-        instead when the actor's process died (the stage is healed), and the result is None."""
+    def wait(
+        self,
+        ref: Any,
+        what: str,
+        hint: str = "",
+        on_death: Callable[[], object] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """ray.get with the run's timeout (or `timeout_s`) and an error that names the stage. `on_death`:
+        called instead when the actor's process died (the stage is healed), and the result is None."""
         import ray
 
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.RayActorError as e:
             if on_death is None:
                 raise self.failed(what, e) from None
@@ -58,7 +66,12 @@ class Calls:
             return None
         except ray.exceptions.GetTimeoutError:
             raise StageFailed(
-                f"{what} did not answer within run.timeout_s={self.timeout_s:.0f}s"
+                f"{what} did not answer within "
+                + (
+                    f"run.timeout_s={timeout_s:.0f}s"
+                    if timeout_s == self.timeout_s
+                    else f"{timeout_s:.0f}s (run.timeout_s, or cluster.offload.timeout_s + 60 where longer)"
+                )
                 + (f": {hint}" if hint else "")
             ) from None
         except ray.exceptions.RayError as e:

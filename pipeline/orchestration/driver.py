@@ -9,6 +9,8 @@ stream on their own. Each stage is started, and restarted when its process dies,
 `mode=sync`:  the same actors with a staleness bound of 0 and the trainer waiting for each push to land,
               so each batch is generated entirely by the weights of the previous step — generate, train,
               push, repeat — and the speedup of async is measured by switching one key.
+              With cluster.offload (sync only) the trainer and the engines take turns on shared GPUs,
+              each step a sequence of hand-overs the driver orders (handover.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.orchestration.calls import Calls, root_error
+from pipeline.orchestration.handover import Handover
 from pipeline.orchestration.healing import Healer, TrainerDied
 from pipeline.orchestration.metrics import MetricsWriter
 from pipeline.orchestration.progress import Progress
@@ -78,6 +81,10 @@ class Pipeline:
         self.trainer_group = TrainerGroup(self.site, self.buffer_stage)
         self.generator_stage = GeneratorStage(self.site, self.buffer_stage)
         self.healer = Healer(cfg, self.calls, self.buffer_stage, self.generator_stage, self.trainer_group)
+        # cluster.offload: each step is the hand-over's turns instead of one trainer call
+        self.handover = (
+            Handover(cfg, self.calls, self.healer, self.generator_stage) if cfg.cluster.offload.on else None
+        )
         self._last: tuple[float, int] | None = None  # (time, generated tokens) at the previous step
 
     # the actors, for callers that kill or query them (tests, bench/fault_run.py)
@@ -101,10 +108,16 @@ class Pipeline:
             self.cfg.rollout.engine == "sglang"
         ):  # servers first: the trainer's transport needs their addresses
             self.generator_stage.start(weights_address=None)
+            if self.handover:  # the trainer's state needs the GPUs the servers just took
+                self.handover.release_engines()
             self.trainer_group.start(engine_urls=self.generator_stage.engine_urls())
         else:  # the trainer binds the weight transport first; torch engines connect to it
             self.trainer_group.start()
             self.generator_stage.start(weights_address=self.trainer_group.weights_address)
+            if self.handover:
+                self.handover.release_engines()
+        if self.handover:  # the engines' first weights, pushed; the trainer's state out
+            self.handover.to_generate(step=0)
         self._record_placement()
         self.generator_stage.run()
 
@@ -144,9 +157,9 @@ class Pipeline:
                 break
             step += 1
             try:
-                m = self.healer.step(step)
+                m = self.handover.step(step) if self.handover else self.healer.step(step)
             except TrainerDied as e:  # restarted from its newest checkpoint: continue from there
-                step = self.healer.heal_trainer(e.error)
+                step = self._heal_trainer(e.error)
                 metrics.resume_at(step)
                 continue
             m["run/restarts"] = self.healer.restarts
@@ -165,6 +178,16 @@ class Pipeline:
             m = self.calls.wait(eval_ref, "evaluation", on_death=lambda: None)
             if m:
                 metrics.log(step, m)
+        return step
+
+    def _heal_trainer(self, error: str) -> int:
+        """A new trainer group from the newest checkpoint; with offload the same turns as at start-up
+        around it (the engines release before its state is built, then get its weights)."""
+        if self.handover:
+            self.handover.release_engines()
+        step = self.healer.heal_trainer(error)
+        if self.handover:
+            self.handover.to_generate(step)
         return step
 
     def _generator_metrics(self) -> dict:
@@ -213,6 +236,11 @@ class Pipeline:
             g.stop.remote()
         if runs and not failed:
             ray.wait(list(runs), num_returns=len(runs), timeout=grace)
+        if self.handover and ranks and not failed:
+            try:  # the trainer's final checkpoint takes its whole state back onto the GPUs
+                self.handover.release_engines()
+            except Exception as e:  # noqa: BLE001 - reported; the finish below says what it could do
+                out["offload_error"] = root_error(e)
         if ranks and not failed:
             finish_s = finish_limit_s(self.cfg)
             try:

@@ -63,20 +63,26 @@ class Healer:
 
     # -- the watch ---------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        """One step on every trainer rank; rank 0's metrics. Notices at once when a generator or any
-        rank dies (the other ranks would otherwise wait in a collective until its timeout)."""
+        """One step on every trainer rank; rank 0's metrics."""
+        return self.on_ranks(step, "step")
+
+    def on_ranks(self, step: int, method: str) -> Any:
+        """`method` of TrainerActor on every rank (a step, or a turn of the hand-over: handover.py);
+        rank 0's answer. Notices at once when a generator or any rank dies (the other ranks would
+        otherwise wait in a collective until its timeout)."""
         import ray
 
         timeout_s = self.cfg.run.timeout_s
-        refs = [t.step.remote() for t in self.trainer.ranks]
+        refs = [getattr(t, method).remote() for t in self.trainer.ranks]
         rank_of = {ref: k for k, ref in enumerate(refs)}
         pending, m = set(refs), None
         watch = [self.buffer.watch] if self.buffer.watch is not None else []
         while pending:
             ready, _ = ray.wait([*pending, *self.generators.runs, *watch], num_returns=1, timeout=timeout_s)
             if not ready:
+                call = "step" if method == "step" else f"{method} of step"
                 raise StageFailed(
-                    f"trainer step {step} did not finish within run.timeout_s={timeout_s:.0f}s "
+                    f"trainer {call} {step} did not finish within run.timeout_s={timeout_s:.0f}s "
                     f"(ranks still running: {sorted(rank_of[r] for r in pending)}); see the trainer's log above"
                 )
             ref = ready[0]
@@ -192,14 +198,19 @@ class Healer:
             raise self.calls.failed("trainer", e) from None
         self.generators.restart(i)
 
+    def heal_generator_at(self, i: int) -> None:
+        """Generator i's process died (noticed by a call other than its run()): heal it."""
+        name = self.generators.name(i)
+        run = next((r for r, n in self.generators.runs.items() if n == name), None)
+        if run is None:  # at start-up (its run not begun): nothing to continue from
+            raise StageFailed(f"{name} died before the run began")
+        self.heal_generator(run)
+
     def generator_stats(self, i: int) -> dict:
         """Generator i's counters. One whose process died since the trainer step (its run() has not
         been noticed yet) is healed here, and counts nothing this step."""
         name = self.generators.name(i)
-
-        def heal():
-            self.heal_generator(next(r for r, n in self.generators.runs.items() if n == name))
-
+        heal = lambda: self.heal_generator_at(i)  # noqa: E731 - a callback, named for the call below
         return self.calls.wait(self.generators.actors[i].stats.remote(), name, on_death=heal) or {}
 
     def buffer_stats(self) -> dict | None:

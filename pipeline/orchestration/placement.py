@@ -100,6 +100,21 @@ def make_plan(cfg: RunConfig, cluster_gpus: float) -> Plan:
     )
 
 
+def check_offload(plan: Plan, cfg: RunConfig) -> None:
+    """cluster.offload frees each side's GPU memory for the other: with engines on GPUs of their own
+    that frees memory nobody takes and only lengthens every step, so a GPU trainer needs
+    cluster.colocate. A CPU trainer takes turns anyway (the host's memory is what both share): the path
+    the CPU tests run."""
+    o = cfg.cluster.offload
+    if o.on and plan.trainer_device == "cuda" and not cfg.cluster.colocate:
+        keys = "/".join(k for k in ("train", "rollout") if getattr(o, k))
+        raise PlacementError(
+            f"cluster.offload.{keys}=true hands GPU memory between the trainer and the engines, which share "
+            "GPUs only with cluster.colocate=true; set it (weights.transport=cuda_ipc for SGLang), or turn "
+            "cluster.offload off for engines on GPUs of their own"
+        )
+
+
 def check_fits(plan: Plan, cfg: RunConfig, resources: dict, nodes: list[dict]) -> None:
     """Fail now, naming the keys and what Ray has, rather than after run.timeout_s of waiting for a
     placement group that can never be ready."""

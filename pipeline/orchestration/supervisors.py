@@ -20,7 +20,14 @@ import msgspec
 
 from buffer.net import is_loopback
 from pipeline.orchestration.calls import Calls, StageFailed
-from pipeline.orchestration.placement import PlacementError, check_fits, check_tp_groups, make_plan, plan_cfg
+from pipeline.orchestration.placement import (
+    PlacementError,
+    check_fits,
+    check_offload,
+    check_tp_groups,
+    make_plan,
+    plan_cfg,
+)
 
 if TYPE_CHECKING:
     from buffer.curve import CurveKeys
@@ -83,6 +90,7 @@ class Site:
         try:
             self.plan = make_plan(cfg, resources.get("GPU", 0))
             check_fits(self.plan, cfg, resources, nodes)
+            check_offload(self.plan, cfg)
         except PlacementError as e:
             raise StageFailed(str(e)) from None
         # several nodes: stages bind their node's IP instead of loopback, and every ZeroMQ socket of the

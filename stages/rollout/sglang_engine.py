@@ -36,7 +36,7 @@ from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
 from stages.rollout.routing import RoutingRows
-from stages.rollout.sglang_process import EngineError, kill_group, log_tail
+from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
 from stages.rollout.sglang_updates import SGLangWeightUpdates
 from stages.rollout.stop_strings import StopStrings
 
@@ -75,7 +75,7 @@ def _finish(reason) -> str:
     return kind if kind in ("stop", "length") else "abort"
 
 
-class SGLangEngine(SGLangWeightUpdates, Engine):
+class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
     """One SGLang HTTP server on `cfg.tp_size` GPUs starting at `gpu_id`, and the client that drives it.
 
     Generation is async (call from asyncio); control calls (weight updates, pause, health, restart)
@@ -133,6 +133,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         # busy = at least one request outstanding (the server has work); the rest of the time since the
         # engine was made is idle: what the pipeline's `generator/idle_share` reports
         self._busy_s, self._busy_since, self._made_at = 0.0, None, time.perf_counter()
+        self._init_memory()  # colocated offload: nothing released yet (sglang_process.SGLangMemory)
         if start:
             self.start()
 
@@ -239,6 +240,8 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         relaunched it). A process that exited fails at once."""
         if self._proc is None or self._proc.poll() is not None:
             return False
+        if self._held:  # released for the trainer (offload): /health would need a token generated
+            return True
         if self._get_status("/health", self.cfg.health_timeout_s) == 200:
             self._unreachable_at = None
             self._health_misses = 0
@@ -281,6 +284,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
                     self.restarts += 1
                     self._version = version
                 self.start(path, version)
+                self.release_again()  # relaunched mid-hand-over (offload): the trainer keeps its memory
             finally:
                 self.restarting = False
             secs = time.perf_counter() - t0
@@ -350,11 +354,10 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         import aiohttp
 
+        await self.enter(len(requests))  # held while released (offload); outstanding from here on,
+        # each request until its own answer is in (_answered)
         start_v = self._version
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-        if self.outstanding == 0:
-            self._busy_since = time.perf_counter()
-        self.outstanding += len(requests)  # each one leaves when its own answer is in (_answered)
         t0 = time.perf_counter()
         made = 0
         try:
@@ -426,7 +429,7 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
                     raise EngineError(
                         f"{self.name}: /generate -> HTTP {resp.status}: {(await resp.text())[:500]}"
                     )
-                async for out in _sse(resp):
+                async for out in sse_events(resp):
                     if "error" in out:
                         finish = finish or {"type": "abort", "message": str(out["error"])[:200]}
                         break
@@ -485,19 +488,3 @@ class SGLangEngine(SGLangWeightUpdates, Engine):
         s.update(busy_s=busy, idle_s=max(0.0, now - self._made_at - busy))
         s["tokens_per_s"] = s["tokens"] / s["gen_s"] if s["gen_s"] else 0.0
         return s
-
-
-async def _sse(resp):
-    """Parse SGLang's server-sent events (`data: {json}` blocks, ending with `data: [DONE]`). Lines are
-    split here rather than with readline(), which refuses lines above aiohttp's 128 KiB limit."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    yield json.loads(data)

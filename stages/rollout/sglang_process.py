@@ -1,12 +1,30 @@
-"""The SGLang server process as SGLangEngine handles it: its error, its log's tail, and its end."""
+"""The SGLang server process as SGLangEngine handles it: its error, its log's tail, its end, its
+server-sent events, and its GPU memory handed back and taken again (colocated offload)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import logging
 import os
 import signal
 import subprocess
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from stages.host_copy import MemoryHeld, device_holders
+from stages.rollout.offload import KV_CACHE, MEMORY_SAVER, WEIGHTS, MemoryRelease, checked_tags
+
+log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log
+
+RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
+# SGLang's tags of each part (sglang.srt.constants): the CUDA graphs' memory goes and comes with the
+# KV cache, as slime wakes them (after the weights and their push)
+SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}
+HOLD_POLL_S = 0.05  # a request held by a release looks for the wake this often
 
 
 class EngineError(RuntimeError):
@@ -34,3 +52,128 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+
+
+async def sse_events(resp):
+    """Parse SGLang's server-sent events (`data: {json}` blocks, ending with `data: [DONE]`). Lines are
+    split here rather than with readline(), which refuses lines above aiohttp's 128 KiB limit."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield json.loads(data)
+
+
+class SGLangMemory(MemoryRelease):
+    """Mixed into SGLangEngine: its server's weights and KV cache released and resumed over HTTP
+    (SGLang 0.5.17's /release_memory_occupation and /resume_memory_occupation, tags by part in
+    SGLANG_TAGS). A release first holds new requests (`enter`, which generate() awaits) and waits for
+    those outstanding: SGLang frees a KV cache only with no request running. Expects the engine's
+    cfg, name, gpu_id, log_path, outstanding, _proc, _post and the fields `_init_memory` makes."""
+
+    def _init_memory(self) -> None:
+        self._released: set[str] = set()
+        self._held = False  # no new request is sent: something is released, or a release waits
+        self._gate = threading.Lock()  # `_held` and `outstanding` change together
+
+    @property
+    def released(self) -> frozenset[str]:
+        return frozenset(self._released)
+
+    async def enter(self, n: int) -> None:
+        """Count `n` new requests as outstanding, once no release holds them."""
+        while not self._enter(n):
+            await asyncio.sleep(HOLD_POLL_S)
+
+    def _enter(self, n: int) -> bool:
+        with self._gate:
+            if self._held:
+                return False
+            if self.outstanding == 0:
+                self._busy_since = time.perf_counter()
+            self.outstanding += n
+            return True
+
+    def release_again(self) -> None:
+        """A server relaunched while released starts with all its memory: release it again."""
+        if self._released:
+            self._post(RELEASE, {"tags": [g for t in sorted(self._released) for g in SGLANG_TAGS[t]]})
+
+    def release_memory(self, tags: Sequence[str], timeout_s: float) -> float:
+        t0 = time.perf_counter()
+        todo = [t for t in checked_tags(tags) if t not in self._released]
+        if not todo:
+            return 0.0
+        if MEMORY_SAVER not in self.cfg.extra_args:
+            raise RuntimeError(
+                f"{self.name}: releasing {todo} needs the server started with {MEMORY_SAVER} (the pipeline "
+                "adds it when cluster.offload.rollout=true; add it to rollout.sglang.extra_args)"
+            )
+        with self._gate:
+            self._held = True
+        deadline = time.monotonic() + timeout_s
+        while self.outstanding and time.monotonic() < deadline:
+            time.sleep(HOLD_POLL_S)
+        if self.outstanding:
+            with self._gate:
+                self._held = bool(self._released)
+            raise TimeoutError(
+                f"{self.name}: release of {todo} waited {timeout_s:.0f}s (cluster.offload.timeout_s) for "
+                f"{self.outstanding} outstanding request(s); an evaluation or a long response holds the "
+                "server: raise cluster.offload.timeout_s or lower rollout.sampling.max_new_tokens"
+            )
+        self._post(RELEASE, {"tags": [g for t in todo for g in SGLANG_TAGS[t]]}, timeout=timeout_s)
+        self._released.update(todo)
+        return time.perf_counter() - t0
+
+    def resume_memory(self, tags: Sequence[str], timeout_s: float) -> float:
+        t0 = time.perf_counter()
+        todo = [t for t in checked_tags(tags) if t in self._released]
+        if todo:
+            try:
+                self._post(RESUME, {"tags": [g for t in todo for g in SGLANG_TAGS[t]]}, timeout=timeout_s)
+            except EngineError as e:  # typically out of memory: say who holds the GPU
+                raise MemoryHeld(f"{e}; {self._holders()}") from None
+            self._released.difference_update(todo)
+        with self._gate:
+            self._held = bool(self._released)
+        return time.perf_counter() - t0
+
+    def _holders(self) -> str:
+        try:
+            import torch
+
+            return device_holders(torch.device("cuda", self.gpu_id))
+        except Exception as e:  # noqa: BLE001 - no CUDA in this process: the server's log says more
+            return f"(GPU {self.gpu_id}'s processes unknown here: {e}; see {self.log_path})"
+
+    def memory_bytes(self) -> int | None:
+        """GPU memory of the server's processes (NVML, through torch; None without it)."""
+        if self._proc is None:
+            return None
+        return gpu_bytes_of_tree(self._proc.pid)
+
+
+def gpu_bytes_of_tree(pid: int) -> int | None:
+    """GPU memory that process `pid` and its descendants hold on any GPU; None without NVML."""
+    try:
+        import psutil
+        import pynvml
+
+        pynvml.nvmlInit()
+        pids = {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        total = 0
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid in pids and p.usedGpuMemory:
+                    total += p.usedGpuMemory
+        return total
+    except Exception:  # noqa: BLE001 - no NVML (a CPU machine, a container without it): unknown
+        return None

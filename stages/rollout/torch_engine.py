@@ -12,6 +12,9 @@ torch. The loop works in chunks of `chunk_tokens` decode steps; at every chunk b
 
 Sequences are left-padded; the attention mask hides padding and explicit position ids keep each
 row's positions what they would be without padding, so logprobs equal a plain unpadded forward.
+
+Colocated offload (release and wake of the weights and KV cache) is torch_offload.py's, applied by the
+engine thread between decode steps too.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ from pathlib import Path
 
 import torch
 
+from stages.host_copy import HostStash
 from stages.rollout.engine import Engine, GenRequest, GenResult
+from stages.rollout.offload import WEIGHTS
 from stages.rollout.sampling import sample
 from stages.rollout.stop_strings import StopStrings
 from stages.rollout.torch_batch import Batch, kv_pairs, make_cache, out_cache
 from stages.rollout.torch_batch import merge as _merge  # a test counts the merges through this name
 from stages.rollout.torch_model import checkpoint_names
 from stages.rollout.torch_model import record_routing as recorder_of  # the name is a parameter here
+from stages.rollout.torch_offload import MemOp, TorchMemoryRelease
 
 log = logging.getLogger(__name__)
 Callback = Callable[[GenResult | BaseException], None]
@@ -62,7 +68,7 @@ class _Update:
     error: BaseException | None = None
 
 
-class TorchEngine(Engine):
+class TorchEngine(TorchMemoryRelease, Engine):
     """Engine over an HF causal-LM folder. Thread-safe; `generate` is safe to await from asyncio."""
 
     def __init__(
@@ -106,6 +112,10 @@ class TorchEngine(Engine):
         self._cond = threading.Condition()
         self._pending: deque[_Seq] = deque()
         self._updates: list[_Update] = []
+        self._memops: list[MemOp] = []  # releases wait for the running batch to finish
+        self._released: set[str] = set()
+        self._held = False  # no new sequence starts: something is released, or a release waits
+        self._stash = HostStash(self.device, name)
         self._paused = False
         self._closed = False
         self._batch: Batch | None = None
@@ -234,13 +244,21 @@ class TorchEngine(Engine):
         while True:
             t0 = time.perf_counter()
             with self._cond:
-                while not self._closed and not self._updates and (self._paused or not self._has_work()):
+                while (
+                    not self._closed
+                    and not self._updates
+                    and not (self._memops and self._batch is None)
+                    and (self._paused or not self._has_work())
+                ):
                     self._cond.wait()
                 updates, self._updates = self._updates, []
+                memops, self._memops = (self._memops, []) if self._batch is None else ([], self._memops)
                 closed, paused = self._closed, self._paused
             self._stats["idle_s"] += time.perf_counter() - t0
             for upd in updates:
                 self._apply_update(upd)
+            for op in memops:
+                self._apply_memop(op)
             if closed:
                 self._abort_all()
                 return
@@ -261,13 +279,18 @@ class TorchEngine(Engine):
             self._stats["busy_s"] += time.perf_counter() - t0
 
     def _has_work(self) -> bool:
-        return bool(self._pending) or self._batch is not None
+        return (bool(self._pending) and not self._held) or self._batch is not None
 
     def _inflight(self) -> int:
         return len(self._batch.seqs) if self._batch else 0
 
     def _apply_update(self, upd: _Update) -> None:
         try:
+            if WEIGHTS in self._released:  # the hand-over wakes the weights before it pushes
+                raise RuntimeError(
+                    f"weight update v{upd.version} while the engine's weights are released "
+                    "(cluster.offload.rollout): resume_memory(['weights']) first"
+                )
             params = checkpoint_names(self.model)
             tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
             unknown = [n for n, _ in upd.tensors if n not in params and not (tied and n == "lm_head.weight")]
@@ -294,6 +317,8 @@ class TorchEngine(Engine):
 
     def _admit(self) -> int:
         """Prefill waiting requests into the batch; returns the number of engine steps taken (0/1)."""
+        if self._held:  # offload: released, or a release waits for the running batch
+            return 0
         room = self.max_batch_size - self._inflight()
         with self._cond:
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]

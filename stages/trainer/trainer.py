@@ -8,6 +8,10 @@ API (what the pipeline launcher uses, also from inside a Ray actor):
     trainer.version                                              # policy version = optimizer steps taken
     trainer.close()                                              # waits for the last push, saves a checkpoint
 
+Taking turns with the engines on shared GPUs (cluster.offload, run.mode=sync; the driver's hand-over,
+pipeline/orchestration/handover.py, orders the calls): `fetch()`, `train_turn(batch)`, `push_turn()`,
+with the state moved off the device and back by `trainer.memory` (offload.py).
+
 `tc` is the `trainer:` section, `wc` the `weights:` one, and `run` (config.TrainerRun) the few run-wide
 values the trainer reads. The trainer is made of parts: the batch feed (feed.py), the backend that
 runs the model (backend.py; megatron_backend.py), the critic (critic.py), the weight publisher
@@ -34,6 +38,7 @@ from stages.trainer.checkpoint import ROOT, CheckpointManager, resolve_checkpoin
 from stages.trainer.config import TrainerConfig, TrainerRun, check_critic_layout
 from stages.trainer.feed import BatchFeed, SourceExhausted
 from stages.trainer.hooks import TrainerHookContext, TrainerHooks
+from stages.trainer.offload import GRADS, OPTIMIZER, PARTS, TrainerMemory, WakingPublisher
 from stages.trainer.optimizer import lr_at
 from stages.trainer.packing import MicroBatch, TokenBatch, shard_samples, to_token_batch
 from stages.trainer.shaping import shape_batch
@@ -46,7 +51,7 @@ from stages.trainer.step_metrics import (
     step_metrics,
 )
 from stages.weights.config import WeightsConfig
-from stages.weights.publisher import WeightPublisher, rank0_says
+from stages.weights.publisher import rank0_says
 
 __all__ = ["SourceExhausted", "Trainer"]  # SourceExhausted: where launchers have always imported it
 
@@ -84,7 +89,8 @@ class Trainer:
             raise ValueError(
                 "Trainer on rank 0 needs a BatchSource (buffer client, in-process buffer or replay)"
             )
-        self.publisher = WeightPublisher(
+        # a push that finds the weights offloaded brings them back for itself (offload.py)
+        self.publisher = WakingPublisher(
             weights or WeightsConfig(),
             backend.weight_export(),
             rank=self.rank,
@@ -96,6 +102,8 @@ class Trainer:
         # the value model of advantage=ppo: same build settings and parallelism as the policy
         self.critic: ValueModel | None = backend.build_critic() if tc.loss.advantage == "ppo" else None
         self.checkpoints = CheckpointManager(self.run_dir, keep=tc.keep_checkpoints)
+        self._memory: TrainerMemory | None = None  # made at the first offload (`memory`)
+        self._offload_s = 0.0  # this turn's offload seconds so far (train_turn, then push_turn)
         self.version = 0
         self._applied = 0  # optimizer updates applied in the current step (a skipped step applies none)
         self.skipped_steps = 0  # optimizer steps not applied (non-finite loss or gradients)
@@ -127,6 +135,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> dict:
         """Fetch one batch and train on it. Raises TimeoutError / WeightPushError / SourceExhausted."""
+        self._require_resident("a training step")  # before the fetch: a refused step takes no batch
         t0 = time.perf_counter()
         batch = self.feed.fetch(self.version)
         wait = time.perf_counter() - t0
@@ -141,6 +150,7 @@ class Trainer:
         was skipped as non-finite (trainer.on_nonfinite=skip): the weights did not change, so neither does
         the policy version. Collective over all ranks."""
         t0 = time.perf_counter()
+        self._require_resident("a training step")
         self._applied = 0  # optimizer updates of this batch that were applied (not skipped)
         raw = _token_batch(batch)
         tb = shape_batch(raw, self.tc.loss, self.run.max_new_tokens)
@@ -285,12 +295,20 @@ class Trainer:
 
     # -- after the step: announce, push, checkpoint --------------------------------------------------
     def after_step(self, metrics: dict) -> None:
-        self.feed.set_version(self.version)
-        self.publisher.raise_if_failed()
-        if metrics.get("optimizer/skipped") and self._applied == 0:
+        if not self._announce(metrics):
             return  # nothing changed: no new weights to push, checkpoint or export
         if self.publisher.due(self.version):
             metrics.update(self.push_weights())
+        self._save_if_due()
+
+    def _announce(self, metrics: dict) -> bool:
+        """Tell the source the new version, surface a failed background push; whether the step changed
+        the weights (False: every update of it was skipped as non-finite)."""
+        self.feed.set_version(self.version)
+        self.publisher.raise_if_failed()
+        return not (metrics.get("optimizer/skipped") and self._applied == 0)
+
+    def _save_if_due(self) -> None:
         ce, every_s = self.tc.checkpoint_every, self.tc.checkpoint_every_s
         due = bool(ce and self.version % ce == 0)
         if not due and every_s:  # rank 0's clock decides for all: a checkpoint is collective
@@ -311,6 +329,7 @@ class Trainer:
         return {ROOT: self.backend.checkpoint_part(), "critic": self.critic and self.critic.checkpoint_part()}
 
     def save_checkpoint(self) -> str:
+        self._require_resident("a checkpoint")
         bad = self.backend.nonfinite_param()
         if bad is not None:  # a NaN checkpoint would poison every resume
             raise FloatingPointError(
@@ -323,13 +342,64 @@ class Trainer:
         return path
 
     def save_hf(self, out_dir: str | None = None) -> str | None:
+        self._require_resident("an HF export")
         return self.backend.save_hf(out_dir or f"{self.run_dir}/hf/step_{self.version:06d}")
 
+    # -- taking turns with the engines (cluster.offload; pipeline/orchestration/handover.py) ---------
+    @property
+    def memory(self) -> TrainerMemory:
+        """The trainer's state parts as the hand-over moves them (offload.py)."""
+        if self._memory is None:
+            self._memory = TrainerMemory(self.backend, self.critic, self.device, self.rank)
+            self.publisher.memory = self._memory
+        return self._memory
+
+    def _require_resident(self, what: str) -> None:
+        if self._memory is not None:
+            self._memory.require_resident(what)
+
+    def fetch(self) -> tuple[pa.RecordBatch, float]:
+        """The next batch (collective: rank 0 fetches, every rank gets it) and the seconds waited."""
+        t0 = time.perf_counter()
+        return self.feed.fetch(self.version), time.perf_counter() - t0
+
+    def train_turn(self, batch: pa.RecordBatch, offload: bool) -> dict:
+        """The trainer's turn on the device: its state back, one step on `batch` with its checkpoint
+        and HF export when due, and with `offload` its gradients and optimizer state handed back at
+        once (the weights stay on for the push; the engines wake theirs meanwhile)."""
+        wake = self.memory.onload(PARTS)
+        metrics = self.train_on_batch(batch)
+        if self._announce(metrics):
+            self._save_if_due()
+        metrics["onload/train_s"] = wake["seconds"]
+        metrics["memory/train_gb/train"] = self.memory.device_bytes() / 1e9
+        self._offload_s = self.memory.offload((GRADS, OPTIMIZER))["seconds"] if offload else 0.0
+        return metrics
+
+    def push_turn(self, offload: bool) -> dict:
+        """The hand-over's push, waited for: the engines woke their weights for it, so it goes whatever
+        weights.push_every and a skipped step say (an SGLang server's woken weights hold nothing until
+        pushed). Then with `offload` the weights are handed back too (at start-up, with the whole
+        state still on, everything goes)."""
+        metrics = self.push_weights()
+        t0 = time.perf_counter()
+        res = self.wait_push() or {}
+        metrics["push/wait_s"] = time.perf_counter() - t0
+        metrics["push/seconds"] = res.get("seconds", 0.0)
+        if offload:
+            self._offload_s += self.memory.offload(PARTS)["seconds"]
+        metrics["offload/train_s"], self._offload_s = self._offload_s, 0.0
+        metrics["memory/train_gb/generate"] = self.memory.device_bytes() / 1e9
+        return metrics
+
     def close(self, save: bool = True) -> None:
-        """Finish the in-flight push (raising if it failed) and save the final checkpoint."""
+        """Finish the in-flight push (raising if it failed) and save the final checkpoint (an offloaded
+        state is brought back for it: the driver has the engines release theirs first)."""
         try:
             self.wait_push()
         finally:
+            if self._memory is not None:
+                self._memory.onload(PARTS)
             if save and self.last_checkpoint != self.version:
                 self.save_checkpoint()
 
