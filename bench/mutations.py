@@ -778,6 +778,35 @@ MUTATIONS = [
         '        self._last_stop = res.response_ids[-1] if res.finish_reason == "stop" else None\n',
         ("tests/test_rollout_sampling_knobs.py",),
     ),
+    Mutation(
+        "offload_restore_zeroes",
+        "a wake gives the memory back but not its bytes: weights come back as zeros",
+        "stages/host_copy.py",
+        "                    dst.copy_(p.host, non_blocking=cuda)\n",
+        "                    dst.zero_()\n",
+        (
+            "tests/test_offload.py::test_trainer_state_round_trip_is_bit_identical_and_training_goes_on_as_without",
+            "tests/test_offload.py::test_torch_engine_releases_holds_requests_and_wakes_bit_identical",
+        ),
+    ),
+    Mutation(
+        "offload_push_before_wake",
+        "the hand-over pushes into engines whose weights are still released",
+        "pipeline/orchestration/handover.py",
+        '        woke = self._on_generators("resume_memory", [WEIGHTS] if self.offload.rollout else [])\n'
+        '        m = self.healer.on_ranks(step, "push_turn")\n',
+        '        m = self.healer.on_ranks(step, "push_turn")\n'
+        '        woke = self._on_generators("resume_memory", [WEIGHTS] if self.offload.rollout else [])\n',
+        ("tests/test_offload_pipeline.py::test_sync_run_with_offload_trains_as_the_run_without",),
+    ),
+    Mutation(
+        "sglang_kv_wake_tags",
+        "the KV wake leaves SGLang's CUDA graphs released",
+        "stages/rollout/sglang_process.py",
+        'SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}',
+        'SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache",)}',
+        ("tests/test_offload.py::test_sglang_release_and_wake_post_the_tags_and_hold_requests_between",),
+    ),
 ]
 
 
