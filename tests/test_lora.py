@@ -237,8 +237,9 @@ def _engine_logprobs(engine, prompt: list[int], response: list[int]) -> torch.Te
         (dict(lora={"rank": 4}, layer_spec="te"), "trainer.layer_spec=local"),
         (dict(lora={"rank": 4, "target_modules": ["qkv_proj"]}), "target_modules"),
         (dict(lora={"rank": 4}, loss={"advantage": "ppo"}), "critic has no adapters"),
+        (dict(lora={"rank": 4, "push": "adapters"}), r"lora\.push"),
     ],
-    ids=["te-spec", "unknown-module", "ppo-critic"],
+    ids=["te-spec", "unknown-module", "ppo-critic", "unknown-push"],
 )
 def test_a_lora_setting_the_trainer_cannot_honour_is_refused_with_the_key(change, match):
     import msgspec
@@ -249,15 +250,17 @@ def test_a_lora_setting_the_trainer_cannot_honour_is_refused_with_the_key(change
         msgspec.convert(raw, TrainerConfig)
 
 
-def test_lora_on_moe_experts_is_refused_naming_the_modules_that_work(tmp_path, dist1):
+def test_on_an_moe_model_the_mlp_names_target_the_experts_and_attention_names_only_attention(tmp_path, dist1):
+    """(tests/test_lora_moe.py trains, pushes and exports the experts' adapters.)"""
     from stages.trainer.model import build_policy
     from stages.trainer.tiny_families import make_tiny
 
     path = make_tiny(str(tmp_path / "moe"), "qwen3_moe")
-    with pytest.raises(ValueError, match="target the attention modules"):
-        build_policy(path, lora=LoraConfig(rank=4), ddp=False)
     policy = build_policy(path, lora=LoraConfig(rank=4, target_modules=["q_proj", "o_proj"]), ddp=False)
-    assert len(policy.lora.adapters) == 2 * policy.hf_config.num_hidden_layers
+    assert len(policy.lora.adapters) == 2 * policy.hf_config.num_hidden_layers and not policy.lora.experts
+    policy = build_policy(path, lora=LoraConfig(rank=4, target_modules=["down_proj"]), ddp=False)
+    assert not policy.lora.sites and len(policy.lora.experts) == policy.hf_config.num_hidden_layers
+    assert all(ex.targeted == ("down_proj",) for ex in policy.lora.experts)
 
 
 def test_one_lora_step_raises_the_logprobs_of_positive_advantage_tokens(tmp_path):

@@ -114,13 +114,16 @@ LORA_FULL_MODULES = ("embed_tokens", "lm_head", "model.norm", "input_layernorm",
 
 
 class LoraConfig(_Base):
-    """trainer.lora: low-rank adapters on the policy's linear layers (stages/trainer/lora.py). The base
-    weights stay frozen (no gradient, no optimizer state, no fp32 master copy); only the adapters train."""
+    """trainer.lora: low-rank adapters on the policy's linear layers (stages/trainer/lora.py), an MoE
+    layer's experts included (lora_experts.py). The base weights stay frozen (no gradient, no optimizer
+    state, no fp32 master copy); only the adapters train."""
 
     rank: int = 0  # 0: off (full fine-tuning)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank, as PEFT does
     dropout: float = 0.0  # on the adapter's input only
-    # HF module names as PEFT spells them (GLM-4's fused MLP: gate_up_proj)
+    # HF module names as PEFT spells them (GLM-4's fused MLP: gate_up_proj). On an MoE layer gate_proj,
+    # up_proj and down_proj name every routed expert's projections (one adapter per expert) and a shared
+    # expert's, as PEFT's per-expert target_modules do (docs/lora.md, "MoE experts")
     target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
     # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from; "" = PEFT's
     # initialisation (A kaiming-uniform, B zero: the policy starts as the base model)
@@ -130,8 +133,10 @@ class LoraConfig(_Base):
     # embed_tokens trained, not without: bench/RESULTS.md, "LoRA")
     modules_to_save: list[str] = msgspec.field(default_factory=list)
     # how the engines get the trained policy: "merge" sends base + (alpha/rank) B.A for the tensors that
-    # have adapters (the rest never change), so the engine needs no LoRA support
-    push: Literal["merge"] = "merge"
+    # have adapters (the rest never change), so the engine needs no LoRA support; "adapter" sends the
+    # adapters alone (and the modules trained whole), which the engine applies over the base it keeps:
+    # the torch engine only (SGLang servers are refused when the weight sender is attached)
+    push: Literal["merge", "adapter"] = "merge"
 
     def __post_init__(self):
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
@@ -223,6 +228,11 @@ class TrainerConfig(_Base):
     # also checkpoint when this long has passed since the last one (0 = off): what a trainer that dies
     # mid-run loses (the run restarts it from its newest checkpoint, or from the base model)
     checkpoint_every_s: float = 600.0
+    # write checkpoints in the background (megatron's --async-save): the step only copies the state (a
+    # device-to-host copy on GPUs: host memory for one more copy of this rank's weights and optimizer
+    # state) and a thread writes and commits it while training goes on; at most one save is in flight,
+    # the next one waits for it (stages/trainer/async_checkpoint.py)
+    async_save: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist
     # core attention of the local spec. auto: varlen on CUDA + bf16 (packed rows, FlashAttention over

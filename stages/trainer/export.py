@@ -61,10 +61,12 @@ def _local_hf(
         layer = None
         if key.startswith("decoder.layers."):
             layer = m.decoder.layers[int(key.split(".")[2])].layer_number - 1
-        if moe.is_expert_param(key):
-            for global_key, full in moe.gather_experts(key, p.detach(), hc, hf_mapping.merge_tp):
+        if moe.is_expert_param(key):  # every EP rank holds its own experts (and their adapters)
+            t = p.detach() if adapter is None else lora.merged(key, p.detach())
+            for global_key, full in moe.gather_experts(key, t, hc, hf_mapping.merge_tp):
                 if dense:
-                    yield from hf_mapping.mcore_to_hf(global_key, full, hc, layer, policy.te)
+                    pairs = hf_mapping.mcore_to_hf(global_key, full, hc, layer, policy.te)
+                    yield from _targeted(pairs, adapter if adapted_only else None)
             continue
         if not dense:
             continue
@@ -83,10 +85,16 @@ def _local_hf(
         else:
             full = t
         pairs = hf_mapping.mcore_to_hf(key, full, hc, layer, policy.te)
-        if adapted_only and adapter is not None:  # of a fused weight, only the targeted HF modules
-            pairs = [(n, w) for n, w in pairs if n.rsplit(".", 2)[-2] in adapter.targeted]
-        yield from pairs
+        yield from _targeted(pairs, adapter if adapted_only else None)
         del full  # before the next parameter's gather: one gathered tensor at a time
+
+
+def _targeted(pairs: list, adapter) -> list:
+    """Of a fused weight's HF tensors (q/k/v, gate/up, an expert's gate/up), those of the modules
+    `adapter` adapts; all without one."""
+    if adapter is None:
+        return pairs
+    return [(n, w) for n, w in pairs if n.rsplit(".", 2)[-2] in adapter.targeted]
 
 
 class HostSnapshot:
@@ -219,14 +227,30 @@ class PolicyExport:
     def snapshot(
         self, *, device: str = "cpu", host: HostSnapshot | None = None
     ) -> dict[str, torch.Tensor] | None:
-        return export_hf_state(self.policy, device=device, host=host, adapted_only=self._adapted_only)
+        state = export_hf_state(self.policy, device=device, host=host, adapted_only=self._adapted_only)
+        if self.pushes_adapters:  # collective: the adapters themselves, beside the modules trained whole
+            from stages.trainer.lora_peft import adapter_push_state
+
+            adapters = adapter_push_state(self.policy.lora)
+            if state is not None:
+                state.update((n, t.to(device)) for n, t in adapters.items())
+        return state
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.pushes_adapters:  # the publisher refuses this pairing when the sender is attached
+            raise ValueError("trainer.lora.push=adapter takes weights.snapshot=auto (no direct pushes)")
         return iter_hf_state(self.policy, adapted_only=self._adapted_only)
 
     @property
+    def pushes_adapters(self) -> bool:
+        """trainer.lora.push=adapter: a push sends the adapters (and the modules trained whole), which
+        the engine applies over the base it keeps (only the torch engine takes them)."""
+        return self.policy.lora is not None and self.policy.lora.cfg.push == "adapter"
+
+    @property
     def _adapted_only(self) -> bool:
-        """With LoRA a push sends the merged tensors that have adapters: the engines hold the same frozen
+        """With LoRA a push sends only what training changes (Lora.changes: the modules trained whole,
+        and with push=merge the merged tensors that have adapters): the engines hold the same frozen
         base for the rest (they start from the model folder the trainer started from)."""
         return self.policy.lora is not None
 

@@ -12,6 +12,9 @@ Parameters (GroupedMLP's): `weight1` [h, E_local * 2F/etp], read as [E_local, h,
 e's block is its linear_fc1 transposed, cat(gate, up) along the output; `weight2` [E_local * F/etp, h],
 read as [E_local, F/etp, h] = each expert's linear_fc2 transposed. `moe.py` maps them to and from the
 per-expert HF tensors.
+
+LoRA on the experts (stages/trainer/lora_experts.py) adds its low-rank outputs to each projection through
+`lora_delta`, inside the forward: fc1's before the activation.
 """
 
 from __future__ import annotations
@@ -73,6 +76,15 @@ class GroupedExperts(GroupedMLP):
             raise ValueError("moe_apply_probs_on_input is not supported by the grouped experts")
         with _grouped_gemm_present():
             super().__init__(num_local_experts, config, pg_collection=pg_collection)
+        # trainer.lora: (projection "fc1" / "fc2", rows, offsets or None for no rows) -> the adapters'
+        # output to add, or None. A plain function, not a child module: the adapters belong to the
+        # decoder layer (they checkpoint apart from GroupedMLP's sharded weights)
+        self.lora_delta = None
+
+    def _project(self, which: str, x: torch.Tensor, w: torch.Tensor, offs) -> torch.Tensor:
+        out = torch._grouped_mm(x, w, offs=offs) if offs is not None else x @ w[0]
+        extra = self.lora_delta(which, x, offs) if self.lora_delta is not None else None
+        return out if extra is None else out + extra
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """hidden [rows, h]: the dispatcher's tokens sorted by local expert, `tokens_per_expert[e]` rows
@@ -81,23 +93,27 @@ class GroupedExperts(GroupedMLP):
         n, h = self.num_local_experts, self.config.hidden_size
         w1, w2 = self.weight1.view(n, h, -1), self.weight2.view(n, -1, h)
         if hidden.shape[0] == 0:
-            # no token for these experts: a product that is empty but touches both weights, so that
-            # every expert parameter still gets a (zero) gradient, as GroupedMLP does
-            inter = self.activation_func_with_probs(hidden @ w1[0], probs.unsqueeze(-1))
-            return inter @ w2[0], None
+            # no token for these experts: a product that is empty but touches both weights (offs None),
+            # so that every expert parameter still gets a (zero) gradient, as GroupedMLP does
+            inter = self.activation_func_with_probs(
+                self._project("fc1", hidden, w1, None), probs.unsqueeze(-1)
+            )
+            return self._project("fc2", inter, w2, None), None
         # offsets: the end row of each expert's block, int32 on the GPU (the dispatcher counts on CPU)
         offs = torch.cumsum(tokens_per_expert.to(hidden.device, non_blocking=True), 0).to(torch.int32)
-        fc1 = torch._grouped_mm(hidden, w1, offs=offs)
+        fc1 = self._project("fc1", hidden, w1, offs)
         if self.activation_recompute:
             self.activation_checkpoint = _recompute_checkpoint()
             inter = self.activation_checkpoint.checkpoint(
                 self.activation_func_with_probs, fc1, probs.unsqueeze(-1)
             )
-            out = torch._grouped_mm(inter, w2, offs=offs)
+            # registered on the sum with any LoRA output, whose backward reads `inter` too: the
+            # recompute then refills it before either branch's backward runs
+            out = self._project("fc2", inter, w2, offs)
             self.activation_checkpoint.discard_output_and_register_recompute(out)
         else:
             inter = self.activation_func_with_probs(fc1, probs.unsqueeze(-1))
-            out = torch._grouped_mm(inter, w2, offs=offs)
+            out = self._project("fc2", inter, w2, offs)
         return _ContiguousGrad.apply(out), None
 
 

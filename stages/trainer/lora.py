@@ -18,26 +18,36 @@ layers' adapters; data and context parallelism need nothing (DDP reduces the ada
 The adapters are the layer's `lora` child (LoraAdapters), not the linear's: megatron's linears checkpoint
 every tensor they hold as sharded like their weight, and the adapters shard differently. A forward hook
 on the linear adds the adapter's output to the linear's.
+
+MoE layers: gate_proj / up_proj / down_proj name the routed experts' projections (one adapter per
+expert: lora_experts.py) and a shared expert's linears (Qwen2-MoE's `mlp.shared_expert`, GLM's
+`mlp.shared_experts`), which are sites like a dense MLP's; PEFT's target_modules match both alike.
+PEFT folders: lora_peft.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from stages.trainer import hf_mapping
 from stages.trainer.config import LoraConfig
-
-PEFT_PREFIX = "base_model.model."  # PEFT's names: base_model.model.<HF module>.lora_A.weight
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+from stages.trainer.lora_experts import EXPERT_PARTS, ExpertAdapters, attach_expert_adapters
+from stages.trainer.lora_peft import (  # noqa: F401  (callers use them as lora.*)
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    load_peft_into,
+    read_peft,
+    save_peft,
+)
+from stages.trainer.moe_config import is_moe, shared_expert_size
 
 
 @dataclass(frozen=True)
@@ -45,24 +55,31 @@ class Site:
     """A megatron linear of a decoder layer and the HF modules fused in it."""
 
     linear: str  # path in the decoder layer
-    hf_module: str  # HF parent module: self_attn / mlp
+    hf_module: str  # HF parent module: self_attn, mlp, or a shared expert (mlp.shared_expert[s])
     parts: tuple[str, ...]  # the HF modules (PEFT target names), in the fused rows' order
     layout: str  # "qkv" / "fc1" (column-parallel, fused rows: hf_mapping.fuse_rows) or "row"
+    inter: int = 0  # the MLP's intermediate size; 0: the model's (hc.intermediate_size)
 
 
 def sites(hc) -> tuple[Site, ...]:
+    """Every site a decoder layer may have; a layer has the dense MLP's or (MoE) a shared expert's.
+    Their order seeds the adapters' init: new sites go at the end."""
     fc1 = ("gate_up_proj",) if hc.model_type == "glm4" else ("gate_proj", "up_proj")
+    shared = "mlp.shared_expert" if hc.model_type == "qwen2_moe" else "mlp.shared_experts"
+    inter = (shared_expert_size(hc) or 0) if is_moe(hc) else 0
     return (
         Site("self_attention.linear_qkv", "self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
         Site("self_attention.linear_proj", "self_attn", ("o_proj",), "row"),
         Site("mlp.linear_fc1", "mlp", fc1, "fc1"),
         Site("mlp.linear_fc2", "mlp", ("down_proj",), "row"),
+        Site("mlp.shared_experts.linear_fc1", shared, ("gate_proj", "up_proj"), "fc1", inter),
+        Site("mlp.shared_experts.linear_fc2", shared, ("down_proj",), "row", inter),
     )
 
 
-def part_shape(hc, part: str) -> tuple[int, int]:
-    """(out, in) of an HF module's weight."""
-    h, d, i = hc.hidden_size, hf_mapping.head_dim(hc), hc.intermediate_size
+def part_shape(hc, part: str, inter: int = 0) -> tuple[int, int]:
+    """(out, in) of an HF module's weight (`inter`: the MLP's intermediate size, 0 = the model's)."""
+    h, d, i = hc.hidden_size, hf_mapping.head_dim(hc), inter or hc.intermediate_size
     nq, nkv = hc.num_attention_heads, hc.num_key_value_heads
     return {
         "q_proj": (nq * d, h),
@@ -99,14 +116,14 @@ class SiteAdapter(torch.nn.Module):
         self.tp, self.tp_rank, self.sp = tp, tp_rank, sp
         self.enabled = True
         width = len(targeted) * self.r
-        a = torch.empty(width, part_shape(hc, targeted[0])[1])
+        a = torch.empty(width, self._shape(targeted[0])[1])
         # PEFT's init, from a generator seeded by the layer and site: every TP rank and layout draws alike
         gen = torch.Generator().manual_seed(seed * 1_000_003 + hf_layer * 8 + sites(hc).index(site))
         for j in range(len(targeted)):
             torch.nn.init.kaiming_uniform_(a[j * self.r : (j + 1) * self.r], a=math.sqrt(5), generator=gen)
         self.A = torch.nn.Parameter(self._local_a(a))
         self.B = torch.nn.Parameter(self._local_rows({}, width))
-        ones = {p: torch.ones(part_shape(hc, p)[0], self.r) for p in targeted}
+        ones = {p: torch.ones(self._shape(p)[0], self.r) for p in targeted}
         self.register_buffer("mask", self._local_rows(ones, width).bool(), persistent=False)
         if site.layout == "row":  # A split along its input like the weight; B whole on every rank
             set_tensor_model_parallel_attributes(self.A, True, 1, 1)
@@ -118,6 +135,9 @@ class SiteAdapter(torch.nn.Module):
     def hf_name(self, part: str) -> str:
         return f"model.layers.{self.hf_layer}.{self.site.hf_module}.{part}"
 
+    def _shape(self, part: str) -> tuple[int, int]:
+        return part_shape(self.hc, part, self.site.inter)
+
     # -- layouts: PEFT's per-module tensors <-> this rank's fused ones --------------------------------
     def _local_a(self, a_full: torch.Tensor) -> torch.Tensor:
         return a_full.chunk(self.tp, 1)[self.tp_rank].contiguous() if self.site.layout == "row" else a_full
@@ -127,7 +147,7 @@ class SiteAdapter(torch.nn.Module):
         the modules of the site not targeted), fused into this rank's rows of the site."""
         slabs = []
         for p in self.site.parts:
-            slab = torch.zeros(part_shape(self.hc, p)[0], width)
+            slab = torch.zeros(self._shape(p)[0], width)
             if p in blocks:
                 j = self.targeted.index(p)
                 slab[:, j * self.r : (j + 1) * self.r] = blocks[p]
@@ -186,9 +206,29 @@ class SiteAdapter(torch.nn.Module):
         return F.linear(F.linear(x, self.A), self.B * self.mask) * self.scale
 
     @torch.no_grad()
-    def delta(self) -> torch.Tensor:
-        """(alpha/r) B.A in this rank's layout of the site's weight, fp32."""
+    def delta(self, key: str = "") -> torch.Tensor:
+        """(alpha/r) B.A in this rank's layout of the site's weight (`key`), fp32."""
         return (self.B.float() * self.mask) @ self.A.float() * self.scale
+
+    def partial_grads(self) -> Iterator[tuple[torch.nn.Parameter, object]]:
+        from megatron.core import parallel_state as ps
+
+        for p in (self.A, self.B):
+            if getattr(p, "lora_tp_partial", False):
+                yield p, ps.get_tensor_model_parallel_group()
+
+    def peft_state(self, prefix: str, tp_shards) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapters under PEFT's names (`prefix` + HF module), full and fp32 (`tp_shards(t)`: the TP
+        ranks' shards of t, in rank order). Collective over TP: every rank consumes it to the end."""
+        A, B = self.A.detach().float(), self.B.detach().float()
+        if self.site.layout == "row":
+            a_full, b_full = torch.cat(tp_shards(A), 1), B
+        else:
+            fused = "linear_qkv.weight" if self.site.layout == "qkv" else "linear_fc1.weight"
+            a_full, b_full = A, hf_mapping.merge_tp(fused, tp_shards(B), self.hc)
+        for part, (la, lb) in self.peft_blocks(a_full, b_full).items():
+            yield f"{prefix}{self.hf_name(part)}.lora_A.weight", la.contiguous()
+            yield f"{prefix}{self.hf_name(part)}.lora_B.weight", lb.contiguous()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         from megatron.core import parallel_state as ps
@@ -246,11 +286,16 @@ def _needs_grad(module, args, output):
 
 
 class Lora:
-    """The policy's adapters, by the megatron weight they adapt (decoder.layers.{i}.<linear>.weight), and
-    the parameters trained whole beside them (trainer.lora.modules_to_save), by megatron key."""
+    """The policy's adapters: `sites` (SiteAdapter by the megatron weight it adapts,
+    decoder.layers.{i}.<linear>.weight), `experts` (ExpertAdapters, one per MoE layer of this rank),
+    `adapters` (every adapted megatron weight -> its adapter), and the parameters trained whole beside
+    them (trainer.lora.modules_to_save), by megatron key."""
 
-    def __init__(self, cfg: LoraConfig, hc, adapters: dict[str, SiteAdapter], whole: set[str]):
-        self.cfg, self.hc, self.adapters, self.whole = cfg, hc, adapters, whole
+    def __init__(self, cfg: LoraConfig, hc, sites: dict[str, SiteAdapter], experts: list, whole: set[str]):
+        self.cfg, self.hc, self.sites, self.experts, self.whole = cfg, hc, sites, experts, whole
+        self.adapters: dict[str, SiteAdapter | ExpertAdapters] = dict(sites)
+        self.adapters.update((key, ex) for ex in experts for key in ex.weight_keys())
+        self.modules = [*sites.values(), *experts]
 
     @staticmethod
     def is_adapter_param(key: str) -> bool:
@@ -262,26 +307,27 @@ class Lora:
         return key in self.whole or self.is_adapter_param(key)
 
     def changes(self, key: str) -> bool:
-        """Whether training changes the HF tensors of megatron parameter `key` (an adapted weight, merged,
-        or a module trained whole): what a push sends."""
-        return key in self.adapters or key in self.whole
+        """Whether a push sends the HF tensors of megatron parameter `key`: a module trained whole, and
+        with push=merge an adapted weight, merged (push=adapter sends the adapters instead:
+        lora_peft.adapter_push_state; the engine keeps the base)."""
+        return key in self.whole or (self.cfg.push == "merge" and key in self.adapters)
 
-    def adapter_for(self, weight_key: str) -> SiteAdapter | None:
+    def adapter_for(self, weight_key: str) -> SiteAdapter | ExpertAdapters | None:
         return self.adapters.get(weight_key)
 
     def merged(self, weight_key: str, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of base + (alpha/r) B.A, in the weight's dtype."""
-        return (weight.float() + self.adapters[weight_key].delta()).to(weight.dtype)
+        return (weight.float() + self.adapters[weight_key].delta(weight_key)).to(weight.dtype)
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """The base model (the KL reference): adapters off for the forwards inside."""
-        for a in self.adapters.values():
+        for a in self.modules:
             a.enabled = False
         try:
             yield
         finally:
-            for a in self.adapters.values():
+            for a in self.modules:
                 a.enabled = True
 
     def after(self, finalize):
@@ -294,54 +340,28 @@ class Lora:
         return finalize_with_lora
 
     def finalize_grads(self) -> None:
-        """Sum over TP the adapter gradients each rank holds a part of (module docstring)."""
-        from megatron.core import parallel_state as ps
+        """Sum over TP (experts: over expert-TP) the adapter gradients each rank holds a part of (module
+        docstrings)."""
+        for a in self.modules:
+            for p, group in a.partial_grads():
+                grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+                if grad is not None:
+                    torch.distributed.all_reduce(grad, group=group)
 
-        group = ps.get_tensor_model_parallel_group()
-        for a in self.adapters.values():
-            for p in (a.A, a.B):
-                if getattr(p, "lora_tp_partial", False):
-                    grad = p.main_grad if hasattr(p, "main_grad") else p.grad
-                    if grad is not None:
-                        torch.distributed.all_reduce(grad, group=group)
 
-    # -- PEFT folders ------------------------------------------------------------------------------
-    def peft_config(self) -> dict:
-        c = self.cfg
-        return {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": c.rank,
-            "lora_alpha": c.alpha,
-            "lora_dropout": c.dropout,
-            "target_modules": sorted({p for a in self.adapters.values() for p in a.targeted}),
-            "modules_to_save": sorted(c.modules_to_save) or None,
-            # a tied model trains one matrix for embed_tokens and lm_head: peft must keep them one
-            "ensure_weight_tying": bool(self.hc.tie_word_embeddings and "embed_tokens" in c.modules_to_save),
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "inference_mode": True,
-        }
-
-    def local_peft_state(self, tp_shards) -> Iterator[tuple[str, torch.Tensor]]:
-        """This pipeline stage's adapters under PEFT's names, full and fp32 (`tp_shards(t)`: the TP ranks'
-        shards of t, in rank order). Collective over TP: every rank consumes it to the end."""
-        for a in self.adapters.values():
-            A, B = a.A.detach().float(), a.B.detach().float()
-            if a.site.layout == "row":
-                a_full, b_full = torch.cat(tp_shards(A), 1), B
-            else:
-                fused = "linear_qkv.weight" if a.site.layout == "qkv" else "linear_fc1.weight"
-                a_full, b_full = A, hf_mapping.merge_tp(fused, tp_shards(B), a.hc)
-            for part, (la, lb) in a.peft_blocks(a_full, b_full).items():
-                base = f"{PEFT_PREFIX}{a.hf_name(part)}"
-                yield f"{base}.lora_A.weight", la.contiguous()
-                yield f"{base}.lora_B.weight", lb.contiguous()
+def _linear(layer, path: str):
+    """The linear at `path` in a decoder layer, None where the layer has none (a dense MLP's site on an
+    MoE layer, a shared expert's where there is none)."""
+    try:
+        return operator.attrgetter(path)(layer)
+    except AttributeError:
+        return None
 
 
 def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lora:
-    """Freeze `model` (a GPTModel, before any wrapper) and attach adapters to the targeted linears of
-    its decoder layers on this rank. Layer `l`'s adapters start the same whatever the parallel layout."""
+    """Freeze `model` (a GPTModel, before any wrapper) and attach adapters to the targeted linears (and
+    routed experts) of its decoder layers on this rank. Layer `l`'s adapters start the same whatever the
+    parallel layout."""
     from megatron.core import parallel_state as ps
 
     targets = set(lc.target_modules)
@@ -358,28 +378,28 @@ def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lo
         if key in whole:
             p.requires_grad_(True)
     adapters: dict[str, SiteAdapter] = {}
+    experts: list[ExpertAdapters] = []
     for i, layer in enumerate(model.decoder.layers):
         hf_layer = layer.layer_number - 1
         box = LoraAdapters()
         for site in sites(hc):
             targeted = tuple(p for p in site.parts if p in targets)
-            if not targeted:
+            linear = _linear(layer, site.linear) if targeted else None
+            if linear is None:
                 continue
-            try:
-                linear = operator.attrgetter(site.linear)(layer)
-            except AttributeError:
-                raise ValueError(
-                    f"trainer.lora.target_modules {list(targeted)}: layer {hf_layer} of this "
-                    f"{hc.model_type} model has no {site.linear} (an MoE layer: LoRA on experts is not "
-                    "supported yet); target the attention modules (q_proj, k_proj, v_proj, o_proj)"
-                ) from None
             adapter = SiteAdapter(site, targeted, hf_layer, hc, lc, tp, tp_rank, sp, seed)
-            box[site.linear.rsplit(".", 1)[1]] = adapter
+            # linear_qkv, ..., linear_fc2, shared_experts_linear_fc1: the checkpoints' keys
+            box[site.linear.split(".", 1)[1].replace(".", "_")] = adapter
             linear.register_forward_hook(_add_output(adapter), with_kwargs=True)
             adapters[f"decoder.layers.{i}.{site.linear}.weight"] = adapter
+        routed = getattr(layer.mlp, "experts", None)
+        on_experts = tuple(p for p in EXPERT_PARTS if p in targets)
+        if routed is not None and on_experts:
+            box["experts"] = attach_expert_adapters(routed, i, hf_layer, on_experts, hc, lc, tp=tp, seed=seed)
+            experts.append(box["experts"])
         if len(box):
             layer.add_module("lora", box)
-    if not adapters and model.decoder.layers:
+    if not adapters and not experts and model.decoder.layers:
         raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no linear layer of this model")
     embedding = getattr(model, "embedding", None)
     if embedding is not None and not embedding.word_embeddings.weight.requires_grad:
@@ -388,82 +408,4 @@ def apply_lora(model, hc, lc: LoraConfig, *, tp: int, sp: bool, seed: int) -> Lo
         # adapter would ever get a gradient (measured: a 7B "trained" on one H100 at 1.75 MFU, i.e. no
         # backward). PEFT's enable_input_require_grads, for the same reason
         embedding.register_forward_hook(_needs_grad)
-    return Lora(lc, hc, adapters, whole)
-
-
-def read_peft(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A PEFT adapter folder's config and tensors; a clear error for what is not one."""
-    from safetensors.torch import load_file
-
-    path = Path(folder)
-    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise FileNotFoundError(
-            f"trainer.lora.init_from={folder!r} is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} "
-            f"and {ADAPTER_WEIGHTS} (what peft's save_pretrained writes)"
-        )
-    return json.loads((path / ADAPTER_CONFIG).read_text()), load_file(str(path / ADAPTER_WEIGHTS))
-
-
-def load_peft_into(lora: Lora, folder: str) -> None:
-    """Start the adapters from a PEFT folder of the same rank and target modules (refused otherwise)."""
-    cfg, tensors = read_peft(folder)
-    if int(cfg.get("r", -1)) != lora.cfg.rank or float(cfg.get("lora_alpha", -1)) != lora.cfg.alpha:
-        raise ValueError(
-            f"trainer.lora.init_from={folder!r} has r={cfg.get('r')} lora_alpha={cfg.get('lora_alpha')}; "
-            f"set trainer.lora.rank and trainer.lora.alpha to match"
-        )
-    for a in lora.adapters.values():
-        blocks = {}
-        for part in a.targeted:
-            base = f"{PEFT_PREFIX}{a.hf_name(part)}"
-            try:
-                blocks[part] = (tensors[f"{base}.lora_A.weight"], tensors[f"{base}.lora_B.weight"])
-            except KeyError:
-                raise ValueError(
-                    f"trainer.lora.init_from={folder!r} has no adapter for {base[len(PEFT_PREFIX) :]}; "
-                    "its target_modules must include trainer.lora.target_modules"
-                ) from None
-        a.load_peft(blocks)
-
-
-def save_peft(lora: Lora, out_dir: str, base_model: str, hf_state: dict | None = None) -> str | None:
-    """Write the adapters as a PEFT folder (adapter_config.json + adapter_model.safetensors) on global
-    rank 0; returns its path there, None elsewhere. Collective: every rank calls it. The TP shards are
-    gathered inside DP replica 0's TP groups, the pipeline stages' adapters sent to rank 0. The modules
-    trained whole (modules_to_save) are taken from `hf_state`, the full HF state on rank 0."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
-
-    local: dict[str, torch.Tensor] = {}
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
-
-        def tp_shards(t: torch.Tensor) -> list[torch.Tensor]:
-            if tp == 1:
-                return [t]
-            shards = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(shards, t.contiguous(), group=group)
-            return shards
-
-        local = {n: t.cpu() for n, t in lora.local_peft_state(tp_shards)}
-        if ps.get_tensor_model_parallel_rank() != 0:
-            local = {}
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    tensors = {n: t for part in parts for n, t in part.items()}
-    whole = set(lora.cfg.modules_to_save)
-    for name, t in (hf_state or {}).items():  # PEFT saves a module_to_save under its own name
-        if any(name.rsplit(".", 1)[0].endswith(m) for m in whole):  # peft's rule: a suffix of the module
-            tensors[PEFT_PREFIX + name] = t.contiguous()
-            if name == "model.embed_tokens.weight" and lora.hc.tie_word_embeddings:
-                tensors[PEFT_PREFIX + "lm_head.weight"] = t.clone()  # peft ties it back (one matrix)
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (path / ADAPTER_CONFIG).write_text(
-        json.dumps(dict(lora.peft_config(), base_model_name_or_path=base_model), indent=2)
-    )
-    return str(path)
+    return Lora(lc, hc, adapters, experts, whole)

@@ -59,6 +59,10 @@ class PushHandle:
 class WeightSender(ABC):
     """Trainer side of a weight transport (used on trainer rank 0 only)."""
 
+    # whether its engines take LoRA adapters as a push (trainer.lora.push=adapter) and apply them over
+    # the base they keep; the SGLang transports push whole (merged) tensors only
+    takes_adapters: bool = False
+
     @abstractmethod
     def push(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> PushHandle:
         """Start delivering a snapshot; returns immediately."""

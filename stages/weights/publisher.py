@@ -44,6 +44,9 @@ class WeightExport(Protocol):
         """The whole model's bytes, about what a push sends."""
         ...
 
+    # (optional) pushes_adapters: bool — the pushes carry LoRA adapters for the engine to apply
+    # (trainer.lora.push=adapter), which only a sender with `takes_adapters` delivers
+
 
 class CatchUp(enum.Enum):
     """What a catch-up request found (WeightPublisher.catch_up)."""
@@ -81,8 +84,19 @@ class WeightPublisher:
         self._host_snapshot: Any = None  # pinned host copy of the weights (weights.snapshot=cpu on a GPU)
         self._direct_result: dict | None = None  # the last direct push's figures, until wait() takes them
         self._pushes_direct: bool | None = None  # decided at the first push (goes_direct)
+        if sender is not None:
+            self.attach(sender)
 
     def attach(self, sender: Any) -> None:
+        """Take rank 0's sender; refused (before any push) where it cannot deliver what the export
+        pushes."""
+        adapters = getattr(self.export, "pushes_adapters", False)
+        if sender is not None and adapters and not getattr(sender, "takes_adapters", False):
+            raise ValueError(
+                f"trainer.lora.push=adapter sends LoRA adapters for the engines to apply, which only the "
+                f"torch engine (weights.transport=cpu) takes, not {type(sender).__name__} (SGLang servers "
+                "get whole tensors): set trainer.lora.push=merge (the merged tensors that have adapters)"
+            )
         self.sender = sender
 
     def _rank0_says(self, yes: bool) -> bool:

@@ -50,6 +50,8 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 class ZmqWeightSender(WeightSender):
+    takes_adapters = True  # its torch engines apply LoRA adapters over their base (WeightReceiver)
+
     def __init__(
         self,
         bind: str = "tcp://127.0.0.1:0",
@@ -367,6 +369,22 @@ class WeightReceiver:
             )
         return out
 
+    def _announce_adapters(self, tensors: dict) -> None:
+        """An adapter push (trainer.lora.push=adapter) names adapter tensors the engine's model has no
+        room for yet: the torch engine builds it before it applies the update (torch_model.py)."""
+        from stages.rollout.torch_model import announce_adapters, is_adapter
+
+        shapes = {n: tuple(t.shape) for n, t in tensors.items() if is_adapter(n)}
+        if not shapes:
+            return
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise ValueError(
+                f"{type(self.engine).__name__} takes no LoRA adapters (trainer.lora.push=adapter is the torch "
+                "engine's); use trainer.lora.push=merge"
+            )
+        announce_adapters(model, shapes)
+
     def _ack(self, version, error: str | None = None) -> dict:
         """The answer to the sender for `version`: applied, or failed with `error`."""
         ack = {"kind": "ack", "proto": PROTO, "engine": self.name, "version": version, "ok": error is None}
@@ -374,6 +392,7 @@ class WeightReceiver:
 
     def _apply(self, version: int, tensors: dict) -> dict:
         try:
+            self._announce_adapters(tensors)
             self.engine.update_weights(list(tensors.items()), version)
             self.applied.append(version)
             return self._ack(version)
