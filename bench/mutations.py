@@ -586,8 +586,8 @@ MUTATIONS = [
         "lora_tp_grads_not_summed",
         "LoRA under TP: the adapter gradients each rank holds a part of are never summed",
         "stages/trainer/lora.py",
-        "                        torch.distributed.all_reduce(grad, group=group)\n",
-        "                        pass\n",
+        "                    torch.distributed.all_reduce(grad, group=group)\n",
+        "                    pass\n",
         ("tests/test_lora.py::test_a_parallel_layout_trains_the_adapters_as_one_rank_does",),
     ),
     Mutation(
@@ -806,6 +806,27 @@ MUTATIONS = [
         'SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}',
         'SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache",)}',
         ("tests/test_offload.py::test_sglang_release_and_wake_post_the_tags_and_hold_requests_between",),
+    ),
+    Mutation(
+        "lora_expert_fc1_unmasked",
+        "gate's and up's B share every fc1 adapter column: the expert adapters are no longer PEFT's pairs",
+        "stages/trainer/lora_experts.py",
+        "            return (self.A1, self.B1 * self.mask1) if self.fc1_parts else None\n",
+        "            return (self.A1, self.B1) if self.fc1_parts else None\n",
+        (
+            "tests/test_lora_moe.py::test_the_peft_export_covers_the_experts_loads_in_peft_and_gives_the_trainers_logits",
+            "tests/test_lora_moe.py::test_an_adapter_push_sends_the_adapters_only_and_the_engine_computes_the_merged_policy",
+        ),
+    ),
+    Mutation(
+        "lora_adapter_push_unscaled",
+        "the adapter push drops alpha/r: the torch engine samples another policy than the trainer's",
+        "stages/trainer/lora_peft.py",
+        '    return {n[len(PEFT_PREFIX) :]: t * scale if n.endswith(".lora_B.weight") else t for n, t in state.items()}\n',
+        "    return {n[len(PEFT_PREFIX) :]: t for n, t in state.items()}\n",
+        (
+            "tests/test_lora_moe.py::test_an_adapter_push_sends_the_adapters_only_and_the_engine_computes_the_merged_policy",
+        ),
     ),
 ]
 
