@@ -828,6 +828,17 @@ MUTATIONS = [
             "tests/test_lora_moe.py::test_an_adapter_push_sends_the_adapters_only_and_the_engine_computes_the_merged_policy",
         ),
     ),
+    Mutation(
+        "distill_coef_dropped",
+        "trainer.distill names the teacher but its coefficient never reaches the loss: nothing distils",
+        "stages/trainer/distill.py",
+        "    setattr(tc.loss, key, d.coef)\n",
+        "",
+        (
+            "tests/test_slime_knobs.py::test_distill_points_the_kl_reference_at_the_teacher_and_reloads_as_it_was",
+            "tests/test_slime_knobs.py::test_distill_moves_the_student_toward_the_teacher_in_either_mode",
+        ),
+    ),
 ]
 
 

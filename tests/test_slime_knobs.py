@@ -182,10 +182,89 @@ def test_on_policy_distillation_as_a_kl_to_a_loaded_teacher_moves_the_student_to
     mbs = pack(tb, list(range(tb.n)), 4096)
 
     def kl() -> float:  # mean |logp_student - logp_teacher| over the batch's response tokens
-        return float((tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean())
+        return float(
+            (tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean()
+        )
 
     before = kl()
     tr.step()
     after = kl()
+    tr.close()
+    assert after < 0.9 * before, (before, after)
+
+
+def test_distill_points_the_kl_reference_at_the_teacher_and_reloads_as_it_was():
+    """trainer.distill writes what the trainer does into the keys it reads: the teacher is the KL's
+    reference (ref_load) and coef the KL weight, in the loss (reverse_kl) or in the per-token rewards
+    (reward); the resolved config loads again unchanged."""
+    tc = msgspec.convert({"distill": {"teacher": "/teacher", "coef": 0.5}}, TrainerConfig)
+    assert (tc.ref_load, tc.loss.kl_coef, tc.loss.kl_in_reward_coef) == ("/teacher", 0.5, 0.0)
+    again = msgspec.convert(msgspec.to_builtins(tc), TrainerConfig)
+    assert (again.ref_load, again.loss.kl_coef) == ("/teacher", 0.5)
+    tc = msgspec.convert(
+        {"distill": {"teacher": "/t", "coef": 0.2, "mode": "reward"}, "loss": {"advantage": "reinforce_pp"}},
+        TrainerConfig,
+    )
+    assert (tc.ref_load, tc.loss.kl_coef, tc.loss.kl_in_reward_coef) == ("/t", 0.0, 0.2)
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"distill": {"coef": 0.5}}, "needs both teacher"),
+        ({"distill": {"teacher": "/t"}}, "needs both teacher"),
+        ({"distill": {"teacher": "/t", "coef": 1.0}, "ref_load": "/other"}, "drop trainer.ref_load"),
+        (
+            {"distill": {"teacher": "/t", "coef": 1.0}, "loss": {"kl_coef": 0.3}},
+            "drop the trainer.loss KL keys",
+        ),
+        ({"distill": {"teacher": "/t", "coef": 1.0, "mode": "reward"}}, "advantage=reinforce_pp"),
+        ({"distill": {"teacher": "/t", "coef": 1.0, "mode": "forward_kl"}}, "mode"),
+    ],
+    ids=["no-teacher", "no-coef", "another-ref-load", "another-kl-coef", "reward-with-grpo", "unknown-mode"],
+)
+def test_a_distill_setting_that_cannot_work_is_refused_naming_its_keys(raw, match):
+    base = msgspec.to_builtins(TrainerConfig())
+    base.update({k: ({**base[k], **v} if isinstance(v, dict) else v) for k, v in raw.items()})
+    with pytest.raises((ValueError, msgspec.ValidationError), match=match):
+        msgspec.convert(base, TrainerConfig)
+
+
+@pytest.mark.parametrize("mode,advantage", [("reverse_kl", "grpo"), ("reward", "reinforce_pp_baseline")])
+def test_distill_moves_the_student_toward_the_teacher_in_either_mode(tmp_path, mode, advantage):
+    """With no task signal (equal rewards) a step of either mode brings the student's logprobs of its
+    sampled tokens toward the teacher's; with coef 0 nothing would move (the loss has no other term)."""
+    from trainer_setup import make_trainer
+
+    from pipeline.config import RunConfig
+    from stages.trainer.packing import pack
+
+    student = make_tiny_hf(str(tmp_path / "student"), "qwen2", seed=1)
+    teacher = make_tiny_hf(str(tmp_path / "teacher"), "qwen2", seed=2)
+    samples = make_samples(2, 4, seed=7)
+    for s in samples:
+        s.reward = 1.0
+    batch = samples_to_batch(samples)
+    tb = to_token_batch(batch)
+    raw = {
+        "batch_groups": 2,
+        "optimizer": "sgd",
+        "lr": 0.3,
+        "distill": {"teacher": teacher, "coef": 1.0, "mode": mode},
+        "loss": {"advantage": advantage, "kl_type": "k3", "correction": "none"},
+    }
+    cfg = RunConfig()
+    cfg.trainer = msgspec.convert(raw, TrainerConfig)  # as a loaded config: distill applied
+    tr = make_trainer(cfg, ListSource([batch]), student, str(tmp_path / "run"))
+    mbs = pack(tb, list(range(tb.n)), 4096)
+
+    def gap() -> float:  # mean |logp_student - logp_teacher| over the batch's response tokens
+        return float(
+            (tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean()
+        )
+
+    before = gap()
+    tr.step()
+    after = gap()
     tr.close()
     assert after < 0.9 * before, (before, after)

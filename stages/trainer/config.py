@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from stages.trainer.distill import DistillConfig, apply_distill
 from stages.user_code import is_hook_spec
 
 
@@ -288,6 +289,8 @@ class TrainerConfig(_Base):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     hooks: TrainerHooksConfig = msgspec.field(default_factory=TrainerHooksConfig)
+    # on-policy distillation: {teacher, coef, mode}; the teacher becomes the KL's reference (distill.py)
+    distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
 
     def megatron_recompute(self) -> dict:
         """megatron TransformerConfig keys of trainer.recompute* ({} = no recompute)."""
@@ -307,6 +310,7 @@ class TrainerConfig(_Base):
         return self.tp * self.pp * self.cp * self.dp
 
     def __post_init__(self):
+        apply_distill(self)  # first: it sets ref_load and a KL coefficient that the checks below read
         check_critic_layout(self)
         check_fsdp(self)
         if self.critic_lr is not None and self.critic_lr < 0:

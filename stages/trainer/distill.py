@@ -1,0 +1,69 @@
+"""On-policy distillation (`trainer.distill`): the student (the policy) learns a teacher's per-token
+distribution on the student's own samples, the recipe of Agarwal et al. (GKD) and Thinking Machines'
+on-policy distillation that slime users reach for when a larger model of the same tokenizer exists.
+
+The trainer computes the teacher's logprobs of every sampled token itself, in the slot the KL's reference
+model has (trainer.ref_load): one frozen model beside the policy, built with the policy's parallel layout,
+no server of its own. The two modes are the two places the per-token reverse KL
+KL_t = log pi_student(y_t) - log pi_teacher(y_t) can go:
+
+- `reverse_kl`: coef x KL_t is a loss term beside the policy gradient (trainer.loss.kl_coef with the
+  teacher as the reference; its estimator is trainer.loss.kl_type). Works with every estimator; with equal
+  task rewards (or none) it is pure distillation.
+- `reward`: -coef x KL_t is a per-token reward (trainer.loss.kl_in_reward_coef), so the policy gradient
+  itself carries the teacher's signal, as in Thinking Machines' write-up; the reinforce_pp estimators
+  are the ones with per-token returns.
+
+`apply_distill` writes those keys when the config is loaded, so the resolved config.yaml of a run shows
+what the trainer does; loading that file again is a no-op (the keys already agree).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class DistillConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    teacher: str = ""  # the teacher's HF folder (the policy's vocabulary); "" = no distillation
+    coef: float = 0.0  # weight of the reverse KL to the teacher
+    mode: Literal["reverse_kl", "reward"] = "reverse_kl"
+
+
+_PER_TOKEN_RETURNS = ("reinforce_pp", "reinforce_pp_baseline")
+
+
+def apply_distill(tc) -> None:
+    """Point the trainer's KL reference at the teacher and its KL weight at `coef` (tc: TrainerConfig).
+    Raises ValueError naming the keys when they say something else."""
+    d = tc.distill
+    if not d.teacher and not d.coef:
+        return
+    if not d.teacher or d.coef <= 0:
+        raise ValueError(
+            "trainer.distill needs both teacher (the teacher's HF folder) and coef > 0 "
+            f"(got teacher={d.teacher!r}, coef={d.coef})"
+        )
+    if tc.ref_load and tc.ref_load != d.teacher:
+        raise ValueError(
+            f"trainer.distill.teacher={d.teacher!r} and trainer.ref_load={tc.ref_load!r}: the trainer holds one "
+            "reference model and distillation uses it for the teacher; drop trainer.ref_load"
+        )
+    key, other = (
+        ("kl_coef", "kl_in_reward_coef") if d.mode == "reverse_kl" else ("kl_in_reward_coef", "kl_coef")
+    )
+    if getattr(tc.loss, key) not in (0.0, d.coef) or getattr(tc.loss, other):
+        raise ValueError(
+            f"trainer.distill sets trainer.loss.{key}={d.coef} (mode {d.mode}), but trainer.loss.kl_coef="
+            f"{tc.loss.kl_coef} and kl_in_reward_coef={tc.loss.kl_in_reward_coef}: the KL's reference is the "
+            "teacher, so drop the trainer.loss KL keys"
+        )
+    if d.mode == "reward" and tc.loss.advantage not in _PER_TOKEN_RETURNS:
+        raise ValueError(
+            f"trainer.distill.mode=reward makes -coef x KL a per-token reward, which only the per-token "
+            f"returns of trainer.loss.advantage={' or '.join(_PER_TOKEN_RETURNS)} carry (not "
+            f"{tc.loss.advantage!r}); set one of those, or trainer.distill.mode=reverse_kl"
+        )
+    tc.ref_load = d.teacher
+    setattr(tc.loss, key, d.coef)
