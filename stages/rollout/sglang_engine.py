@@ -240,7 +240,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         relaunched it). A process that exited fails at once."""
         if self._proc is None or self._proc.poll() is not None:
             return False
-        if self._held:  # released for the trainer (offload): /health would need a token generated
+        if self._requests_held:  # released for the trainer (offload): /health needs a token generated
             return True
         if self._get_status("/health", self.cfg.health_timeout_s) == 200:
             self._unreachable_at = None

@@ -79,8 +79,8 @@ class SGLangMemory(MemoryRelease):
 
     def _init_memory(self) -> None:
         self._released: set[str] = set()
-        self._held = False  # no new request is sent: something is released, or a release waits
-        self._gate = threading.Lock()  # `_held` and `outstanding` change together
+        self._requests_held = False  # no new request is sent: something is released, or a release waits
+        self._gate = threading.Lock()  # `_requests_held` and `outstanding` change together
 
     @property
     def released(self) -> frozenset[str]:
@@ -93,7 +93,7 @@ class SGLangMemory(MemoryRelease):
 
     def _enter(self, n: int) -> bool:
         with self._gate:
-            if self._held:
+            if self._requests_held:
                 return False
             if self.outstanding == 0:
                 self._busy_since = time.perf_counter()
@@ -116,13 +116,13 @@ class SGLangMemory(MemoryRelease):
                 "adds it when cluster.offload.rollout=true; add it to rollout.sglang.extra_args)"
             )
         with self._gate:
-            self._held = True
+            self._requests_held = True
         deadline = time.monotonic() + timeout_s
         while self.outstanding and time.monotonic() < deadline:
             time.sleep(HOLD_POLL_S)
         if self.outstanding:
             with self._gate:
-                self._held = bool(self._released)
+                self._requests_held = bool(self._released)
             raise TimeoutError(
                 f"{self.name}: release of {todo} waited {timeout_s:.0f}s (cluster.offload.timeout_s) for "
                 f"{self.outstanding} outstanding request(s); an evaluation or a long response holds the "
@@ -142,7 +142,7 @@ class SGLangMemory(MemoryRelease):
                 raise MemoryHeld(f"{e}; {self._holders()}") from None
             self._released.difference_update(todo)
         with self._gate:
-            self._held = bool(self._released)
+            self._requests_held = bool(self._released)
         return time.perf_counter() - t0
 
     def _holders(self) -> str:
