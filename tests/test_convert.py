@@ -19,7 +19,12 @@ def _convert(*args: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "there,back", [(("--tp", "2"), ()), ((), ("--pp", "2"))], ids=["tp2-to-tp1", "tp1-to-pp2"]
+    "there,back",
+    [
+        # ~25 s of the default suite's time on 2 cores: one layout in the default suite, the other slow
+        pytest.param(("--tp", "2"), (), marks=pytest.mark.slow, id="tp2-to-tp1"),
+        pytest.param((), ("--pp", "2"), id="tp1-to-pp2"),
+    ],
 )
 def test_hf_to_megatron_and_back_is_bit_exact_across_layouts(tmp_path, there, back):
     hf = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2", vocab_size=259)

@@ -84,6 +84,7 @@ def test_dense_dp2_resumes_exactly(dense):
     _assert_same_optimizer_state(str(d / "full"), cut)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; the dense dp2 resume stays in the default suite
 def test_moe_ep2_resumes_exactly(tmp_path):
     """Dense weights DP=2 (their Adam state sharded over both ranks), experts split over EP=2 (each
     rank's experts in an optimizer of their own, over expert-DP=1): both optimizers of the chain."""

@@ -120,6 +120,7 @@ def _run_pipeline(tmp_path, address, token_path, *extra):
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # ~45 s with its two-node cluster's start on 2 cores
 def test_pipeline_across_two_nodes_with_token_auth_and_curve(tmp_path, two_nodes):
     address, token = two_nodes
     res = _run_pipeline(
