@@ -141,14 +141,17 @@ class GeneratorActor(_Located):
         state_path: str = "",
         reachable: bool = False,
         curve: CurveKeys | None = None,
+        joining: bool = False,
     ):
+        """`joining`: added to a run already going (elastic rollout): its admission counts from the
+        trainer's version (ElasticGenerator.join) when its run() begins."""
         _threads(cpus)
         from buffer.client import BufferClient
         from pipeline.config import rollout_run
+        from pipeline.orchestration.elastic_generator import ElasticGenerator
         from pipeline.orchestration.placement import local_gpus, rollout_on_gpus
         from pipeline.orchestration.turns import rollout_cfg
         from stages.rollout.build import build_engine
-        from stages.rollout.generator import Generator
         from stages.weights.zmq_transport import WeightReceiver
 
         # Sample uids are "<generator id>-<group>-<i>"; the random part keeps them unique when a run
@@ -172,7 +175,8 @@ class GeneratorActor(_Located):
         self.sink = BufferClient(
             buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
         )
-        self.gen = Generator(
+        self.joining = joining
+        self.gen = ElasticGenerator(
             cfg.rollout,
             cfg.model,
             run,
@@ -208,7 +212,13 @@ class GeneratorActor(_Located):
         return list(getattr(self.engine, "urls", []))
 
     async def run(self) -> dict:
+        if self.joining:
+            await self.gen.join()
         return await self.gen.run()
+
+    async def set_share(self, batch_groups: int) -> None:
+        """The run's generator count changed: this generator's share of a trainer batch (docs/elastic.md)."""
+        self.gen.set_share(batch_groups)
 
     async def evaluate(self, step: int) -> dict:
         """The held-out sets of cfg.eval on this generator's engine, beside its generation (the same
@@ -367,6 +377,13 @@ class TrainerActor(_Located):
         """A generator died: pushes stop waiting for its engine (rank 0 holds the sender)."""
         if self.sender is not None and hasattr(self.sender, "forget"):
             self.sender.forget(name)
+
+    @ray.method(concurrency_group="control")
+    def expect_engines(self, count: int) -> None:
+        """The run now has `count` generators (elastic rollout): a push waits for that many engines
+        (fewer after a removal, or every push would wait for an engine that left until its timeout)."""
+        if self.sender is not None and hasattr(self.sender, "min_engines"):
+            self.sender.min_engines = count
 
     def version(self) -> int:
         return self.trainer.version

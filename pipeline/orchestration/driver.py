@@ -11,6 +11,8 @@ stream on their own. Each stage is started, and restarted when its process dies,
               push, repeat — and the speedup of async is measured by switching one key.
               With cluster.offload (sync only) the trainer and the engines take turns on shared GPUs,
               each step a sequence of hand-overs the driver orders (handover.py).
+
+Generators may be added or removed between steps while the run goes (elastic.py, docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.orchestration.calls import Calls, root_error
+from pipeline.orchestration.elastic import Scaler
 from pipeline.orchestration.handover import Handover
 from pipeline.orchestration.healing import Healer, TrainerDied
 from pipeline.orchestration.metrics import MetricsWriter
@@ -84,6 +87,10 @@ class Pipeline:
         # cluster.offload: each step is the hand-over's turns instead of one trainer call
         self.handover = (
             Handover(cfg, self.calls, self.healer, self.generator_stage) if cfg.cluster.offload.on else None
+        )
+        # elastic rollout: a scale request in the run directory, handled between steps
+        self.scaler = Scaler(
+            cfg, self.site, self.calls, self.healer, self.generator_stage, self.trainer_group
         )
         self._last: tuple[float, int] | None = None  # (time, generated tokens) at the previous step
 
@@ -155,6 +162,7 @@ class Pipeline:
                     "run.time_limit_s=%.0f reached after %d steps: ending the run", cfg.run.time_limit_s, step
                 )
                 break
+            self.scaler.poll(step)  # before the step: an added generator's groups can count for it
             step += 1
             try:
                 m = self.handover.step(step) if self.handover else self.healer.step(step)
@@ -193,6 +201,8 @@ class Pipeline:
     def _generator_metrics(self) -> dict:
         stats = [self.healer.generator_stats(i) for i in range(len(self.generators))]
         out: dict = {f"generator/{key}": sum(s.get(key, 0) for s in stats) for key in GENERATOR_COUNTERS}
+        # the sums above are over the generators running now: one removed takes its counts with it
+        out["generators/count"] = len(stats)
         busy = sum(s.get("engine_busy_s", 0.0) for s in stats)
         idle = sum(s.get("engine_idle_s", 0.0) for s in stats)
         if busy + idle > 0:
@@ -267,6 +277,7 @@ class Pipeline:
         for a in [*generators, *ranks, self.buffer]:
             if a is not None:
                 ray.kill(a)
+        self.generator_stage.release_placements()  # those of generators added mid-run
         if self.site.pg is not None:
             from ray.util.placement_group import remove_placement_group
 

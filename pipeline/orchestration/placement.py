@@ -85,11 +85,10 @@ def make_plan(cfg: RunConfig, cluster_gpus: float) -> Plan:
             bundles[i]["CPU"] = 1  # only the first n_gen trainer bundles host a generator
         gen_bundles = list(range(n_gen))
     else:
-        g = engine_gpus(cfg)
         gen_bundles = list(range(ranks, ranks + n_gen))
-        bundles += [{"CPU": 1, "GPU": g} if g else {"CPU": 1} for _ in range(n_gen)]
-    for i, b in enumerate(bundles):  # pins to nodes (cluster.*_resources); colocated: the trainer's
-        b.update(cfg.cluster.trainer_resources if i < ranks else cfg.cluster.rollout_resources)
+        bundles += [generator_bundle(cfg) for _ in range(n_gen)]  # rollout_resources included
+    for b in bundles[:ranks]:  # pins to nodes (cluster.*_resources); colocated: the trainer's
+        b.update(cfg.cluster.trainer_resources)
     return Plan(
         bundles=bundles,
         trainer_bundles=list(range(ranks)),
@@ -156,6 +155,29 @@ def check_fits(plan: Plan, cfg: RunConfig, resources: dict, nodes: list[dict]) -
             f"rollout.sglang.tp_size), and the largest node has {per_node:g}; use more generators with "
             "fewer engines each"
         )
+
+
+def generator_bundle(cfg: RunConfig) -> dict:
+    """The bundle of one generator that is not colocated: its CPU, its engines' GPUs, and
+    cluster.rollout_resources (make_plan's, and that of a generator added mid-run: docs/elastic.md)."""
+    g = engine_gpus(cfg)
+    bundle = {"CPU": 1, "GPU": g} if g else {"CPU": 1}
+    bundle.update(cfg.cluster.rollout_resources)
+    return bundle
+
+
+def check_room(bundle: dict, count: int, available: dict) -> None:
+    """Whether `count` more bundles like `bundle` fit what the cluster has free now (ray's available
+    resources); else PlacementError naming what is short. A placement group the cluster cannot hold
+    would wait for ever: an added generator is refused instead, and the run goes on."""
+    for key, each in bundle.items():
+        need, have = each * count, available.get(key, 0)
+        if each and have < need:
+            raise PlacementError(
+                f"{count} more generator(s) need {need:g} {key} ({bundle} each) and the cluster has {have:g} "
+                f"{key} free: add a node to the Ray cluster (ray start --address=...), start the run with a "
+                "larger cluster.num_cpus / num_gpus for a local Ray, or ask for fewer generators"
+            )
 
 
 def check_tp_groups(rank_nodes: list[str], tp: int) -> None:

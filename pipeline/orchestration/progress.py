@@ -40,6 +40,7 @@ class Progress:
             f"{self._samples / elapsed:.1f} samples/s  "
             f"trainer idle {_fmt(100 * m['trainer/idle_share'] if 'trainer/idle_share' in m else None, '.0f')}%  "
             f"gen idle {_fmt(100 * m['generator/idle_share'] if 'generator/idle_share' in m else None, '.0f')}%  "
+            f"{m.get('generators/count', '-')} gen  "
             f"{elapsed:.0f}s"
         )
         if "eval/accuracy" in m:

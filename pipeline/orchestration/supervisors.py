@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from buffer.net import is_loopback
-from pipeline.orchestration.calls import Calls, StageFailed
+from pipeline.orchestration.calls import Calls, StageFailed, root_error
 from pipeline.orchestration.placement import (
     PlacementError,
     check_fits,
     check_offload,
+    check_room,
     check_tp_groups,
+    generator_bundle,
     make_plan,
     plan_cfg,
 )
@@ -106,6 +108,27 @@ class Site:
             self.pg.ready(), "placement group", f"the cluster has no room for the bundles {self.plan.bundles}"
         )
 
+    def reserve_generators(self, count: int, timeout_s: float) -> list:
+        """One placement group of one generator's bundle each, for generators added mid-run beyond the
+        run's own group (Ray cannot grow a placement group). PlacementError, naming what is short, when
+        the cluster has no room for all of them now or they are not placed within `timeout_s`; none is
+        kept then."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = generator_bundle(self.cfg)
+        check_room(bundle, count, ray.available_resources())
+        pgs = [placement_group([dict(bundle)], strategy="PACK") for _ in range(count)]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=count, timeout=timeout_s)
+        if len(ready) < count:  # another job took the room meanwhile
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise PlacementError(
+                f"{count} generator bundle(s) {bundle} were not placed within {timeout_s:.0f}s: the cluster's "
+                "free resources went to something else; ask again once there is room"
+            )
+        return pgs
+
     def on(self, bundle: int) -> dict:
         """Actor options that put it on `bundle` of the run's placement group."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -160,17 +183,24 @@ class BufferStage:
         return address
 
 
+def shares_of(batch_groups: int, n: int) -> list[int]:
+    """Each of `n` generators' share of a trainer batch (admission control); together exactly
+    batch_groups, else the generators could never admit a full batch per version and the trainer
+    would starve."""
+    return [batch_groups // n + (i < batch_groups % n) for i in range(n)]
+
+
 class GeneratorStage:
     """rollout.num_generators generator actors, each streaming into the buffer. A restart of one is a
     new incarnation (a new generator id) that picks up its predecessor's data position and gets the
-    current weights from the trainer's sender at once."""
+    current weights from the trainer's sender at once. Generators are added and removed mid-run at the
+    end of the list (`add`, `remove_last`; elastic.py decides when), so generator 0, which runs the
+    held-out evaluation, stays."""
 
     def __init__(self, site: Site, buffer: BufferStage):
         self.site, self.buffer = site, buffer
-        n, bg = site.cfg.rollout.num_generators, site.cfg.trainer.batch_groups
-        # each generator's share of a trainer batch (admission control); together exactly batch_groups,
-        # else the generators could never admit a full batch per version and the trainer would starve
-        self.shares = [bg // n + (i < bg % n) for i in range(n)]
+        self.shares = shares_of(site.cfg.trainer.batch_groups, site.cfg.rollout.num_generators)
+        self.extra_pgs: dict[int, object] = {}  # placement groups of generators added beyond the run's
         self.actors: list = []
         self.ids: list[str] = []  # each generator's current incarnation id
         self.runs: dict = {}  # ObjectRef of each generator's run() -> its name
@@ -192,6 +222,59 @@ class GeneratorStage:
         for i in range(len(self.actors)):
             self._run(i)
 
+    def add(self, pg=None) -> int:
+        """One more generator, at the end, on placement group `pg` (None: its bundle of the run's own
+        group, which a generator of that index had at start). It joins at the trainer's version
+        (ElasticGenerator.join) and starts generating at once; returns its index. `shares` must already
+        hold its share."""
+        i = len(self.actors)
+        if pg is not None:
+            self.extra_pgs[i] = pg
+        self.actors.append(self._launch(i, joining=True))
+        self.ids.append(self.site.calls.wait(self.actors[i].ident.remote(), self.name(i)))
+        self._run(i)
+        return i
+
+    def remove_last(self, drain_s: float) -> tuple[str, str]:
+        """Take the last generator out of the run: no new group, its groups in flight streamed into the
+        buffer (drained) for at most `drain_s`, then its actor and placement ended. Groups not streamed
+        by then were never acknowledged: nothing of theirs reached the buffer, and their prompts stay
+        unsettled in its data position. Returns (its generator id, how it left)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        i = len(self.actors) - 1
+        actor, name = self.actors[i], self.name(i)
+        run = next((r for r, n in self.runs.items() if n == name), None)
+        self.runs.pop(run, None)  # its run() ending is no longer a death to heal
+        actor.stop.remote()
+        how = "drained"
+        if run is not None:
+            done, _ = ray.wait([run], timeout=drain_s)
+            if not done:
+                how = f"aborted: its groups in flight were not streamed within {drain_s:.0f}s (run.timeout_s)"
+            else:
+                try:
+                    ray.get(run, timeout=0)
+                except ray.exceptions.RayError as e:  # died or failed while draining: it leaves anyway
+                    how = f"aborted: {root_error(e)}"
+        # the receiver says bye to the trainer's sender, the sink closes; bounded, then killed regardless
+        ray.wait([actor.close.remote()], timeout=min(drain_s, 30.0))
+        ray.kill(actor, no_restart=True)
+        pg = self.extra_pgs.pop(i, None)
+        if pg is not None:
+            remove_placement_group(pg)
+        del self.actors[i]
+        return self.ids.pop(i), how
+
+    def release_placements(self) -> None:
+        """The placement groups of generators added mid-run (at shutdown, after their actors)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.extra_pgs.values():
+            remove_placement_group(pg)
+        self.extra_pgs.clear()
+
     def restart(self, i: int) -> None:
         import ray
 
@@ -209,15 +292,21 @@ class GeneratorStage:
     def _run(self, i: int) -> None:
         self.runs[self.actors[i].run.remote()] = self.name(i)
 
-    def _launch(self, i: int):
+    def _launch(self, i: int, joining: bool = False):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         from pipeline.orchestration.actors import GeneratorActor
 
         site = self.site
         # the generator's data position, kept across incarnations (see GeneratorActor)
         state = str(site.run_dir / "generators" / f"gen-{i}.json")
-        return GeneratorActor.options(
-            num_gpus=site.plan.generator_gpus, **site.on(site.plan.generator_bundles[i])
-        ).remote(
+        pg = self.extra_pgs.get(i)
+        where = (
+            site.on(site.plan.generator_bundles[i])
+            if pg is None
+            else {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+        )
+        return GeneratorActor.options(num_gpus=site.plan.generator_gpus, **where).remote(
             site.cfg,
             i,
             self.buffer.address,
@@ -226,6 +315,7 @@ class GeneratorStage:
             state_path=state,
             reachable=site.reachable,
             curve=site.curve,
+            joining=joining,
         )
 
 
@@ -245,6 +335,7 @@ class TrainerGroup:
         self.where: list[dict] = []  # each rank's node and GPUs, in rank order
         self.engine_urls: list[str] | None = None  # SGLang servers the sender pushes to
         self.weights_address: str | None = None  # where torch engines connect (None for SGLang)
+        self.engines = site.cfg.rollout.num_generators  # a push waits for this many (expect_engines)
 
     @property
     def rank0(self):
@@ -269,6 +360,13 @@ class TrainerGroup:
                 f"the restarted trainer sends weights from {address}, not {self.weights_address}"
             )
         return calls.wait(self.rank0.version.remote(), "trainer")
+
+    def expect_engines(self, count: int) -> None:
+        """The run has `count` generators now (elastic rollout): pushes wait for that many engines, a
+        restarted group's included. A rank 0 that died meanwhile is restarted at the next step, with it."""
+        self.engines = count
+        if self.rank0 is not None:
+            self.site.calls.wait(self.rank0.expect_engines.remote(count), "trainer", on_death=lambda: None)
 
     def stop(self) -> None:
         import ray
@@ -316,7 +414,7 @@ class TrainerGroup:
                 self.buffer.address,
                 site.model_path,
                 str(site.run_dir),
-                site.cfg.rollout.num_generators,
+                self.engines,
                 self.engine_urls,
                 reachable=site.reachable,
                 curve=site.curve,

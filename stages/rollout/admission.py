@@ -64,6 +64,24 @@ class StalenessAdmission:
         The count is never corrected later: one batch too few here is one batch of surplus for good."""
         self._kept_offset = -(prior_live + trainer_version * self.batch_groups)
 
+    def reshare(self, batch_groups: int) -> None:
+        """The run's generator count changed (elastic rollout, docs/elastic.md): from now on the trainer
+        consumes `batch_groups` of this generator's groups per version instead. The groups kept so far
+        were consumed at the old share, about `old * v` of them by engine version v, so the count is
+        re-based as if they had been consumed at the new share: the groups still ahead of the trainer
+        (kept, not yet consumed, or running) keep their places, and the window of max_staleness + 1
+        versions is measured in the new share from here. The engine's version stands in for the batches
+        consumed (it is at most one push behind the trainer's): one share of surplus or shortfall once,
+        which the buffer's staleness bound evicts or the next version makes up."""
+        if batch_groups <= 0:
+            raise ValueError(
+                f"generator {self.name}: a share of {batch_groups} groups per trainer batch; need >= 1"
+            )
+        # the last version admits() saw, or a newer one pushed since (a relaunch dip's is lower: not it)
+        v = max(self._last_engine_version, self.engine.version)
+        self._kept_offset += v * (self.batch_groups - batch_groups)
+        self.batch_groups = batch_groups
+
     def _in_relaunch_dip(self, version: int, relaunches: int, dip_wait_s: float) -> bool:
         """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a
         trainer's gone back to its checkpoint. A dip begins with a relaunch counted with it and lasts
