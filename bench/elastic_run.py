@@ -104,6 +104,17 @@ def one_run(overrides: list[str], plan: list[tuple[int, int]]) -> dict:
         "trained_twice": sum(1 for c in served.values() if c > 1),
         "trained_by_slot": dict(slots),
         "rewards": [r["reward/mean"] for r in rows],
+        # groups the buffer evicted as too stale (a generator admitting more than the trainer takes)
+        "evicted_groups": max((h.get("buffer/evicted_groups", 0) for h in metrics.history), default=0),
+        # mean staleness of the trained samples in each third of the run (1, 2, 1 generators in the plan)
+        "staleness_by_third": [
+            round(sum(r.get("staleness/mean", 0.0) for r in part) / max(len(part), 1), 2)
+            for part in (
+                rows[: len(rows) // 3],
+                rows[len(rows) // 3 : 2 * len(rows) // 3],
+                rows[2 * len(rows) // 3 :],
+            )
+        ],
         "final_reward": round(sum(r["reward/mean"] for r in tail) / max(len(tail), 1), 4),
         "wall_s": round(wall, 1),
     }
@@ -151,6 +162,10 @@ def main() -> None:
         "steps": a.steps,
         "wall_s": elastic["wall_s"],
         "unchanged_wall_s": unchanged["wall_s"],
+        "evicted_groups": elastic["evicted_groups"],
+        "unchanged_evicted_groups": unchanged["evicted_groups"],
+        "staleness_by_third": elastic["staleness_by_third"],
+        "unchanged_staleness_by_third": unchanged["staleness_by_third"],
         "error": elastic["error"] or unchanged["error"],
     }
     out["goal_met"] = bool(

@@ -115,6 +115,23 @@ def test_a_new_share_keeps_the_groups_ahead_and_measures_the_window_in_it():
         adm.reshare(0)
 
 
+def test_a_rebase_counts_the_window_from_the_buffers_tally_whatever_share_was_taken_before():
+    """After a removal the one left takes the whole batch. Its groups ahead of the trainer are what the
+    buffer holds of its own plus what runs, however many of its groups the earlier batches took: 3
+    buffered + 1 running at share 4 and max_staleness 1 leave 4 places in the window of 8."""
+    eng = _Engine(10)
+    adm = StalenessAdmission(eng, batch_groups=2, max_staleness=1, name="g")
+    # 60 kept-or-running groups so far: far more than 10 versions x 2 (the other generator was slower)
+    adm.rebase(live=60, running=1, buffered=3, trainer_version=10, batch_groups=4)
+    assert adm.batch_groups == 4
+    assert adm.admits(live=60 + 3, running=1, dip_wait_s=1.0)  # 7 ahead < 8
+    assert not adm.admits(live=60 + 4, running=1, dip_wait_s=1.0)  # 8 ahead: the window is full
+    eng.version = 11  # the trainer took one batch of 4: room for 4 more
+    assert adm.admits(live=60 + 7, running=1, dip_wait_s=1.0)
+    with pytest.raises(ValueError, match="need >= 1"):
+        adm.rebase(live=60, running=0, buffered=0, trainer_version=10, batch_groups=0)
+
+
 # -- the command ----------------------------------------------------------------------------------
 def test_the_scale_command_names_a_directory_that_is_not_a_run_and_writes_a_request_in_one(tmp_path):
     cmd = [sys.executable, "-m", "pipeline", "scale"]

@@ -218,7 +218,7 @@ class GeneratorActor(_Located):
 
     async def set_share(self, batch_groups: int) -> None:
         """The run's generator count changed: this generator's share of a trainer batch (docs/elastic.md)."""
-        self.gen.set_share(batch_groups)
+        await self.gen.set_share(batch_groups)
 
     async def evaluate(self, step: int) -> dict:
         """The held-out sets of cfg.eval on this generator's engine, beside its generation (the same

@@ -19,12 +19,20 @@ log = logging.getLogger(__name__)
 class ElasticGenerator(Generator):
     """A Generator whose share of the trainer batch (`batch_groups`) the driver may change while it runs."""
 
-    def set_share(self, batch_groups: int) -> None:
-        """From now on the trainer takes `batch_groups` of this generator's groups per version
-        (StalenessAdmission.reshare re-bases the count of the groups kept so far)."""
+    async def set_share(self, batch_groups: int) -> None:
+        """From now on the trainer takes `batch_groups` of this generator's groups per version. The count
+        of groups kept so far is re-based from the buffer's tally of ours (StalenessAdmission.rebase),
+        or, from a sink without stats, estimated from the engine version (reshare)."""
         if batch_groups == self.batch_groups:
             return
-        self._admission.reshare(batch_groups)
+        left = await live_groups_left(self.sink, [self.id])
+        if left is None:
+            self._admission.reshare(batch_groups)
+        else:
+            version, _, buffered = left
+            # read after the buffer's answer: groups started meanwhile are in both counts
+            live, running = self.admission_counts()
+            self._admission.rebase(live, running, len(buffered), version, batch_groups)
         log.info(
             "generator %s: share of a trainer batch %d -> %d groups", self.id, self.batch_groups, batch_groups
         )

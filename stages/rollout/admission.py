@@ -71,16 +71,34 @@ class StalenessAdmission:
         re-based as if they had been consumed at the new share: the groups still ahead of the trainer
         (kept, not yet consumed, or running) keep their places, and the window of max_staleness + 1
         versions is measured in the new share from here. The engine's version stands in for the batches
-        consumed (it is at most one push behind the trainer's): one share of surplus or shortfall once,
-        which the buffer's staleness bound evicts or the next version makes up."""
-        if batch_groups <= 0:
-            raise ValueError(
-                f"generator {self.name}: a share of {batch_groups} groups per trainer batch; need >= 1"
-            )
+        consumed (it is at most one push behind the trainer's). Only for a sink without stats: `rebase`
+        counts from the buffer's own tally, which this estimate can miss by many groups."""
+        self._check_share(batch_groups)
         # the last version admits() saw, or a newer one pushed since (a relaunch dip's is lower: not it)
         v = max(self._last_engine_version, self.engine.version)
         self._kept_offset += v * (self.batch_groups - batch_groups)
         self.batch_groups = batch_groups
+
+    def rebase(self, live: int, running: int, buffered: int, trainer_version: int, batch_groups: int) -> None:
+        """The run's generator count changed and the buffer told how many of this generator's groups it
+        holds (`buffered`, not yet consumed) with the version of the trainer's next fetch
+        (position.live_groups_left): from now on the trainer takes `batch_groups` of ours per version.
+        Count as if every batch so far had taken exactly that many: the groups ahead of the trainer are
+        those buffered plus the `running` ones, whatever share the others took meanwhile. `reshare`'s
+        estimate from the engine version alone assumed each batch took exactly the old share; with two
+        generators it did not (the trainer takes what arrives first), and the difference stayed a
+        surplus for good: each group the buffer evicted as too stale freed a place for another
+        (bench/results/elastic_run.jsonl, 2026-11-28: 126 evictions after a removal, none without).
+        `live`: kept-or-running groups as admits() counts them."""
+        self._check_share(batch_groups)
+        self.batch_groups = batch_groups
+        self._kept_offset = live - running - buffered - trainer_version * batch_groups
+
+    def _check_share(self, batch_groups: int) -> None:
+        if batch_groups <= 0:
+            raise ValueError(
+                f"generator {self.name}: a share of {batch_groups} groups per trainer batch; need >= 1"
+            )
 
     def _in_relaunch_dip(self, version: int, relaunches: int, dip_wait_s: float) -> bool:
         """Whether `version`, below the last one seen, is a relaunched engine's (True) rather than a

@@ -27,6 +27,9 @@ class SamplingParams:
     # strings that end the response at the token whose decoded text completes one (kept, finish "stop")
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # never stop early (benchmarks); stop_token_ids and stop are then ignored too
+    # the request's sampling seed (SGLang's sampling_seed): its tokens then depend on (seed, position)
+    # and the weights only, not on the engine's history (stages/rollout/sampling.py); None = the engine's
+    seed: int | None = None
 
     @classmethod
     def from_config(cls, sampling, **overrides) -> SamplingParams:

@@ -108,7 +108,7 @@ class Generator(ResumableGenerator):
         r = rollout
         self.rollout, self.sink, self.engine, self.id = rollout, sink, engine, generator_id
         self.batch_groups = batch_groups
-        self.max_staleness = run.max_staleness
+        self.max_staleness, self.run_seed = run.max_staleness, run.seed
         if source is None:
             source, tokenizer = load_source(r.data, model, tokenizer)
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
@@ -181,9 +181,8 @@ class Generator(ResumableGenerator):
         if self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
-    def admissible(self) -> bool:
-        if self.batch_groups <= 0:
-            return True
+    def admission_counts(self) -> tuple[int, int]:
+        """(groups kept or running, groups running): what staleness admission counts against its window."""
         c = self.counters
         # groups the buffer evicted as too stale will never be consumed: they no longer hold a place
         live = (
@@ -193,8 +192,14 @@ class Generator(ResumableGenerator):
             - c["groups_evicted"]
             - c["groups_aborted_stale"]
         )
+        return live, self._running
+
+    def admissible(self) -> bool:
+        if self.batch_groups <= 0:
+            return True
+        live, running = self.admission_counts()
         # a relaunched engine's dip lasts at most twice the relaunch bound (see StalenessAdmission)
-        return self._admission.admits(live, self._running, 2 * self._engine_down_wait_s)
+        return self._admission.admits(live, running, 2 * self._engine_down_wait_s)
 
     def _warn_if_held_back_long(self) -> None:
         """Say so, every HELD_BACK_WARN_S, when admission has kept every new group back that long."""
@@ -438,7 +443,7 @@ class Generator(ResumableGenerator):
                 n=self.rollout.group_size,
                 generator_id=self.id,
                 params=self.params,
-                engine=SendingEngine(self.engine, sent),
+                engine=self.seeded(SendingEngine(self.engine, sent), gid),
                 retries=self.rollout.engine_retries,
                 on_engine_error=self._count_engine_error,
                 before_retry=before_retry,

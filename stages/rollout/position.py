@@ -7,11 +7,19 @@ again and no settled one (stages/rollout/generator.py's module docstring tells t
 drawn prompt; its state is that oldest position plus the settled ones drawn after it.
 `live_groups_left` asks the buffer which groups earlier incarnations left live (and at which prompt
 positions), for a resumed generator's admission and to settle those prompts too.
+
+The random draws are durable too: each request of a group drawn from the source carries a sampling
+seed (SamplingParams.seed) made of the run's seed, the generator's stream (its id up to the first ".",
+which incarnations of one generator share: "gen-0" of "gen-0.3fa2c1"), the prompt's position and the
+request's place in its group. An engine that honours the seed samples the same tokens for a prompt
+drawn again after a kill as an uninterrupted run would have, whatever it ran before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -128,6 +136,42 @@ async def live_groups_left(sink, prior_ids: list[str]) -> tuple[int, int, dict] 
     return version, evicted, live
 
 
+def sample_seed(run_seed: int, stream: str, pos: tuple[int, int], key: str) -> int:
+    """The sampling seed of one request: 31 bits (the width older SGLang keeps sampling_seed in) of a
+    hash of the run's seed, the generator's stream, the prompt's position and the request's key (its
+    place in the group: the request id past the group id, e.g. "-2" for the third sample of a
+    single-turn group, "-2-1" for the second turn of the third sample in per-sample mode)."""
+    text = f"{run_seed}:{stream}:{pos[0]}:{pos[1]}:{key}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & 0x7FFFFFFF
+
+
+class SeededEngine:
+    """The engine as one group's generate_fn reaches it: every request without a seed gets the one
+    `seed_of(key)` makes, the key being its id past the group id `gid` (engine handles name requests
+    "<gid>-<n>" or, per sample, "<gid>-<i>-<n>"; a request named otherwise keys by its whole id)."""
+
+    def __init__(self, engine, gid: str, seed_of):
+        self._engine, self._gid, self._seed_of = engine, gid, seed_of
+
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    async def generate(self, requests):
+        return await self._engine.generate([self._seeded(r) for r in requests])
+
+    def _seeded(self, req):
+        if req.params.seed is not None:  # a generate_fn's own choice
+            return req
+        key = req.rid[len(self._gid) :] if req.rid.startswith(self._gid) else req.rid
+        return dataclasses.replace(req, params=dataclasses.replace(req.params, seed=self._seed_of(key)))
+
+    def __getattr__(self, name: str):
+        if name == "_engine":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
 def _consumed(stats: dict) -> tuple:
     """What changes in a buffer's stats when the trainer takes groups out of it (a fetch served, groups
     evicted, a version announced)."""
@@ -140,7 +184,16 @@ class ResumableGenerator:
     resumes it: `settle` a group, the state it writes and loads, and at run()'s start what earlier
     incarnations left in the buffer. It uses the generator's `position` (DataPosition), `state_path`,
     `id`, `group_counter`, `sink`, `batch_groups`, `_admission` (StalenessAdmission), `counters`,
-    `_prior_ids`, `_prior_evicted`, `_evicted_polled` and `resumed`."""
+    `_prior_ids`, `_prior_evicted`, `_evicted_polled`, `resumed` and `run_seed`."""
+
+    def seeded(self, engine, gid: str):
+        """`engine` for group `gid`'s requests: seeded from its prompt's position (module docstring),
+        or as it is for a prompt not drawn from the source (a rollout_fn's own)."""
+        pos = self.position.of(gid)
+        if pos is None:
+            return engine
+        stream = self.id.split(".", 1)[0]
+        return SeededEngine(engine, gid, lambda key: sample_seed(self.run_seed, stream, pos, key))
 
     def settle(self, gid: str) -> None:
         """The group `gid` is done with (acked, filtered, failed or aborted): its prompt is not to be

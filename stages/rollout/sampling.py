@@ -9,11 +9,22 @@ Top-k and top-p together filter jointly, as SGLang's samplers do (flashinfer's
 when it ranks among the k most likely AND the tokens ranked above it hold less than top_p of the whole
 (temperature-scaled) distribution's mass; the kept tokens are then renormalised. (HF's and vLLM's
 top-k-then-top-p measures top_p within the renormalised top k instead, which keeps fewer tokens.)
+
+Seeded rows (a request's SamplingParams.seed, SGLang's `sampling_seed`): the random numbers of a token
+come from a generator of its own, seeded from (the request's seed, the token's position), so what a
+request samples depends on neither the rows beside it in the batch nor what the engine drew before (a
+restarted engine, continuous batching). The generator gives each request a seed derived from its
+prompt's durable data position (stages/rollout/position.py), which makes a resumed generator sample
+what an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+_MASK64 = (1 << 64) - 1
 
 
 def sampling_logprobs(
@@ -60,12 +71,47 @@ def sample(
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
     top_k: torch.Tensor | None = None,
+    seeds: Sequence[int | None] | None = None,
+    positions: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token ids [B], their logprobs under the sampling dist [B])."""
+    """Sample one token per row; returns (token ids [B], their logprobs under the sampling dist [B]).
+
+    `seeds` (one per row, None for a row without) with `positions` (each row's token position, prompt
+    included): a seeded row's draw depends only on (seed, position) and its logits; the other rows
+    draw from `generator`."""
     logp = sampling_logprobs(logits, temperature, top_p, top_k)
     # Gumbel-max on the masked log-probs samples exactly from softmax(logp) in one vectorised op and,
     # unlike multinomial, never needs a probability vector normalised to within float tolerance.
-    u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=logp.dtype)
+    u = _uniforms(logp, generator, seeds, positions)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
     tokens = (logp + gumbel).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _uniforms(logp: torch.Tensor, generator, seeds, positions) -> torch.Tensor:
+    """U(0, 1) noise shaped like `logp` [B, V]: seeded rows from their own (seed, position) generator,
+    the rest from `generator` (all of it in one draw when no row is seeded, as before seeds existed)."""
+    kw = dict(device=logp.device, dtype=logp.dtype)
+    if seeds is None or all(s is None for s in seeds):
+        return torch.rand(logp.shape, generator=generator, **kw)
+    if positions is None or len(positions) != len(seeds) or len(seeds) != logp.shape[0]:
+        raise ValueError(f"sample: {len(seeds)} seeds need as many positions, one per row of {logp.shape[0]}")
+    u = torch.empty_like(logp)
+    free = [i for i, s in enumerate(seeds) if s is None]
+    if free:
+        u[free] = torch.rand((len(free), logp.shape[1]), generator=generator, **kw)
+    own = torch.Generator(device=logp.device)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            own.manual_seed(token_seed(seed, positions[i]))
+            u[i] = torch.rand(logp.shape[1], generator=own, **kw)
+    return u
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The generator seed of one token: splitmix64 of (request seed, position), 63 bits. Mixed rather
+    than added, so that seed s at position p + 1 and seed s + 1 at position p draw unrelated numbers."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(position) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1

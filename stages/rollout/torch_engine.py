@@ -389,7 +389,9 @@ class TorchEngine(TorchMemoryRelease, Engine):
         temps = torch.tensor([s.req.params.temperature for s in seqs], device=self.device)
         top_p = torch.tensor([s.req.params.top_p for s in seqs], device=self.device)
         top_k = torch.tensor([s.req.params.top_k for s in seqs], device=self.device)
-        tokens, logps = sample(logits, temps, top_p, self._gen, top_k)
+        seeds = [s.req.params.seed for s in seqs]  # SamplingParams.seed: the draw depends on it alone
+        positions = [len(s.req.prompt_ids) + len(s.out) for s in seqs]  # the sampled token's position
+        tokens, logps = sample(logits, temps, top_p, self._gen, top_k, seeds=seeds, positions=positions)
         version = self._version
         for s, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             s.out.append(tok)

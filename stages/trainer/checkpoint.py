@@ -8,8 +8,10 @@ itself, every other part in a sub-folder of its name (megatron wants an empty fo
 
 Layout: <run dir>/checkpoints/step_<version>/ (megatron dist_checkpointing folder + trainer_state.json,
 and with advantage=ppo the critic's own folder `critic/` inside it) and <run dir>/checkpoints/latest
-(the folder name, replaced atomically only after the save finished, so a crash mid-save resumes from
-the previous one). Resume continues at the next version. The buffer remembers what it handed out, so
+(the folder name). A save is written into checkpoints/.tmp-step_<version>/, renamed when complete and
+only then named by `latest`, so a crash mid-save resumes from the previous one; with trainer.async_save
+a writer process writes it while the trainer steps (async_checkpoint.py has the protocol,
+docs/checkpoints.md the whole story). Resume continues at the next version. The buffer remembers what it handed out, so
 a resumed trainer reuses no sample; samples consumed after the last checkpoint are lost to training,
 never trained twice.
 
@@ -24,13 +26,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch.distributed as dist
-
 from stages.trainer import cpu_shim
+from stages.trainer.async_checkpoint import WAIT_TIMEOUT_S, SaveJob, run_job, snapshot_part
 from stages.trainer.optimizer import has_state, is_distributed, lay_out_state
 
 log = logging.getLogger(__name__)
@@ -110,20 +111,6 @@ class MegatronPart:
         return DISTRIBUTED if self.optimizer is not None and is_distributed(self.optimizer) else REPLICATED
 
 
-def _patch_writer() -> None:
-    """megatron's torch_dist writer creates its result queue with a *spawn* multiprocessing Manager,
-    which re-imports __main__ (breaking scripts without a main guard, and slow inside Ray actors).
-    With synchronous saves the queue is only written and read in this process, so a plain queue works."""
-    import queue
-
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
-
-    if fsa._results_queue is None:
-        fsa._results_queue = queue.Queue()
-    if not fsa.HAVE_PSUTIL:  # its writer child raises without psutil and the parent then waits forever
-        fsa._process_memory = lambda: 0
-
-
 def _flag(name: str, what: str = "state") -> str:
     """The JSON key that says whether part `name` was saved with optimizer state (`what`: "format",
     the key of its Stateful.optimizer_format)."""
@@ -164,25 +151,51 @@ def _saved_format(state: dict, part_name: str, folder: str) -> str:
 
 
 class CheckpointManager:
-    """Saves and loads the checkpoints of one run directory, keeping the newest `keep` (0: all)."""
+    """Saves and loads the checkpoints of one run directory, keeping the newest `keep` (0: all).
 
-    def __init__(self, run_dir: str, keep: int = 0):
+    `async_save` (trainer.async_save): save() returns once the state is copied, and a writer process
+    plans, writes and commits it while the trainer steps on (async_checkpoint_writer.py); at most one
+    save is in flight, so the next save() first waits for it (at most `wait_timeout_s`). wait() and
+    close() block until it is committed and raise what failed in it; close() also ends the writer."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        keep: int = 0,
+        *,
+        async_save: bool = False,
+        wait_timeout_s: float = WAIT_TIMEOUT_S,
+        writer_hook: tuple[str, ...] = (),
+    ):
+        """`writer_hook`: ("module:function", *arguments) the writer process calls first (tests)."""
         self.root = os.path.join(run_dir, "checkpoints")
-        self.run_dir, self.keep = run_dir, keep
+        self.run_dir, self.keep, self.async_save = run_dir, keep, async_save
+        self._background = None
+        if async_save:  # its writer process starts now: its imports overlap the trainer's start-up
+            from stages.trainer.async_checkpoint_writer import BackgroundSave
+
+            self._background = BackgroundSave(self.root, wait_timeout_s, writer_hook)
+        self._validated: set[tuple[str, bool]] = set()  # (part, with optimizer) layouts megatron checked
 
     def save(self, version: int, parts: dict[str, Stateful | None], meta: dict) -> str:
         """Collective. `parts`: ROOT and any others by name (None: a part this run does not have, saved as
-        absent). `meta` goes into trainer_state.json beside the version. Returns the checkpoint folder."""
-        from megatron.core import dist_checkpointing
+        absent). `meta` goes into trainer_state.json beside the version. Returns the checkpoint folder,
+        which with async_save exists once the background write committed it (wait())."""
+        self.wait()  # at most one save in flight: the previous one is committed (or its error raised)
+        os.makedirs(self.root, exist_ok=True)
+        if self._background is None:
+            run_job(self._snapshot(version, parts, meta, store=None))
+            return os.path.join(self.root, f"step_{version:06d}")
+        self._background.ready()
+        job = self._snapshot(version, parts, meta, store=self._background.store)
+        self._background.start(job)
+        log.info("checkpoint %s: copied in %.3fs, written in the background", job.name, _since(job))
+        return job.path
 
-        _patch_writer()
-        name = f"step_{version:06d}"
-        path = os.path.join(self.root, name)
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a half-written folder from a crash at this version
-            os.makedirs(path)
-        dist.barrier()
+    def _snapshot(self, version: int, parts: dict[str, Stateful | None], meta: dict, store) -> SaveJob:
+        """Every rank: the state of every part as it is now (async_checkpoint.snapshot_part)."""
         state: dict = {"version": version, **meta}
+        snaps, started = [], time.monotonic()
         for part_name, part in parts.items():
             if part_name != ROOT:
                 state[part_name] = part is not None
@@ -192,33 +205,29 @@ class CheckpointManager:
             if part is None:
                 continue
             state[_flag(part_name, "format")] = part.optimizer_format()
-            folder = path if part_name == ROOT else os.path.join(path, part_name)
-            if part_name != ROOT:  # its own folder (megatron wants an empty one), after the root's save
-                dist.barrier()
-                if dist.get_rank() == 0:
-                    os.makedirs(folder)
-                dist.barrier()
-            with cpu_shim.device_mode():
-                dist_checkpointing.save(part.state_dict(), folder)
-        dist.barrier()
-        if dist.get_rank() == 0:  # written last: its presence marks the whole checkpoint complete
-            with open(os.path.join(path, "trainer_state.json"), "w") as f:
-                json.dump(state, f)
-            tmp = os.path.join(self.root, "latest.tmp")
-            with open(tmp, "w") as f:
-                f.write(name)
-            os.replace(tmp, os.path.join(self.root, "latest"))
-            self._prune()
-        dist.barrier()
-        log.info("checkpoint saved: %s", path)
-        return path
+            with cpu_shim.device_mode():  # the distributed optimizer's gather calls .cuda() (cpu_shim W4)
+                sd = part.state_dict()
+            layout = (part_name, "optimizer" in sd)
+            snaps.append(snapshot_part(part_name, sd, layout not in self._validated, store))
+            self._validated.add(layout)
+        name = f"step_{version:06d}"
+        return SaveJob(self.root, name, state, self.keep, snaps, root_part=ROOT, started=started)
 
-    def _prune(self) -> None:
-        if self.keep <= 0:
-            return
-        steps = sorted(d for d in os.listdir(self.root) if d.startswith("step_"))
-        for d in steps[: -self.keep]:
-            shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid (async_save), for tests and logs."""
+        return self._background.writer.proc.pid if self._background is not None else None
+
+    def wait(self) -> str | None:
+        """Block until the save in flight (async_save) is committed; its folder, or None if none was.
+        Raises what failed in it (CheckpointWriteError), or TimeoutError after wait_timeout_s."""
+        return self._background.wait() if self._background is not None else None
+
+    def close(self) -> None:
+        """The end of a run: its last checkpoint committed (the final save and shutdown wait for it),
+        then the writer process ended."""
+        if self._background is not None:
+            self._background.close()
 
     def load_latest(self, parts: dict[str, Stateful | None], backend: str = "") -> dict | None:
         """Load every part from the latest checkpoint of the run dir; returns its trainer_state.json, or
@@ -234,6 +243,7 @@ class CheckpointManager:
         another backend wrote (their tensors are keyed differently)."""
         from megatron.core import dist_checkpointing
 
+        self.wait()  # a save of this manager still in flight: the folder may be the one it writes
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         saved_by = state.get("backend", "megatron")  # checkpoints from before the key: megatron's
@@ -271,6 +281,10 @@ class CheckpointManager:
                 part.load_state_dict({k: v for k, v in loaded.items() if k in template})
         log.info("resumed from %s at version %s", path, state["version"])
         return state
+
+
+def _since(job: SaveJob) -> float:
+    return time.monotonic() - job.started
 
 
 def resolve_checkpoint(where: str, step: int = 0) -> str:

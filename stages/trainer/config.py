@@ -229,10 +229,10 @@ class TrainerConfig(_Base):
     # also checkpoint when this long has passed since the last one (0 = off): what a trainer that dies
     # mid-run loses (the run restarts it from its newest checkpoint, or from the base model)
     checkpoint_every_s: float = 600.0
-    # write checkpoints in the background (megatron's --async-save): the step only copies the state (a
-    # device-to-host copy on GPUs: host memory for one more copy of this rank's weights and optimizer
-    # state) and a thread writes and commits it while training goes on; at most one save is in flight,
-    # the next one waits for it (stages/trainer/async_checkpoint.py)
+    # write checkpoints in the background (megatron's --async-save): the step only copies the state into
+    # shared memory (a device-to-host copy on GPUs: host memory for one more copy of this rank's weights
+    # and optimizer state) and a writer process writes and commits it while training goes on; at most
+    # one save is in flight, the next one waits for it (docs/checkpoints.md)
     async_save: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch default
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: transformer-engine spec when TE + CUDA exist

@@ -101,7 +101,7 @@ class Trainer:
         self.feed = BatchFeed(source, tc, run, self.publisher, rank=self.rank, device=self.device)
         # the value model of advantage=ppo: same build settings and parallelism as the policy
         self.critic: ValueModel | None = backend.build_critic() if tc.loss.advantage == "ppo" else None
-        self.checkpoints = CheckpointManager(self.run_dir, keep=tc.keep_checkpoints)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=tc.keep_checkpoints, async_save=tc.async_save)
         self._memory: TrainerMemory | None = None  # made at the first offload (`memory`)
         self._offload_s = 0.0  # this turn's offload seconds so far (train_turn, then push_turn)
         self.version = 0
@@ -402,6 +402,7 @@ class Trainer:
                 self._memory.onload(PARTS)
             if save and self.last_checkpoint != self.version:
                 self.save_checkpoint()
+            self.checkpoints.close()  # a save still written in the background: committed before close returns
 
 
 def _token_batch(batch: pa.RecordBatch) -> TokenBatch:
