@@ -839,6 +839,42 @@ MUTATIONS = [
             "tests/test_slime_knobs.py::test_distill_moves_the_student_toward_the_teacher_in_either_mode",
         ),
     ),
+    Mutation(
+        "async_commit_after_failed_write",
+        "a checkpoint whose shards failed to write on some rank is committed all the same",
+        "stages/trainer/async_checkpoint.py",
+        "    if rank == 0 and outcome is None:\n",
+        "    if rank == 0:\n",
+        ("tests/test_async_checkpoint.py::test_a_failed_write_leaves_the_previous_checkpoint_the_latest",),
+    ),
+    Mutation(
+        "sampling_seed_per_incarnation",
+        "a resumed generator's sampling seeds follow its incarnation: prompts drawn again are sampled anew",
+        "stages/rollout/position.py",
+        '        stream = self.id.split(".", 1)[0]\n',
+        "        stream = self.id\n",
+        (
+            "tests/test_generator_resume.py::test_a_resumed_generator_samples_the_tokens_an_uninterrupted_one_samples",
+        ),
+    ),
+    Mutation(
+        "elastic_leaving_generator_still_watched",
+        "a leaving generator's run() stays on the healing watch: its end during the drain stops the run",
+        "pipeline/orchestration/supervisors.py",
+        "        self.runs.pop(run, None)  # its run() ending is no longer a death to heal",
+        "        self.runs.get(run, None)  # its run() ending is no longer a death to heal",
+        ("tests/test_elastic.py::test_a_generator_added_and_one_removed_mid_run_loses_and_repeats_nothing",),
+    ),
+    Mutation(
+        "elastic_rebase_ignores_the_buffer",
+        "after a generator count change the admission window is not re-based on the buffer's tally",
+        "stages/rollout/admission.py",
+        "        self._kept_offset = live - running - buffered - trainer_version * batch_groups\n",
+        "        self._kept_offset = 0\n",
+        (
+            "tests/test_elastic.py::test_a_rebase_counts_the_window_from_the_buffers_tally_whatever_share_was_taken_before",
+        ),
+    ),
 ]
 
 
