@@ -157,10 +157,11 @@ def test_a_knob_set_in_a_way_that_cannot_work_is_refused_with_its_key(raw, match
         msgspec.convert(base, TrainerConfig)
 
 
-def test_on_policy_distillation_as_a_kl_to_a_loaded_teacher_moves_the_student_toward_it(tmp_path):
-    """On-policy distillation = trainer.ref_load=<teacher> with the KL term (the reverse KL's k3 estimate
-    as a loss): with no reward signal (equal rewards: zero advantages) one step brings the student's
-    logprobs of the sampled tokens toward the teacher's."""
+def _teacher_gap_before_and_after_one_step(tmp_path, trainer_raw: dict) -> tuple[float, float]:
+    """A student (seed 1) and a teacher (seed 2) of the same tiny shape; the trainer section `trainer_raw`
+    (with "{teacher}" standing for the teacher's folder) takes one SGD step on samples of equal rewards
+    (zero task advantages). Returns the mean |logp_student - logp_teacher| over the batch's response
+    tokens before and after it."""
     from trainer_setup import make_trainer
 
     from pipeline.config import RunConfig
@@ -173,23 +174,31 @@ def test_on_policy_distillation_as_a_kl_to_a_loaded_teacher_moves_the_student_to
         s.reward = 1.0
     batch = samples_to_batch(samples)
     tb = to_token_batch(batch)
+    raw = msgspec.json.decode(msgspec.json.encode(trainer_raw).replace(b"{teacher}", teacher.encode()))
+    base = {"batch_groups": 2, "optimizer": "sgd", "lr": 0.3}
     cfg = RunConfig()
-    cfg.trainer.batch_groups, cfg.trainer.ref_load = 2, teacher
-    cfg.trainer.optimizer, cfg.trainer.lr = "sgd", 0.3
-    cfg.trainer.loss.kl_coef, cfg.trainer.loss.kl_type = 1.0, "k3"
-    cfg.trainer.loss.correction = "none"
+    cfg.trainer = msgspec.convert({**base, **raw}, TrainerConfig)  # as a loaded config: distill applied
     tr = make_trainer(cfg, ListSource([batch]), student, str(tmp_path / "run"))
     mbs = pack(tb, list(range(tb.n)), 4096)
 
-    def kl() -> float:  # mean |logp_student - logp_teacher| over the batch's response tokens
+    def gap() -> float:
         return float(
             (tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean()
         )
 
-    before = kl()
+    before = gap()
     tr.step()
-    after = kl()
+    after = gap()
     tr.close()
+    return before, after
+
+
+def test_on_policy_distillation_as_a_kl_to_a_loaded_teacher_moves_the_student_toward_it(tmp_path):
+    """On-policy distillation = trainer.ref_load=<teacher> with the KL term (the reverse KL's k3 estimate
+    as a loss): with no reward signal (equal rewards: zero advantages) one step brings the student's
+    logprobs of the sampled tokens toward the teacher's."""
+    loss = {"kl_coef": 1.0, "kl_type": "k3", "correction": "none"}
+    before, after = _teacher_gap_before_and_after_one_step(tmp_path, {"ref_load": "{teacher}", "loss": loss})
     assert after < 0.9 * before, (before, after)
 
 
@@ -234,37 +243,9 @@ def test_a_distill_setting_that_cannot_work_is_refused_naming_its_keys(raw, matc
 def test_distill_moves_the_student_toward_the_teacher_in_either_mode(tmp_path, mode, advantage):
     """With no task signal (equal rewards) a step of either mode brings the student's logprobs of its
     sampled tokens toward the teacher's; with coef 0 nothing would move (the loss has no other term)."""
-    from trainer_setup import make_trainer
-
-    from pipeline.config import RunConfig
-    from stages.trainer.packing import pack
-
-    student = make_tiny_hf(str(tmp_path / "student"), "qwen2", seed=1)
-    teacher = make_tiny_hf(str(tmp_path / "teacher"), "qwen2", seed=2)
-    samples = make_samples(2, 4, seed=7)
-    for s in samples:
-        s.reward = 1.0
-    batch = samples_to_batch(samples)
-    tb = to_token_batch(batch)
     raw = {
-        "batch_groups": 2,
-        "optimizer": "sgd",
-        "lr": 0.3,
-        "distill": {"teacher": teacher, "coef": 1.0, "mode": mode},
+        "distill": {"teacher": "{teacher}", "coef": 1.0, "mode": mode},
         "loss": {"advantage": advantage, "kl_type": "k3", "correction": "none"},
     }
-    cfg = RunConfig()
-    cfg.trainer = msgspec.convert(raw, TrainerConfig)  # as a loaded config: distill applied
-    tr = make_trainer(cfg, ListSource([batch]), student, str(tmp_path / "run"))
-    mbs = pack(tb, list(range(tb.n)), 4096)
-
-    def gap() -> float:  # mean |logp_student - logp_teacher| over the batch's response tokens
-        return float(
-            (tr.backend.logprobs(tb, mbs) - tr.backend.logprobs(tb, mbs, reference=True)).abs().mean()
-        )
-
-    before = gap()
-    tr.step()
-    after = gap()
-    tr.close()
+    before, after = _teacher_gap_before_and_after_one_step(tmp_path, raw)
     assert after < 0.9 * before, (before, after)
