@@ -742,8 +742,8 @@ MUTATIONS = [
         "torch_engine_drops_top_k",
         "the torch engine samples without rollout.sampling.top_k",
         "stages/rollout/torch_engine.py",
-        "        tokens, logps = sample(logits, temps, top_p, self._gen, top_k)\n",
-        "        tokens, logps = sample(logits, temps, top_p, self._gen)\n",
+        "        tokens, logps = sample(logits, temps, top_p, self._gen, top_k, seeds=seeds, positions=positions)\n",
+        "        tokens, logps = sample(logits, temps, top_p, self._gen, seeds=seeds, positions=positions)\n",
         ("tests/test_rollout_engine.py",),
     ),
     Mutation(
