@@ -6,7 +6,6 @@ adapters, after which the engine's logprobs are the trainer's, and the KL refere
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import pytest
@@ -164,13 +163,11 @@ def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
 
 
 def test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trainers_policy(tmp_path):
-    from trainer_setup import make_trainer
+    from trainer_setup import engine_sample, make_trainer
 
-    from buffer.record import Sample, samples_to_batch
     from pipeline.config import RunConfig
-    from stages.rollout.engine import GenRequest, SamplingParams
     from stages.rollout.torch_engine import TorchEngine
-    from stages.trainer.packing import pack, to_token_batch
+    from stages.trainer.packing import pack
     from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
 
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
@@ -201,22 +198,10 @@ def test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trai
         assert engine.version == trainer.version == 2
         sent = {n.split(".", 3)[3] for n in pushed}  # model.layers.{i}.<module>.weight
         assert sent == {"self_attn.q_proj.weight", "self_attn.v_proj.weight", "mlp.down_proj.weight"}
-        req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
-        res = asyncio.run(engine.generate([req]))[0]
-        s = Sample.build(
-            uid="x",
-            group_id="x",
-            prompt_ids=req.prompt_ids,
-            response_ids=res.response_ids,
-            rollout_logprobs=res.logprobs,
-            versions=res.versions,
-        )
-        tb = to_token_batch(samples_to_batch([s]))
-        mbs = pack(tb, [0], 4096)
-        mine = trainer.backend.logprobs(tb, mbs)
+        req, res, tb, mine = engine_sample(engine, trainer)
         assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
         # the KL reference is the base model: what an engine that never got a push computes
-        ref = trainer.backend.logprobs(tb, mbs, reference=True)
+        ref = trainer.backend.logprobs(tb, pack(tb, [0], 4096), reference=True)
         base_lp = _engine_logprobs(base_engine, req.prompt_ids, res.response_ids)
         assert (ref - base_lp).abs().max().item() <= 1e-4
         assert (ref - mine).abs().max().item() > 1e-4

@@ -6,8 +6,6 @@ alone, which the torch engine applies over the base it keeps (stages/rollout/tor
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -203,22 +201,10 @@ def _trainer(tmp_path, path: str, push: str, experts: str = "grouped", target_mo
 
 def _sample(engine, trainer):
     """One generation of `engine` as a training batch, with the trainer's logprobs of it."""
-    from buffer.record import Sample, samples_to_batch
-    from stages.rollout.engine import GenRequest, SamplingParams
-    from stages.trainer.packing import pack, to_token_batch
+    from trainer_setup import engine_sample
 
-    req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
-    res = asyncio.run(engine.generate([req]))[0]
-    s = Sample.build(
-        uid="x",
-        group_id="x",
-        prompt_ids=req.prompt_ids,
-        response_ids=res.response_ids,
-        rollout_logprobs=res.logprobs,
-        versions=res.versions,
-    )
-    tb = to_token_batch(samples_to_batch([s]))
-    return req.prompt_ids, res.response_ids, tb, trainer.backend.logprobs(tb, pack(tb, [0], 4096))
+    req, res, tb, mine = engine_sample(engine, trainer)
+    return req.prompt_ids, res.response_ids, tb, mine
 
 
 def _reference_logprobs(trainer, tb) -> torch.Tensor:

@@ -3,14 +3,12 @@ then match the trainer's (fp32, <= 1e-4); failures and timeouts raise in the tra
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import time
 
 import pytest
 import torch
 
-from buffer.record import Sample, samples_to_batch
 from pipeline.config import RunConfig
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
 from stages.weights.base import WeightPushError
@@ -65,11 +63,9 @@ def test_push_failure_and_timeout_raise():
 
 
 def test_trainer_push_lands_in_torch_engine(tmp_path):
-    from trainer_setup import make_trainer
+    from trainer_setup import engine_sample, make_trainer
 
-    from stages.rollout.engine import GenRequest, SamplingParams
     from stages.rollout.torch_engine import TorchEngine
-    from stages.trainer.packing import pack, to_token_batch
 
     path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
     cfg = RunConfig()
@@ -88,19 +84,8 @@ def test_trainer_push_lands_in_torch_engine(tmp_path):
         assert "push/snapshot_s" in m
         trainer.wait_push()
         assert engine.version == trainer.version == 2
-        req = GenRequest(prompt_ids=[5, 17, 42, 7], params=SamplingParams(max_new_tokens=12), rid="x")
-        res = asyncio.run(engine.generate([req]))[0]
+        _, res, tb, mine = engine_sample(engine, trainer)
         assert res.versions == [2] * len(res.response_ids)
-        s = Sample.build(
-            uid="x",
-            group_id="x",
-            prompt_ids=req.prompt_ids,
-            response_ids=res.response_ids,
-            rollout_logprobs=res.logprobs,
-            versions=res.versions,
-        )
-        tb = to_token_batch(samples_to_batch([s]))
-        mine = trainer.backend.logprobs(tb, pack(tb, [0], 4096))
         assert (mine - tb.rollout_logprobs).abs().max().item() <= 1e-4
     finally:
         receiver.close(), sender.close(), engine.close()
