@@ -185,4 +185,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from stages.trainer.world import leave_world
+
     main()
+    leave_world()
