@@ -8,6 +8,7 @@ from typing import Literal
 import msgspec
 
 from stages.trainer.distill import DistillConfig, apply_distill
+from stages.trainer.sft_config import SftConfig, check_sft
 from stages.user_code import is_hook_spec
 
 
@@ -66,6 +67,8 @@ class LossConfig(_Base):
     # DAPO's overlong filtering: truncated samples (they hit max_new_tokens) get no loss; their rewards
     # still count in their group's statistics
     mask_truncated: bool = False
+    # weight of the token NLL of the SFT rows each step adds (trainer.sft; stages/trainer/sft.py); 0 = off
+    sft_coef: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -291,6 +294,8 @@ class TrainerConfig(_Base):
     hooks: TrainerHooksConfig = msgspec.field(default_factory=TrainerHooksConfig)
     # on-policy distillation: {teacher, coef, mode}; the teacher becomes the KL's reference (distill.py)
     distill: DistillConfig = msgspec.field(default_factory=DistillConfig)
+    # SFT rows in every step: {source, messages_key, samples_per_step, ...}, weighted by loss.sft_coef
+    sft: SftConfig = msgspec.field(default_factory=SftConfig)
 
     def megatron_recompute(self) -> dict:
         """megatron TransformerConfig keys of trainer.recompute* ({} = no recompute)."""
@@ -313,6 +318,7 @@ class TrainerConfig(_Base):
         apply_distill(self)  # first: it sets ref_load and a KL coefficient that the checks below read
         check_critic_layout(self)
         check_fsdp(self)
+        check_sft(self.sft, self.loss.sft_coef)
         if self.critic_lr is not None and self.critic_lr < 0:
             raise ValueError("trainer.critic_lr must be >= 0, or null for trainer.lr")
         if self.ppo_epochs < 1 or self.mini_batches < 1:

@@ -210,10 +210,13 @@ def policy_loss(
     logp_ref=None,
     entropy=None,
     cp_group=None,
+    sft_mask=None,
 ):
     """The full per-batch objective. Returns (loss_sum, loss_count, stats) — loss = sum / count.
 
     per token: w_t * pg_t + kl_coef * KL_t - entropy_coef * H_t, aggregated by `aggregation_mode(cfg)`.
+    `sft_mask`: tokens of SFT rows (stages/trainer/sft.py), outside `mask`: their per-token loss is the NLL
+    -sft_coef * logp_t instead, aggregated with the RL tokens (one token or sample mean over both).
     With `logp_ref`, stats carry "sum/kl" (the KL estimate summed over trained tokens, whatever kl_coef).
     `cp_group`: the context-parallel group whose ranks hold the other tokens of these sequences.
     """
@@ -230,6 +233,7 @@ def policy_loss(
     )
     mask = mask.float()
     on = mask > 0
+    raw_logp = logp
 
     def safe(x):  # masked tokens -> 0 before any exp: finite loss and gradient whatever they hold
         return None if x is None else torch.where(on, x, torch.zeros_like(x))
@@ -251,10 +255,19 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     if cfg.entropy_coef and entropy is not None:
         per_token = per_token - cfg.entropy_coef * entropy
+    trained = mask
+    if sft_mask is not None:
+        sft_on = sft_mask > 0
+        nll = -torch.where(sft_on, raw_logp, torch.zeros_like(raw_logp))
+        per_token = torch.where(sft_on, cfg.sft_coef * nll, per_token)
+        trained = mask + sft_mask.float()
     num, den = aggregate(
-        per_token, mask, seq, n, aggregation_mode(cfg), cfg.sample_mean_denominator, cp_group
+        per_token, trained, seq, n, aggregation_mode(cfg), cfg.sample_mean_denominator, cp_group
     )
     stats = token_stats(logp_old, logp_rollout, w, outside, clipped, mask, entropy)
+    if sft_mask is not None:
+        stats["sum/sft_nll"] = (nll.detach() * sft_mask).sum().float()
+        stats["sum/sft_tokens"] = sft_mask.sum().float()
     if kl is not None:  # logged as kl/value: the token mean of the estimate over trained tokens
         stats["sum/kl"] = (kl.detach() * mask).sum().float()
     stats["sum/loss_num"] = num.detach()

@@ -48,6 +48,14 @@ class TokenBatch:
     # MoE routing replay: the routed_experts column (flat int16 values + offsets); None when no sample has any
     routed: tuple[np.ndarray, np.ndarray] | None = None
     truncated: torch.Tensor | None = None  # [n] bool: status truncated (the response hit max_new_tokens)
+    # SFT rows of the step (stages/trainer/sft.py): [n] bool, and [T] their trained tokens, which `mask` (the
+    # RL loss's) then leaves out. None: the step has none
+    sft: torch.Tensor | None = None
+    sft_mask: torch.Tensor | None = None
+
+    def rl_rows(self) -> torch.Tensor:
+        """[n] bool: the RL samples (every sample but SFT rows), whose rewards and versions the metrics report."""
+        return torch.ones(self.n, dtype=torch.bool) if self.sft is None else ~self.sft
 
 
 @dataclass

@@ -33,6 +33,7 @@ class StepLoss:
         self.tb, self.ref, self.lc, self.device, self.cp_group = tb, ref, tc.loss, device, cp_group
         # token tensors go to the device once per step, not once per micro-batch
         self.rollout, self.mask, self.seq = (x.to(device) for x in (tb.rollout_logprobs, tb.mask, tb.seq))
+        self.sft_mask = None if tb.sft_mask is None else tb.sft_mask.to(device)
         self.adv = adv.to(device)
         self.from_train = old is None
         self.old = torch.zeros_like(self.rollout) if old is None else old
@@ -66,6 +67,7 @@ class StepLoss:
             logp_ref=self.ref[ix] if self.ref is not None else None,
             entropy=ent,
             cp_group=self.cp_group,
+            sft_mask=None if self.sft_mask is None else self.sft_mask[ix],
         )
         if self.unpacked:
             den = den + self.unpacked

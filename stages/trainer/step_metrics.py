@@ -34,6 +34,8 @@ STAT_KEYS = (
     "sum/value_tokens",
     "sum/critic_grad_norm",
     "sum/critic_skipped",
+    "sum/sft_nll",
+    "sum/sft_tokens",
 )
 
 
@@ -74,7 +76,8 @@ def step_metrics(
     """The flat metrics of the step that made `version`, from the reduced statistics `red` (grad norms
     and lr already averaged over the replicas that summed them). `kl`: a reference model is kept."""
     ntok = max(red.get("sum/tokens", 0.0), 1.0)
-    stale = (version - 1) - min_versions(tb)
+    rl = tb.rl_rows()
+    stale = (version - 1) - min_versions(tb)[rl]
     return {
         "version": version,
         "loss": red["sum/loss_num"] / max(red["sum/loss_den"], 1.0),
@@ -100,12 +103,21 @@ def step_metrics(
         "staleness/mean": float(stale.float().mean()),
         "staleness/max": float(stale.max()),
         **{f"staleness/hist_{k}": int(c) for k, c in enumerate(torch.bincount(stale.clamp(min=0)).tolist())},
-        **reward_metrics(tb.rewards),
+        **reward_metrics(tb.rewards[rl]),
         # mean |advantage| over trained tokens (advantages are per token)
         "adv/abs_mean": float((adv.abs() * tb.mask).sum() / tb.mask.sum().clamp(min=1.0)),
         "tokens/trained": red["sum/tokens"],
         "tokens/total": float(len(tb.prompt_ids) + len(tb.response_ids)),
-        "samples": tb.n,
+        "samples": int(rl.sum()),
+        **(_sft_metrics(red, tb) if tb.sft is not None else {}),
+    }
+
+
+def _sft_metrics(red: dict, tb: TokenBatch) -> dict:
+    return {
+        "sft/nll": red["sum/sft_nll"] / max(red["sum/sft_tokens"], 1.0),  # token mean over SFT tokens
+        "sft/tokens": red["sum/sft_tokens"],
+        "sft/samples": int(tb.sft.sum()),
     }
 
 

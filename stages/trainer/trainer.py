@@ -41,6 +41,7 @@ from stages.trainer.hooks import TrainerHookContext, TrainerHooks
 from stages.trainer.offload import GRADS, OPTIMIZER, PARTS, TrainerMemory, WakingPublisher
 from stages.trainer.optimizer import lr_at
 from stages.trainer.packing import MicroBatch, TokenBatch, shard_samples, to_token_batch
+from stages.trainer.sft import SftData, mark_sft
 from stages.trainer.shaping import shape_batch
 from stages.trainer.step_metrics import (
     STAT_KEYS,
@@ -101,6 +102,7 @@ class Trainer:
         self.feed = BatchFeed(source, tc, run, self.publisher, rank=self.rank, device=self.device)
         # the value model of advantage=ppo: same build settings and parallelism as the policy
         self.critic: ValueModel | None = backend.build_critic() if tc.loss.advantage == "ppo" else None
+        self.sft = _sft_data(tc, model_path)  # trainer.sft's conversations, trained beside each batch
         self.checkpoints = CheckpointManager(self.run_dir, keep=tc.keep_checkpoints, async_save=tc.async_save)
         self._memory: TrainerMemory | None = None  # made at the first offload (`memory`)
         self._offload_s = 0.0  # this turn's offload seconds so far (train_turn, then push_turn)
@@ -152,7 +154,10 @@ class Trainer:
         t0 = time.perf_counter()
         self._require_resident("a training step")
         self._applied = 0  # optimizer updates of this batch that were applied (not skipped)
-        raw = _token_batch(batch)
+        n_sft = 0
+        if self.sft is not None:  # picked by the version: a resumed run trains the rows an unbroken one would
+            batch, n_sft = self.sft.extend(batch, step=self.version, version=self.version)
+        raw = mark_sft(_token_batch(batch), n_sft) if n_sft else _token_batch(batch)
         tb = shape_batch(raw, self.tc.loss, self.run.max_new_tokens)
         self.backend.check_batch(tb)
         shard = shard_samples(tb, self.backend.dp)[self.backend.dp_rank]
@@ -173,8 +178,8 @@ class Trainer:
             self.version += 1
         metrics = self._metrics(tb, adv, stats, value_batch, trained_at + 1)
         if tb.rewards is not raw.rewards:  # reward/* stay the task's; the shaped mean beside them
-            metrics["reward/shaped_mean"] = float(tb.rewards.mean())
-            metrics.update(reward_metrics(raw.rewards))
+            metrics["reward/shaped_mean"] = float(tb.rewards[tb.rl_rows()].mean())
+            metrics.update(reward_metrics(raw.rewards[raw.rl_rows()]))
         metrics["version"] = self.version
         metrics.update(self.hooks.take_metrics())
         metrics["time/train_s"] = time.perf_counter() - t0
@@ -403,6 +408,14 @@ class Trainer:
             if save and self.last_checkpoint != self.version:
                 self.save_checkpoint()
             self.checkpoints.close()  # a save still written in the background: committed before close returns
+
+
+def _sft_data(tc: TrainerConfig, model_path: str) -> SftData | None:
+    if tc.loss.sft_coef <= 0:
+        return None
+    from stages.models import load_tokenizer
+
+    return SftData(tc.sft, load_tokenizer(model_path))
 
 
 def _token_batch(batch: pa.RecordBatch) -> TokenBatch:
