@@ -875,6 +875,87 @@ MUTATIONS = [
             "tests/test_elastic.py::test_a_rebase_counts_the_window_from_the_buffers_tally_whatever_share_was_taken_before",
         ),
     ),
+    Mutation(
+        "sft_tokens_left_in_rl_mask",
+        "SFT rows' tokens also stay in the RL loss's mask: they get a policy gradient with a made-up advantage",
+        "stages/trainer/sft.py",
+        "        tb, mask=tb.mask * (1.0 - on), sft_mask=tb.mask * on,",
+        "        tb, mask=tb.mask, sft_mask=tb.mask * on,",
+        (
+            "tests/test_sft.py::test_a_trainer_lowers_the_nll_of_its_sft_rows_and_reports_rl_metrics_of_the_rl_samples",
+        ),
+    ),
+    Mutation(
+        "sft_nll_sign_flipped",
+        "the SFT term raises the NLL of the demonstrations instead of lowering it",
+        "stages/trainer/losses.py",
+        "        nll = -torch.where(sft_on, raw_logp, torch.zeros_like(raw_logp))",
+        "        nll = torch.where(sft_on, raw_logp, torch.zeros_like(raw_logp))",
+        (
+            "tests/test_sft.py::test_the_sft_term_is_their_token_nll_in_one_mean_with_the_rl_tokens",
+            "tests/test_sft.py::test_a_trainer_lowers_the_nll_of_its_sft_rows_and_reports_rl_metrics_of_the_rl_samples",
+        ),
+    ),
+    Mutation(
+        "sft_trains_every_turn",
+        "step_loss_mask 0 is ignored: assistant turns the data marks as context are trained too",
+        "stages/trainer/sft.py",
+        '        if messages[i].get("step_loss_mask", 1):',
+        "        if True:",
+        (
+            "tests/test_sft.py::test_a_conversation_trains_its_assistant_turns_and_their_end_of_turn_but_no_other_text",
+        ),
+    ),
+    Mutation(
+        "partial_rollout_trains_kept_tokens",
+        "a recycled group's kept tokens, from past the staleness bound, are trained as if fresh",
+        "stages/rollout/partial.py",
+        "            loss_mask=[0] * kept + [1] * len(res.response_ids),",
+        "            loss_mask=[1] * kept + [1] * len(res.response_ids),",
+        (
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+        ),
+    ),
+    Mutation(
+        "partial_rollout_drops_kept_tokens",
+        "a recycled sample keeps only its continuation: the tokens generated before the interrupt are lost",
+        "stages/rollout/partial.py",
+        '            response_ids=[*s.array("response_ids").tolist(), *res.response_ids],',
+        "            response_ids=list(res.response_ids),",
+        (
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+        ),
+    ),
+    Mutation(
+        "min_version_counts_untrained_tokens",
+        "the buffer's staleness counts untrained tokens too: a recycled group is evicted for its context",
+        "buffer/record.py",
+        "    vals = np.where(trained, vals, _UNTRAINED)",
+        "    vals = vals",
+        (
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+        ),
+    ),
+    Mutation(
+        "torch_engine_ignores_interrupt",
+        "the torch engine decodes an interrupted request to its end",
+        "stages/rollout/torch_engine.py",
+        '        if s.cancelled or interrupted(s.req):\n            return "abort"',
+        '        if s.cancelled:\n            return "abort"',
+        (
+            "tests/test_partial_rollout.py::test_the_torch_engine_ends_an_interrupted_request_with_the_tokens_it_has",
+        ),
+    ),
+    Mutation(
+        "partial_rollout_cancels_stale_groups",
+        "with partial_rollout on, a stale group is still cancelled and its tokens dropped",
+        "stages/rollout/admission.py",
+        "            if keep_partial:",
+        "            if False:",
+        (
+            "tests/test_partial_rollout.py::test_a_stale_group_continues_from_its_tokens_which_stay_untrained_with_their_versions",
+        ),
+    ),
 ]
 
 

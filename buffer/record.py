@@ -158,8 +158,8 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
         return len(self.prompt_ids) // 4
 
     def min_version(self) -> int:
-        """Oldest policy version among the response tokens (-1 if there are none)."""
-        v = self.array("versions")
+        """Oldest policy version among the trained response tokens (-1 if there are none)."""
+        v = self.array("versions")[self.array("loss_mask") > 0]
         return int(v.min()) if len(v) else -1
 
     def array_problem(self) -> str | None:
@@ -262,7 +262,7 @@ ARROW_SCHEMA = pa.schema(
         ("generator_id", pa.string()),
         ("created_at", pa.float64()),
         ("finished_at", pa.float64()),
-        ("min_version", pa.int32()),  # derived: oldest response-token version (for staleness queries)
+        ("min_version", pa.int32()),  # derived: oldest trained response-token version (staleness queries)
     ]
 )
 _ARROW_TYPES = {
@@ -395,23 +395,38 @@ def samples_to_batch(samples: list[Sample]) -> pa.RecordBatch:
         "generator_id": _strings(col["generator_id"]),
         "created_at": pa.array(col["created_at"], pa.float64()),
         "finished_at": pa.array(col["finished_at"], pa.float64()),
-        "min_version": pa.array(min_versions(packed["versions"])),
+        "min_version": pa.array(min_versions(packed["versions"], packed["loss_mask"])),
     }
     return pa.RecordBatch.from_arrays([arrays[f.name] for f in ARROW_SCHEMA], schema=ARROW_SCHEMA)
 
 
-def min_versions(versions: pa.ListArray | pa.ChunkedArray) -> np.ndarray:
-    """Oldest response-token version per row (-1 for an empty response), from a `versions` column."""
+def min_versions(
+    versions: pa.ListArray | pa.ChunkedArray, loss_mask: pa.ListArray | pa.ChunkedArray
+) -> np.ndarray:
+    """Oldest version of a trained response token (loss_mask 1) per row, from the `versions` and
+    `loss_mask` columns; -1 for a row with none. Untrained tokens (a tool's output, the recycled start of a
+    partial rollout) are context, like the prompt: however old, they make no sample stale."""
     if isinstance(versions, pa.ChunkedArray):
         versions = versions.combine_chunks()
-    offs = versions.offsets.to_numpy()
+    if isinstance(loss_mask, pa.ChunkedArray):
+        loss_mask = loss_mask.combine_chunks()
+    offs, moffs = versions.offsets.to_numpy(), loss_mask.offsets.to_numpy()
     # `.values` of a slice is the whole child array: the last row must stop where the slice does
-    vals = versions.values.to_numpy()[: offs[-1]]
+    vals = versions.values.to_numpy()[: offs[-1]].astype(np.int64)
+    trained = np.ones(len(vals), dtype=bool)
+    mask = loss_mask.values.to_numpy()[moffs[0] : moffs[-1]]
+    if len(mask) == len(vals) - offs[0]:  # else misaligned: buffer.validate names that, not this
+        trained[offs[0] :] = mask > 0
+    vals = np.where(trained, vals, _UNTRAINED)
     out = np.full(len(versions), -1, dtype=np.int32)
     nonempty = np.flatnonzero(np.diff(offs) > 0)
     if len(nonempty):  # reduceat over the non-empty rows' starts: empty rows in between add no values
-        out[nonempty] = np.minimum.reduceat(vals, offs[nonempty])
+        mins = np.minimum.reduceat(vals, offs[nonempty])
+        out[nonempty] = np.where(mins == _UNTRAINED, -1, mins)
     return out
+
+
+_UNTRAINED = np.iinfo(np.int64).max  # min_versions: the version an untrained token counts as
 
 
 def list_values(batch: pa.RecordBatch | pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -60,8 +60,8 @@ def _offsets(col: pa.Array) -> np.ndarray:
 
 
 def recompute_min_version(batch: pa.RecordBatch) -> np.ndarray:
-    """Oldest response-token version per row (-1 for empty responses), from the versions column."""
-    return min_versions(batch.column("versions"))
+    """Oldest trained response-token version per row (-1 for none), from the versions and loss_mask."""
+    return min_versions(batch.column("versions"), batch.column("loss_mask"))
 
 
 def _nonempty(col: pa.Array) -> bool:

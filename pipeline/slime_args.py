@@ -91,6 +91,9 @@ FLAGS: dict[str, dict[str, object]] = {  # slime flags without a value
     "--normalize-advantages": {"trainer.loss.ppo_whiten": "token"},
     "--calculate-per-token-loss": {"trainer.loss.aggregation": "token"},
     "--use-kl-loss": {},  # the KL is on when trainer.loss.kl_coef > 0 (--kl-loss-coef)
+    "--partial-rollout": {"rollout.partial_rollout": True},
+    # the recycled tokens are past run.max_staleness, so they are always context only (rollout.partial_rollout)
+    "--mask-offpolicy-in-partial-rollout": {},
     "--use-dynamic-batch-size": {},  # micro-batches are always packed by tokens (trainer.micro_batch_tokens)
 }
 ESTIMATORS = {"reinforce_plus_plus": "reinforce_pp", "reinforce_plus_plus_baseline": "reinforce_pp_baseline"}
@@ -139,9 +142,6 @@ ARCHITECTURE_VALUELESS = {
     "--accumulate-allreduce-grads-in-fp32",
     "--attention-softmax-in-fp32",
 }
-NOT_YET = {
-    "--partial-rollout": "aborted stale groups are dropped, not recycled",
-}
 OFFLOAD_KEYS = ("cluster.offload.train", "cluster.offload.rollout")
 
 
@@ -163,8 +163,6 @@ def to_overrides(argv: list[str]) -> list[str]:
             out.update(FLAGS[flag])
         elif flag in ARCHITECTURE:
             i += 0 if flag in ARCHITECTURE_VALUELESS or value is None else 1
-        elif flag in NOT_YET:
-            raise SlimeArgsError(f"{flag}: {NOT_YET[flag]} (docs/slime.md, 'Not there yet')")
         elif flag.startswith("--sglang-") and flag not in VALUED:  # other SGLang server arguments as they are
             extra = out.setdefault("rollout.sglang.extra_args", [])
             extra.append("--" + flag[len("--sglang-") :])

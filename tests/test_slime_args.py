@@ -51,7 +51,6 @@ def test_slime_arguments_reach_their_keys():
 @pytest.mark.parametrize(
     "argv,match",
     [
-        ("--partial-rollout", "aborted stale groups are dropped"),
         ("--some-new-flag 3", "no slipstream equivalent known for --some-new-flag"),
         ("--lr", "--lr needs a value"),
         ("--rollout-stop", "--rollout-stop needs a value"),

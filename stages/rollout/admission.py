@@ -123,22 +123,29 @@ class StalenessAdmission:
         return version == self._relaunch_dip and now - self._relaunch_dip_since < dip_wait_s
 
 
-def abort_stale(flights: dict[str, Flight], now: int, max_staleness: int, name: str) -> None:
+def abort_stale(
+    flights: dict[str, Flight], now: int, max_staleness: int, name: str, *, keep_partial: bool = False
+) -> None:
     """Cancel the groups of `flights` that can no longer be trained within run.max_staleness at engine
     version `now`. A group whose current attempt started on engine version v has tokens of version >= v,
     and the trainer that consumes it is at least at the engine's version now, so once
     `engine.version - v > max_staleness` the buffer would evict it on arrival. The engine's version, not
     the trainer's from acks: it goes back with a restarted trainer, where the acks' does not. Cancelling
     a group's task closes its requests (SGLang aborts a request whose client went away); it is counted
-    once the task has ended cancelled."""
+    once the task has ended cancelled. `keep_partial` (rollout.partial_rollout): interrupt its requests
+    instead, which end with their tokens so far for the group to continue from (partial.py)."""
     for gid, f in flights.items():
         if f.generating and not f.aborting and now - f.start_version > max_staleness:
             f.aborting = True
-            f.task.cancel()
+            if keep_partial:
+                f.interrupt.set()
+            else:
+                f.task.cancel()
             log.info(
-                "generator %s: aborting group %s started at engine version %d: at version %d it can "
+                "generator %s: %s group %s started at engine version %d: at version %d it can "
                 "no longer be trained within run.max_staleness=%d",
                 name,
+                "recycling" if keep_partial else "aborting",
                 gid,
                 f.start_version,
                 now,

@@ -180,6 +180,10 @@ class RolloutConfig(_Base):
     agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
     engine_retries: int = 1  # an engine error fails the group; retry it this many times
     delay_model: str = ""  # bench only: "longtail:<mean_s>" adds a per-sequence engine delay
+    # a group past the staleness bound continues from its tokens so far instead of being dropped; those
+    # tokens are kept untrained (loss_mask 0), as context (slime's --partial-rollout with
+    # --mask-offpolicy-in-partial-rollout; stages/rollout/partial.py). The built-in single-turn generation only
+    partial_rollout: bool = False
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
@@ -206,8 +210,33 @@ class RolloutConfig(_Base):
                 "rollout.agent_fn runs each episode itself, through the generator's OpenAI-compatible "
                 "endpoint: leave rollout.generate_fn, rollout.rollout_fn and rollout.generate_per_sample unset"
             )
+        self.delay_mean_s()  # a malformed delay_model fails here, at load
+        if self.partial_rollout and (
+            self.generate_fn or self.rollout_fn or self.agent_fn or self.generate_per_sample
+        ):
+            raise ValueError(
+                "rollout.partial_rollout continues the built-in single-turn generation from its tokens; a "
+                "custom rollout.generate_fn / rollout_fn / agent_fn / generate_per_sample keeps state of its "
+                "own between engine calls: turn partial_rollout off, or recycle in your own function"
+            )
+        if self.partial_rollout and not self.abort_stale_groups:
+            raise ValueError(
+                "rollout.partial_rollout recycles the groups abort_stale_groups would drop: it needs "
+                "rollout.abort_stale_groups=true"
+            )
         if self.generate_fn and self.rollout_fn:
             raise ValueError(
                 "rollout.rollout_fn replaces the generation loop, generate_fn included: set one of them "
                 "(a rollout_fn can call its own per-group function)"
             )
+
+    def delay_mean_s(self) -> float:
+        """rollout.delay_model's mean seconds per group (0: none)."""
+        if not self.delay_model:
+            return 0.0
+        kind, _, mean = self.delay_model.partition(":")
+        if kind != "longtail" or not mean:
+            raise ValueError(
+                f"rollout.delay_model={self.delay_model!r}: expected '' or 'longtail:<mean seconds>'"
+            )
+        return float(mean)

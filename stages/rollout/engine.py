@@ -8,6 +8,7 @@ new version.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ class GenRequest:
     # requests with the same key go to the same engine of a pool while that engine is up (an agent
     # episode's calls: a later turn then finds its earlier context where it was computed); "" = any
     affinity: str = ""
+    # once set, the engine ends the request as soon as it can, finish "abort", with the tokens it has so
+    # far (rollout.partial_rollout keeps them); a threading.Event since engines decode in other threads
+    interrupt: threading.Event | None = None
+
+
+def interrupted(req: GenRequest) -> bool:
+    return req.interrupt is not None and req.interrupt.is_set()
 
 
 @dataclass(kw_only=True)

@@ -4,8 +4,9 @@ it (`SendingEngine`), which gives back the group's reserved request places as it
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stages.rollout.engine import Engine
 
@@ -20,16 +21,20 @@ class Flight:
     task: asyncio.Task | None = None
     generating: bool = True  # False once its samples are made: past aborting
     aborting: bool = False
+    # rollout.partial_rollout: set to end its requests with their tokens so far (partial.py), not cancel
+    interrupt: threading.Event = field(default_factory=threading.Event)
+    recycles: int = 0  # times it was interrupted and continued (partial.py)
 
 
 class SendingEngine:
     """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests
     it sends. Engines count a request from the moment generate() is called, so the group's reserved
     places (its Flight.unsent) and the engine's count change in the same step, and admission never
-    sees the engine emptier than it is between a group's start and its first send."""
+    sees the engine emptier than it is between a group's start and its first send. With `flight`
+    (rollout.partial_rollout), each request carries the flight's current interrupt."""
 
-    def __init__(self, engine: Engine, sent: Callable[[int], None]):
-        self._engine, self._sent = engine, sent
+    def __init__(self, engine: Engine, sent: Callable[[int], None], flight: Flight | None = None):
+        self._engine, self._sent, self._flight = engine, sent, flight
 
     @property
     def version(self) -> int:
@@ -37,6 +42,9 @@ class SendingEngine:
 
     async def generate(self, requests):
         self._sent(len(requests))
+        if self._flight is not None:
+            for r in requests:
+                r.interrupt = self._flight.interrupt
         return await self._engine.generate(requests)
 
     def __getattr__(self, name: str):

@@ -51,13 +51,8 @@ from stages.rollout.engine import Engine, SamplingParams
 from stages.rollout.engine_watch import watch_for
 from stages.rollout.flight import Flight, SendingEngine
 from stages.rollout.generate_fn import GenerateFn
-from stages.rollout.hooks import (
-    GroupFilter,
-    apply_filter,
-    hook_name,
-    load_hook,
-    resolve_filter,
-)
+from stages.rollout.hooks import GroupFilter, apply_filter, hook_name, load_hook, resolve_filter
+from stages.rollout.partial import continue_partial, restart_attempt
 from stages.rollout.position import DATA_POS_KEY, DataPosition, ResumableGenerator
 from stages.rollout.run import RolloutRun
 from stages.rollout.scoring import score_samples
@@ -119,7 +114,7 @@ class Generator(ResumableGenerator):
         self.rollout_ctx = None  # the RolloutContext while a rollout_fn runs (custom_loop.run_rollout_fn)
         self.params = SamplingParams.from_config(r.sampling)
         self._rng = random.Random(f"{generator_id}:{run.seed}")
-        self._delay_mean = _parse_delay(r.delay_model)
+        self._delay_mean = r.delay_mean_s()
         self.trainer_version = engine.version
         self.group_counter = 0
         self.counters = dict.fromkeys(
@@ -135,6 +130,7 @@ class Generator(ResumableGenerator):
                 "admission_waits",
                 "groups_evicted",
                 "groups_aborted_stale",
+                "groups_recycled",  # rollout.partial_rollout: continued from their tokens so far
             ),
             0,
         )
@@ -339,7 +335,8 @@ class Generator(ResumableGenerator):
         """rollout.abort_stale_groups: cancel the groups that can no longer be trained within
         run.max_staleness (admission.abort_stale), so that the engine decodes something else."""
         if self.rollout.abort_stale_groups and self.batch_groups > 0:
-            abort_stale(self._flights, self.engine.version, self.max_staleness, self.id)
+            keep = self.rollout.partial_rollout
+            abort_stale(self._flights, self.engine.version, self.max_staleness, self.id, keep_partial=keep)
 
     def _has_room(self) -> bool:
         """Room for one more group under the in-flight caps: max_inflight_groups, and with
@@ -397,6 +394,11 @@ class Generator(ResumableGenerator):
 
     async def _group(self, gid: str, prompt, flight: Flight) -> None:
         samples = await self._generate(gid, prompt, flight)
+        while self.rollout.partial_rollout and samples is not None and flight.aborting:  # it went stale
+            self.counters["groups_recycled"] += 1
+            restart_attempt(flight, self.engine.version)
+            engine = self.seeded(SendingEngine(self.engine, lambda n: None, flight), gid)
+            samples = await continue_partial(engine, f"{gid}-r{flight.recycles}", samples, self.params)
         flight.generating = False  # past aborting: its put may already be on the way
         if samples is None:
             self.counters["groups_failed"] += 1
@@ -443,7 +445,7 @@ class Generator(ResumableGenerator):
                 n=self.rollout.group_size,
                 generator_id=self.id,
                 params=self.params,
-                engine=self.seeded(SendingEngine(self.engine, sent), gid),
+                engine=self.seeded(SendingEngine(self.engine, sent, flight), gid),
                 retries=self.rollout.engine_retries,
                 on_engine_error=self._count_engine_error,
                 before_retry=before_retry,
@@ -488,12 +490,3 @@ class Generator(ResumableGenerator):
 
 class EngineDown(RuntimeError):
     """The generator's engine stayed down (not available()) for longer than relaunches take."""
-
-
-def _parse_delay(spec: str) -> float:
-    if not spec:
-        return 0.0
-    kind, _, mean = spec.partition(":")
-    if kind != "longtail" or not mean:
-        raise ValueError(f"rollout.delay_model={spec!r}: expected '' or 'longtail:<mean seconds>'")
-    return float(mean)

@@ -34,7 +34,7 @@ import torch
 import stages.weights.sglang_protocol as proto
 from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
-from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams
+from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams, interrupted
 from stages.rollout.routing import RoutingRows
 from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
 from stages.rollout.sglang_updates import SGLangWeightUpdates
@@ -445,10 +445,14 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                     routed = meta.get("routed_experts") or routed
                     n_new = len(meta.get("output_token_logprobs") or ())
                     hit = stop_text.first_match(ids, len(ids) - n_new) if stop_text and n_new else None
+                    end_here = hit is not None
                     if hit is not None:  # a stop string: keep up to the token that completed it
                         cut, stop_string = hit
                         del ids[cut:], lps[cut:], vers[cut:]
                         finish = {"type": "stop"}
+                    elif not meta.get("finish_reason") and interrupted(req):  # partial rollout: ends here
+                        finish, end_here = {"type": "abort"}, True
+                    if end_here:
                         # closing the stream ends the request: SGLang aborts one whose client went away
                         # (http_server.py: is_disconnected, then the abort task)
                         resp.close()

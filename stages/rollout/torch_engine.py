@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from stages.host_copy import HostStash
-from stages.rollout.engine import Engine, GenRequest, GenResult
+from stages.rollout.engine import Engine, GenRequest, GenResult, interrupted
 from stages.rollout.offload import WEIGHTS
 from stages.rollout.sampling import sample
 from stages.rollout.stop_strings import StopStrings
@@ -322,9 +322,9 @@ class TorchEngine(TorchMemoryRelease, Engine):
         room = self.max_batch_size - self._inflight()
         with self._cond:
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-        for s in [s for s in new if s.cancelled]:  # given up while queued: never prefilled
+        for s in [s for s in new if s.cancelled or interrupted(s.req)]:  # ended while queued: never prefilled
             _deliver(s, _result(s, "abort"))
-        new = [s for s in new if not s.cancelled]
+        new = [s for s in new if not (s.cancelled or interrupted(s.req))]
         if not new:
             return 0
         try:
@@ -427,7 +427,7 @@ class TorchEngine(TorchMemoryRelease, Engine):
         b.seqs = [b.seqs[i] for i in keep]
 
     def _finish_reason(self, s: _Seq, next_pos: int) -> str:
-        if s.cancelled:
+        if s.cancelled or interrupted(s.req):
             return "abort"
         if s.out and s.out[-1] in s.stop:
             return "stop"

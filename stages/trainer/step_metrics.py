@@ -64,10 +64,12 @@ def engine_mismatch(tb: TokenBatch, old: torch.Tensor, shard: list[int], version
 
 
 def min_versions(tb: TokenBatch) -> torch.Tensor:
-    """Oldest token version per sample (samples without response tokens count as fresh)."""
+    """Oldest trained token version per sample, as the buffer's staleness bound counts it
+    (buffer.record.min_versions); -1 for a sample without trained tokens."""
     big = torch.iinfo(torch.int64).max
-    mins = torch.full((tb.n,), big, dtype=torch.int64).scatter_reduce(0, tb.seq, tb.versions, "amin")
-    return torch.where(mins == big, torch.zeros_like(mins), mins)
+    trained = torch.where(tb.mask > 0, tb.versions, torch.full_like(tb.versions, big))
+    mins = torch.full((tb.n,), big, dtype=torch.int64).scatter_reduce(0, tb.seq, trained, "amin")
+    return torch.where(mins == big, torch.full_like(mins, -1), mins)
 
 
 def step_metrics(
@@ -77,7 +79,8 @@ def step_metrics(
     and lr already averaged over the replicas that summed them). `kl`: a reference model is kept."""
     ntok = max(red.get("sum/tokens", 0.0), 1.0)
     rl = tb.rl_rows()
-    stale = (version - 1) - min_versions(tb)[rl]
+    mins = min_versions(tb)[rl]
+    stale = (version - 1) - mins[mins >= 0] if bool((mins >= 0).any()) else torch.zeros(1, dtype=torch.int64)
     return {
         "version": version,
         "loss": red["sum/loss_num"] / max(red["sum/loss_den"], 1.0),

@@ -1,0 +1,71 @@
+"""rollout.partial_rollout: a group past the staleness bound is recycled, not thrown away (slime's
+--partial-rollout with --mask-offpolicy-in-partial-rollout).
+
+Without it, a group whose generation started more than run.max_staleness versions ago is cancelled
+(admission.abort_stale) and its tokens are lost: the buffer would evict it on arrival. With it the group's
+requests are interrupted instead (GenRequest.interrupt): the engine ends them with the tokens it has, and
+each unfinished sample continues from exactly those tokens (never decoded and re-encoded) under the
+current weights. The kept tokens stay in the response with their own logprobs and versions, as context
+(loss_mask 0): they come from a policy past the bound, so they are not trained, and the staleness the
+buffer checks counts trained tokens only (buffer.record.min_versions). The tokens generated after the
+recycle are trained as usual. A group can be recycled again if it goes stale again; each time the tokens
+so far become context.
+
+Only the built-in single-turn generate_fn is recycled this way (config.py refuses the others): a custom
+generate_fn or agent holds its own state between engine calls that a restart from tokens would skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from buffer.record import Sample, Status
+from stages.rollout.engine import GenRequest, SamplingParams
+from stages.rollout.flight import Flight
+from stages.rollout.hooks import fill_response
+from stages.rollout.single_turn import STATUS
+
+
+def restart_attempt(flight: Flight, version: int) -> None:
+    """Start a recycled group's next attempt at engine `version`: the staleness check counts from there,
+    with a fresh interrupt for its requests."""
+    flight.start_version, flight.aborting, flight.generating = version, False, True
+    flight.interrupt = threading.Event()
+    flight.recycles += 1
+
+
+async def continue_partial(engine, rid_prefix: str, samples: list[Sample], params: SamplingParams):
+    """Continue every aborted sample of a group from its tokens so far (`engine`: the group's engine as
+    its generate_fn reaches it; requests are named `rid_prefix`-<group index>). Finished samples are kept
+    as they are. Returns the samples, updated in place: response = kept tokens (loss_mask 0) + new tokens
+    (loss_mask 1); the status is the new tokens' one."""
+    todo, reqs = [], []
+    for s in samples:
+        if s.status != Status.ABORTED:
+            continue
+        left = params.max_new_tokens - s.response_len
+        if left <= 0:  # it had all its tokens when it was interrupted
+            s.loss_mask, s.status = bytes(s.response_len), Status.TRUNCATED
+            continue
+        todo.append(s)
+        ids = [int(t) for t in s.array("prompt_ids")] + [int(t) for t in s.array("response_ids")]
+        reqs.append(
+            GenRequest(
+                prompt_ids=ids,
+                params=dataclasses.replace(params, max_new_tokens=left),
+                rid=f"{rid_prefix}-{s.group_index}",
+            )
+        )
+    results = await engine.generate(reqs) if reqs else []
+    for s, res in zip(todo, results, strict=True):
+        kept = s.response_len
+        fill_response(
+            s,
+            response_ids=[*s.array("response_ids").tolist(), *res.response_ids],
+            rollout_logprobs=[*s.array("rollout_logprobs").tolist(), *res.logprobs],
+            versions=[*s.array("versions").tolist(), *res.versions],
+            loss_mask=[0] * kept + [1] * len(res.response_ids),
+            status=STATUS.get(res.finish_reason, Status.ABORTED),
+        )
+    return samples
