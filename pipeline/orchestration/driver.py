@@ -42,6 +42,7 @@ GENERATOR_COUNTERS = (
     "groups_filtered",
     "groups_failed",
     "groups_aborted_stale",  # cancelled while generating: too stale to train (abort_stale_groups)
+    "groups_recycled",  # interrupted as stale and continued from their tokens (rollout.partial_rollout)
     "groups_running",
     "requests_in_flight",  # sequences the engines decode now (rollout.max_inflight_requests)
     "samples_failed",

@@ -27,6 +27,12 @@ from stages.rollout.hooks import fill_response
 from stages.rollout.single_turn import STATUS
 
 
+def has_partial(samples: list[Sample] | None) -> bool:
+    """Whether a group's attempt left samples to continue (interrupted before they finished). One that
+    went stale after its generation ended goes to the buffer as it is, which judges its staleness."""
+    return samples is not None and any(s.status == Status.ABORTED for s in samples)
+
+
 def restart_attempt(flight: Flight, version: int) -> None:
     """Start a recycled group's next attempt at engine `version`: the staleness check counts from there,
     with a fresh interrupt for its requests."""
