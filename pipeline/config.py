@@ -327,6 +327,12 @@ def validate(cfg: RunConfig) -> None:
             f"{cfg.trainer.batch_groups}: each generator needs at least one group of every batch"
         )
     r, c = cfg.rollout, cfg.cluster
+    if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":
+        raise ConfigError(
+            "trainer.lora.push=adapter sends LoRA adapters for the engines to apply, which only the torch "
+            "engine takes; SGLang servers get whole tensors: set trainer.lora.push=merge (the merged "
+            "tensors that have adapters)"
+        )
     if c.rollout_num_gpus and not c.colocate and r.engine == "sglang":
         need = r.num_generators * r.engines_per_generator * r.sglang.tp_size
         if c.rollout_num_gpus != need:
