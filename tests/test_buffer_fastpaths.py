@@ -74,7 +74,7 @@ def reference_samples_to_batch(samples: list[Sample]) -> pa.RecordBatch:
     cols["generator_id"] = pa.array([s.generator_id for s in samples], pa.string())
     cols["created_at"] = pa.array([s.created_at for s in samples], pa.float64())
     cols["finished_at"] = pa.array([s.finished_at for s in samples], pa.float64())
-    cols["min_version"] = pa.array(min_versions(cols["versions"]))
+    cols["min_version"] = pa.array(min_versions(cols["versions"], cols["loss_mask"]))
     return pa.RecordBatch.from_arrays(list(cols.values()), schema=ARROW_SCHEMA)
 
 
@@ -321,10 +321,11 @@ def test_batch_crc_ignores_slicing_and_layout():
 
 def test_min_versions_of_a_slice_stop_at_its_end():
     s = random_samples(random.Random(5), 30)
-    col = samples_to_batch(s).column("versions")
+    batch = samples_to_batch(s)
+    col, mask = batch.column("versions"), batch.column("loss_mask")
     for a, b in ((0, 30), (3, 10), (29, 1), (12, 0)):
         want = [x.min_version() for x in s[a : a + b]]
-        assert min_versions(col.slice(a, b)).tolist() == want
+        assert min_versions(col.slice(a, b), mask.slice(a, b)).tolist() == want
 
 
 def test_check_batch_on_slices():

@@ -375,15 +375,15 @@ class TrainerActor(_Located):
     @ray.method(concurrency_group="control")
     def forget_engine(self, name: str) -> None:
         """A generator died: pushes stop waiting for its engine (rank 0 holds the sender)."""
-        if self.sender is not None and hasattr(self.sender, "forget"):
+        if self.sender is not None:
             self.sender.forget(name)
 
     @ray.method(concurrency_group="control")
     def expect_engines(self, count: int) -> None:
         """The run now has `count` generators (elastic rollout): a push waits for that many engines
         (fewer after a removal, or every push would wait for an engine that left until its timeout)."""
-        if self.sender is not None and hasattr(self.sender, "min_engines"):
-            self.sender.min_engines = count
+        if self.sender is not None:
+            self.sender.expect_engines(count)
 
     def version(self) -> int:
         return self.trainer.version

@@ -77,5 +77,13 @@ class WeightSender(ABC):
         relaunched between two pushes): the trainer pushes its current weights again."""
         return []
 
+    def forget(self, engine: str) -> None:  # noqa: B027 - optional
+        """Stop waiting for `engine`, whose process died without saying goodbye. Transports that wait for
+        no engine by name have nothing to forget."""
+
+    def expect_engines(self, count: int) -> None:  # noqa: B027 - optional
+        """The run now has `count` engines (elastic rollout): a push waits for that many. Transports that
+        find their engines another way ignore it."""
+
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -108,6 +108,10 @@ class ZmqWeightSender(WeightSender):
         # deadline is a little later so that more specific error is the one the trainer sees
         return PushHandle(version, fut, self.timeout_s + 2.0, f"torch engines via {self.address}")
 
+    def expect_engines(self, count: int) -> None:
+        """Later pushes wait (within timeout_s) until `count` engines said hello."""
+        self.min_engines = count
+
     def forget(self, engine: str) -> None:
         """Stop waiting for `engine` (its process died without a bye): later pushes, and one in
         progress, no longer wait for its ack. A replacement says hello under its own name."""
