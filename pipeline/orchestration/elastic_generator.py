@@ -25,14 +25,8 @@ class ElasticGenerator(Generator):
         or, from a sink without stats, estimated from the engine version (reshare)."""
         if batch_groups == self.batch_groups:
             return
-        left = await live_groups_left(self.sink, [self.id])
-        if left is None:
+        if not await self.recount_from_buffer(batch_groups):
             self._admission.reshare(batch_groups)
-        else:
-            version, _, buffered = left
-            # read after the buffer's answer: groups started meanwhile are in both counts
-            live, running = self.admission_counts()
-            self._admission.rebase(live, running, len(buffered), version, batch_groups)
         log.info(
             "generator %s: share of a trainer batch %d -> %d groups", self.id, self.batch_groups, batch_groups
         )

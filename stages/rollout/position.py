@@ -184,7 +184,7 @@ class ResumableGenerator:
     resumes it: `settle` a group, the state it writes and loads, and at run()'s start what earlier
     incarnations left in the buffer. It uses the generator's `position` (DataPosition), `state_path`,
     `id`, `group_counter`, `sink`, `batch_groups`, `_admission` (StalenessAdmission), `counters`,
-    `_prior_ids`, `_prior_evicted`, `_evicted_polled`, `resumed` and `run_seed`."""
+    `_prior_ids`, `_prior_evicted`, `_evicted_polled`, `resumed`, `run_seed` and `admission_counts()`."""
 
     def seeded(self, engine, gid: str):
         """`engine` for group `gid`'s requests: seeded from its prompt's position (module docstring),
@@ -266,3 +266,23 @@ class ResumableGenerator:
             n = await asyncio.to_thread(ask, self.id)
         if n > self.counters["groups_evicted"]:
             self.counters["groups_evicted"] = n
+            await self.recount_from_buffer(self.batch_groups)
+
+    async def recount_from_buffer(self, batch_groups: int) -> bool:
+        """Re-base the staleness admission on the buffer's tally of our groups not yet consumed
+        (StalenessAdmission.rebase), for a share of `batch_groups` per trainer batch; False for a sink
+        without stats. Called when the share changes (elastic rollout) and whenever the buffer evicted
+        groups of ours as too stale: more of ours were ahead of the trainer than it takes in time (a share
+        estimate that missed, a departed generator's groups taken first), and since an evicted group
+        frees its place, that surplus would otherwise live on, one eviction after another
+        (bench/results/elastic_run.jsonl: 171 evictions after a removal, 2026-11-28)."""
+        if batch_groups <= 0:
+            return True
+        left = await live_groups_left(self.sink, [*self._prior_ids, self.id])
+        if left is None:
+            return False
+        version, _, buffered = left
+        # read after the buffer's answer: groups started meanwhile are in both counts
+        live, running = self.admission_counts()
+        self._admission.rebase(live, running, len(buffered), version, batch_groups)
+        return True
