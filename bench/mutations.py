@@ -956,6 +956,16 @@ MUTATIONS = [
             "tests/test_partial_rollout.py::test_a_stale_group_continues_from_its_tokens_which_stay_untrained_with_their_versions",
         ),
     ),
+    Mutation(
+        "evictions_do_not_recount_admission",
+        "a generator told its groups were evicted keeps its admission count: a surplus lives on, one eviction after another",
+        "stages/rollout/position.py",
+        "            await self.recount_from_buffer(self.batch_groups)\n",
+        "",
+        (
+            "tests/test_elastic.py::test_a_generator_whose_groups_were_evicted_recounts_its_window_from_the_buffers_tally",
+        ),
+    ),
 ]
 
 

@@ -132,6 +132,57 @@ def test_a_rebase_counts_the_window_from_the_buffers_tally_whatever_share_was_ta
         adm.rebase(live=60, running=0, buffered=0, trainer_version=10, batch_groups=0)
 
 
+class _TallySink:
+    """A buffer as a generator asks it: `buffered` of generator "g"'s groups unconsumed at trainer version
+    `version`, `evicted` of its groups evicted as too stale."""
+
+    def __init__(self, version: int, buffered: int, evicted: int):
+        self.version, self.buffered, self.evicted = version, buffered, evicted
+
+    def stats(self):
+        return {
+            "rows": self.buffered,
+            "version": self.version,
+            "evicted_groups_by_producer": {"g": self.evicted},
+        }
+
+    def peek(self, rows):
+        import pyarrow as pa
+
+        ids = [f"g-{i}" for i in range(self.buffered)]
+        return pa.table({"generator_id": ["g"] * rows, "group_id": ids[:rows], "metadata": ["{}"] * rows})
+
+    def evicted_groups(self, producer):
+        return self.evicted
+
+
+def test_a_generator_whose_groups_were_evicted_recounts_its_window_from_the_buffers_tally(tmp_path_factory):
+    """A surplus in the admission count (here 10 groups it counts as consumed that were not) makes the
+    buffer evict groups of ours, and since an evicted group frees its place the surplus would live on.
+    Told of the evictions, the generator counts its groups ahead of the trainer from the buffer's tally:
+    5 buffered at share 2 and max_staleness 1 fill the window of 4; a batch taken frees one place."""
+    import asyncio
+
+    from stages.rollout.generator import Generator
+    from tests.test_rollout_generator import make_cfg, rollout_args
+
+    eng = _Engine(10)
+    cfg = make_cfg(tmp_path_factory)  # run.max_staleness 1
+    sink = _TallySink(version=10, buffered=5, evicted=0)
+    gen = Generator(*rollout_args(cfg), sink, eng, "g", batch_groups=2)
+    gen.counters["groups_started"] = 30  # 20 consumed by version 10, 5 buffered, 5 to be evicted
+    gen._admission._kept_offset = 10  # the surplus
+    assert gen.admissible()
+    sink.evicted = 5
+    asyncio.run(gen._refresh_evicted())
+    assert gen.counters["groups_evicted"] == 5
+    assert not gen.admissible()  # 5 ahead of the trainer at version 10: the window of (1 + 1) x 2 is full
+    eng.version = 11  # the trainer took a batch of 2 of ours: 3 ahead
+    assert gen.admissible()
+    gen.counters["groups_started"] += 1
+    assert not gen.admissible()
+
+
 # -- the command ----------------------------------------------------------------------------------
 def test_the_scale_command_names_a_directory_that_is_not_a_run_and_writes_a_request_in_one(tmp_path):
     cmd = [sys.executable, "-m", "pipeline", "scale"]
