@@ -310,3 +310,34 @@ def test_the_gc_bench_reads_sglangs_own_log_lines():
     assert (got["long_collections"], got["full_collections"]) == (3, 2)
     assert got["full_collection_s_max"] == 0.5594 and got["gen2_objects_max"] == 862714
     assert read_log("")["full_collection_s_max"] is None
+
+
+def test_the_offload_summary_takes_the_handover_share_of_the_steps_wall_time():
+    sys.path.insert(0, str(REPO / "bench"))
+    from offload_summary import kv_cache_tokens, summarise
+
+    rows = []
+    for step in range(1, 7):  # a step every 10 s, after two start-up steps of 60 s
+        rows.append(
+            {
+                "step": step,
+                "time": 60.0 * min(step, 2) + 10.0 * max(step - 2, 0),
+                "time/data_wait_s": 6.0,
+                "time/train_s": 3.0,
+                "offload/train_s": 0.2,
+                "offload/rollout_s": 0.1,
+                "onload/train_s": 0.3,
+                "onload/rollout_s": 0.1,
+                "push/snapshot_s": 0.05,
+                "push/wait_s": 0.25,
+                "memory/train_gb/train": 70.0,
+                "memory/train_gb/generate": 2.0,
+            }
+        )
+    out = summarise(rows, skip=2)
+    assert out["step_s"] == 10.0 and out["handover_s"] == 1.0 and out["handover_share"] == 0.1
+    assert out["generate_s"] == 6.0 and out["memory_train_gb_generate"] == 2.0
+    log = "[2026] KV Cache is allocated. #tokens: 1234567, K size: 30 GB\n[2026] max_total_num_tokens=1234567"
+    assert kv_cache_tokens(log) == 1234567 and kv_cache_tokens("no such line") is None
+    with pytest.raises(ValueError, match="need more than"):
+        summarise(rows[:2], skip=2)

