@@ -966,6 +966,16 @@ MUTATIONS = [
             "tests/test_elastic.py::test_a_generator_whose_groups_were_evicted_recounts_its_window_from_the_buffers_tally",
         ),
     ),
+    Mutation(
+        "prefix_cache_key_not_moved_at_update",
+        "with the radix cache on, requests sent during and after a push keep the old weights' cache key",
+        "stages/rollout/sglang_updates.py",
+        '            self.cache_namespace = f"v{version}"\n',
+        "",
+        (
+            "tests/test_prefix_cache.py::test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_sent_for",
+        ),
+    ),
 ]
 
 

@@ -106,9 +106,12 @@ class SGLangConfig(_Base):
     # server back to the current version by itself (costs the model's size in host memory)
     keep_weights_copy: bool = True
     log_dir: str = ""  # server logs and re-sync checkpoints; empty = a fresh temporary folder
-    # SGLang's prefix (radix) cache across requests. Off by default: a cached prefix keeps the KV of the
-    # weights it was computed with, so after an update new requests on a cached prompt (every GRPO group
-    # member) would decode over old-weight KV, and the cache cannot be flushed while requests are paused.
+    # SGLang's prefix (radix) cache across requests: a group's members and an episode's later turns reuse
+    # the prompt's KV. A cached prefix keeps the KV of the weights it was computed with, so requests are
+    # keyed by the weight version they are sent for (SGLang's extra_key, moved on before each update's
+    # pause): none reuses KV of other weights, except as any request in flight at a push continues over
+    # the new weights. Off by default until measured on GPUs (issue #40: with the cache on and no key,
+    # logp/abs_diff_same_version was 0.58 against 0.006 off)
     radix_cache: bool = False
     # once a server answers /health (and after each relaunch), move its processes' start-up objects out of
     # Python's garbage collector (SGLang's /freeze_gc). Without it, on an H100 the HTTP process ran a full

@@ -112,6 +112,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
+        # radix_cache: new requests' prefix-cache namespace (SGLang's extra_key), moved on by each update
+        self.cache_namespace = f"v{version}"
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
         self._base = (self.model_path, version)
         self._disk: tuple[str, int] | None = None
@@ -416,6 +418,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             "stream": True,
             "rid": f"{self.name}-{uuid.uuid4().hex}",
         }
+        if self.cfg.radix_cache:
+            payload["extra_key"] = self.cache_namespace
         if self.routing is not None:
             payload["return_routed_experts"] = True  # every position from the first prompt token on
         routed = None

@@ -21,6 +21,7 @@ log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log,
 
 class SGLangWeightUpdates:
     """Mixed into SGLangEngine: expects its cfg, name, gpu_id, log_dir, _post, _update_lock, _version,
+    cache_namespace (the radix cache's namespace of new requests),
     the held-copy fields (_base, _disk, _held, _held_version, _held_pending), last_update and _stats."""
 
     # -- weight updates --------------------------------------------------------------------------
@@ -45,6 +46,9 @@ class SGLangWeightUpdates:
         with self._update_lock:
             t: dict[str, float] = {}
             t0 = time.perf_counter()
+            # before the pause: what is sent from now on is served by the new weights, and must match
+            # no prefix cached under the old ones (a failed load leaves an empty namespace: misses only)
+            self.cache_namespace = f"v{version}"
             self.pause_generation()
             t["pause_s"] = time.perf_counter() - t0
             try:
