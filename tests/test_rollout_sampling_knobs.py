@@ -206,6 +206,7 @@ class _StreamingStub(BaseHTTPRequestHandler):
 
     tokens: list[int] = []
     bodies: list[dict] = []
+    extra_meta: dict = {}  # more meta_info in every chunk (e.g. SGLang's prompt_tokens, cached_tokens)
     disconnected = threading.Event()
 
     def log_message(self, *a):
@@ -224,6 +225,7 @@ class _StreamingStub(BaseHTTPRequestHandler):
                     "weight_version": "0",
                     "output_token_logprobs": [[-0.5, t, None] for t in chunk],
                     "finish_reason": {"type": "length"} if last else None,
+                    **self.extra_meta,
                 }
                 self.wfile.write(f"data: {json.dumps({'meta_info': meta})}\n\n".encode())
                 self.wfile.flush()
@@ -241,7 +243,7 @@ def stub_engine(tmp_path):
     from stages.tiny_models import build_byte_tokenizer
 
     build_byte_tokenizer(tmp_path)  # the engine decodes with the model folder's tokenizer
-    _StreamingStub.bodies, _StreamingStub.disconnected = [], threading.Event()
+    _StreamingStub.bodies, _StreamingStub.disconnected, _StreamingStub.extra_meta = [], threading.Event(), {}
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StreamingStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     eng = SGLangEngine(str(tmp_path), start=False, port=server.server_address[1])

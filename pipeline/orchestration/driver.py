@@ -49,6 +49,8 @@ GENERATOR_COUNTERS = (
     "admission_wait_s",
     "engine_errors",
     "engine_restarts",  # SGLang servers restarted by the generators' engine watch
+    # prompt tokens the engines computed (not served from a prefix cache: rollout.sglang.radix_cache)
+    "engine_prefill_tokens",
 )
 BUFFER_COUNTERS = (
     "rows",

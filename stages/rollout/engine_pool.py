@@ -212,10 +212,10 @@ class EnginePool(Engine):
 
     def stats(self) -> dict:
         """Each engine's stats by name, and the sums over engines the generator reports (busy_s, idle_s,
-        tokens; updates of the engine that applied the fewest)."""
+        tokens, prefill_tokens; updates of the engine that applied the fewest)."""
         per = {e.name: e.stats() for e in self.engines}
         out: dict = dict(per)
-        for k in ("busy_s", "idle_s", "tokens"):
+        for k in ("busy_s", "idle_s", "tokens", "prefill_tokens"):
             out[k] = sum(s.get(k, 0) for s in per.values())
         out["updates"] = min((s.get("updates", 0) for s in per.values()), default=0)
         return out

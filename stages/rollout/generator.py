@@ -481,7 +481,11 @@ class Generator(ResumableGenerator):
             out["requests_in_flight"] = in_flight
         eng = self.engine.stats()
         out.update(
-            {f"engine_{k}": v for k, v in eng.items() if k in ("busy_s", "idle_s", "tokens", "updates")}
+            {
+                f"engine_{k}": v
+                for k, v in eng.items()
+                if k in ("busy_s", "idle_s", "tokens", "prefill_tokens", "updates")
+            }
         )
         if self._watch is not None:
             out["engine_restarts"] = self._watch.restarts

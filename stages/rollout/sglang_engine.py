@@ -34,10 +34,11 @@ import torch
 import stages.weights.sglang_protocol as proto
 from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
-from stages.rollout.engine import Engine, GenRequest, GenResult, SamplingParams, interrupted
+from stages.rollout.engine import Engine, GenRequest, GenResult, interrupted
 from stages.rollout.routing import RoutingRows
 from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
 from stages.rollout.sglang_updates import SGLangWeightUpdates
+from stages.rollout.sglang_wire import as_version, finish_reason, sampling_body
 from stages.rollout.stop_strings import StopStrings
 
 log = logging.getLogger(__name__)
@@ -45,34 +46,6 @@ log = logging.getLogger(__name__)
 
 VERSION_POLL_S = 0.5
 UNREACHABLE_BACKOFF_S = 2.0  # no new request for this long after one could not connect
-
-
-def _sampling(p: SamplingParams) -> dict:
-    sp = {
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "max_new_tokens": p.max_new_tokens,
-        "ignore_eos": bool(getattr(p, "ignore_eos", False)),
-    }
-    if p.top_k > 0:  # SGLang takes -1 for off and refuses 0
-        sp["top_k"] = p.top_k
-    if p.stop_token_ids and not sp["ignore_eos"]:
-        sp["stop_token_ids"] = list(p.stop_token_ids)  # in addition to the model's eos
-    # no "stop": with --skip-tokenizer-init SGLang refuses string stops (it has no tokenizer to decode
-    # with); the engine matches them on the streamed tokens instead (stages/rollout/stop_strings.py)
-    return sp
-
-
-def _as_version(stamp, default: int) -> int:
-    try:
-        return int(stamp)
-    except (TypeError, ValueError):  # "default": a server launched without --weight-version
-        return default
-
-
-def _finish(reason) -> str:
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    return kind if kind in ("stop", "length") else "abort"
 
 
 class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
@@ -131,7 +104,14 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         self.restarts = 0  # a restart loses NCCL groups: a transport re-inits when this changes
         self._state_lock = threading.Lock()  # restart's (restarts, _version) are read as one
         self.last_update: dict[str, float] = {}
-        self._stats = {"requests": 0, "tokens": 0, "updates": 0, "update_s": 0.0, "gen_s": 0.0}
+        self._stats = {
+            "requests": 0,
+            "tokens": 0,
+            "prefill_tokens": 0,
+            "updates": 0,
+            "update_s": 0.0,
+            "gen_s": 0.0,
+        }
         # busy = at least one request outstanding (the server has work); the rest of the time since the
         # engine was made is idle: what the pipeline's `generator/idle_share` reports
         self._busy_s, self._busy_since, self._made_at = 0.0, None, time.perf_counter()
@@ -351,7 +331,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
     def _server_version(self) -> int | None:
         info = self._get_json(proto.MODEL_INFO, self.cfg.health_timeout_s)
         stamp = (info or {}).get("weight_version")
-        return _as_version(stamp, -1) if stamp is not None else None
+        return as_version(stamp, -1) if stamp is not None else None
 
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         import aiohttp
@@ -380,6 +360,9 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                 self._answered()
         self._stats["requests"] += len(out)
         self._stats["tokens"] += sum(len(r.response_ids) for r in out)
+        self._stats["prefill_tokens"] += sum(
+            r.meta.get("prompt_tokens", 0) - r.meta.get("cached_tokens", 0) for r in out
+        )
         self._stats["gen_s"] += time.perf_counter() - t0
         return list(out)
 
@@ -413,7 +396,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             )
         payload = {
             "input_ids": list(req.prompt_ids),
-            "sampling_params": _sampling(req.params),
+            "sampling_params": sampling_body(req.params),
             "return_logprob": True,
             "stream": True,
             "rid": f"{self.name}-{uuid.uuid4().hex}",
@@ -438,7 +421,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                         finish = finish or {"type": "abort", "message": str(out["error"])[:200]}
                         break
                     meta = out.get("meta_info", {})
-                    stamp = _as_version(meta.get("weight_version"), prev)
+                    stamp = as_version(meta.get("weight_version"), prev)
                     v = stamp if stamp == prev else min(prev, stamp)
                     for lp, tid, *_ in meta.get("output_token_logprobs") or ():
                         ids.append(int(tid))
@@ -468,14 +451,20 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                 f"{self.name}: /generate failed ({type(e).__name__}: {e}); check_health() and restart() "
                 f"recover a dead server; log: {self.log_path}"
             ) from None
-        reason = _finish(finish) if finish else "abort"
+        reason = finish_reason(finish) if finish else "abort"
         return GenResult(
             rid=req.rid,
             response_ids=ids,
             logprobs=lps,
             versions=vers,
             finish_reason=reason,
-            meta={"engine": self.name, "retractions": meta.get("num_retractions", 0)}
+            meta={
+                "engine": self.name,
+                "retractions": meta.get("num_retractions", 0),
+                # prompt tokens, and those of them served from the prefix cache (not prefilled)
+                "prompt_tokens": int(meta.get("prompt_tokens") or len(req.prompt_ids)),
+                "cached_tokens": int(meta.get("cached_tokens") or 0),
+            }
             | ({"stop_string": stop_string} if stop_string is not None else {}),
             routed_experts=self.routing.decode(routed) if routed and self.routing is not None else None,
         )

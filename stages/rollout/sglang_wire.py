@@ -1,0 +1,39 @@
+"""What the SGLang client (sglang_engine.py) writes into a /generate request and reads from its streamed
+answers: the sampling parameters, the weight-version stamp, the finish reason."""
+
+from __future__ import annotations
+
+from stages.rollout.engine import SamplingParams
+
+
+def sampling_body(p: SamplingParams) -> dict:
+    """A request's `sampling_params` for SGLang's /generate."""
+    sp = {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "max_new_tokens": p.max_new_tokens,
+        "ignore_eos": bool(getattr(p, "ignore_eos", False)),
+    }
+    if p.top_k > 0:  # SGLang takes -1 for off and refuses 0
+        sp["top_k"] = p.top_k
+    if p.stop_token_ids and not sp["ignore_eos"]:
+        sp["stop_token_ids"] = list(p.stop_token_ids)  # in addition to the model's eos
+    if p.seed is not None:  # honoured by servers launched with --enable-deterministic-inference only
+        sp["sampling_seed"] = p.seed
+    # no "stop": with --skip-tokenizer-init SGLang refuses string stops (it has no tokenizer to decode
+    # with); the engine matches them on the streamed tokens instead (stages/rollout/stop_strings.py)
+    return sp
+
+
+def as_version(stamp, default: int) -> int:
+    """A `weight_version` stamp of SGLang's meta_info as the int the trainer pushed."""
+    try:
+        return int(stamp)
+    except (TypeError, ValueError):  # "default": a server launched without --weight-version
+        return default
+
+
+def finish_reason(reason) -> str:
+    """SGLang's finish_reason (a dict, or its type) as a GenResult's: stop, length or abort."""
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return kind if kind in ("stop", "length") else "abort"
