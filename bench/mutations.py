@@ -976,6 +976,16 @@ MUTATIONS = [
             "tests/test_prefix_cache.py::test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_sent_for",
         ),
     ),
+    Mutation(
+        "engine_handle_without_affinity",
+        "a group's (or an episode's) calls spread over the pool's engines, away from their cached prompt",
+        "stages/rollout/hooks.py",
+        "rid=rid, affinity=self._prefix))",
+        'rid=rid, affinity=""))',
+        (
+            "tests/test_prefix_cache.py::test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spread",
+        ),
+    ),
 ]
 
 

@@ -41,3 +41,41 @@ def test_a_requests_sampling_seed_reaches_sglang():
 
     assert sampling_body(SamplingParams(seed=1234))["sampling_seed"] == 1234
     assert "sampling_seed" not in sampling_body(SamplingParams())
+
+
+def test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spread():
+    """A generate_fn's calls through one EngineHandle (a group's, or per sample an episode's) carry its
+    id as affinity: the pool sends them all to the engine that computed their prompt and earlier turns,
+    while another group goes to the less loaded engine."""
+    from stages.rollout.engine import GenResult
+    from stages.rollout.engine_pool import EnginePool
+    from stages.rollout.hooks import EngineHandle
+
+    class Counting:
+        def __init__(self, name):
+            self.name, self.got, self.outstanding = name, [], 0
+
+        def available(self):
+            return True
+
+        async def generate(self, requests):
+            self.got += [r.rid for r in requests]
+            return [
+                GenResult(rid=r.rid, response_ids=[1], logprobs=[0.0], versions=[0], finish_reason="stop")
+                for r in requests
+            ]
+
+    a, b = Counting("a"), Counting("b")
+    pool = EnginePool([a, b])
+    params = SamplingParams(max_new_tokens=1)
+    first, second = EngineHandle(pool, "g-0"), EngineHandle(pool, "g-1")
+
+    async def go():
+        await first.generate([1, 2], params, n=4)  # a group of 4 on one prompt
+        a.outstanding = 10  # the first engine is busy now: a new group goes to the other one
+        await second.generate([3], params, n=2)
+        await first.generate([1, 2, 1], params)  # the first group's next turn: back where it was
+        await second.generate([3, 1], params)
+
+    asyncio.run(go())
+    assert a.got == ["g-0-0", "g-0-1", "g-0-2", "g-0-3", "g-0-4"] and b.got == ["g-1-0", "g-1-1", "g-1-2"]

@@ -133,7 +133,10 @@ class EngineHandle:
         ids = [int(t) for t in prompt_ids]
         reqs = []
         for _ in range(n):
-            reqs.append(GenRequest(prompt_ids=list(ids), params=params, rid=f"{self._prefix}-{self._n}"))
+            # affinity: every call of a group (or, per sample, of an episode) goes to one engine of a pool,
+            # where its prompt and earlier turns were computed (a prefix cache's hits); groups still spread
+            rid = f"{self._prefix}-{self._n}"
+            reqs.append(GenRequest(prompt_ids=list(ids), params=params, rid=rid, affinity=self._prefix))
             self._n += 1
         self.calls += 1
         try:
