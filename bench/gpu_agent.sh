@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #40's prefix-cache bench on two GPUs: configs/tool-calc-gpu.yaml (multi-turn calculator episodes,
 # SmolLM2-135M-Instruct, one SGLang engine, megatron on the other GPU) with SGLang's radix cache on (keyed
-# by weight version, rollout.sglang.radix_cache) against the same run with it off, one after the other:
+# by weight version, rollout.sglang.radix_cache) against the same run with it off, one after the other,
+# both pushing through the generator (weights.transport=cpu: the key moves before each update):
 #   bash bench/gpu_agent.sh [STEPS]
 # One JSON row: prompt tokens the engine prefilled per episode in each run (generator/engine_prefill_tokens
 # over the samples made), episodes/s, and the engine-vs-trainer gap on tokens of the trainer's own version
@@ -16,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 for cache in off on; do
   flag=$([ $cache = on ] && echo true || echo false)
   bash bench/gpu_pipeline.sh --out "$out" configs/tool-calc-gpu.yaml "agent-cache-$cache" 1200 \
-    run.steps="$steps" rollout.sglang.radix_cache="$flag" >"$out/agent-cache-$cache.out" 2>&1
+    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu >"$out/agent-cache-$cache.out" 2>&1
 done
 python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" <<'PY'
 import datetime, json, statistics, sys

@@ -913,7 +913,7 @@ MUTATIONS = [
         "            loss_mask=[0] * kept + [1] * len(res.response_ids),",
         "            loss_mask=[1] * kept + [1] * len(res.response_ids),",
         (
-            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_a_finished_sample_untrained",
         ),
     ),
     Mutation(
@@ -923,7 +923,7 @@ MUTATIONS = [
         '            response_ids=[*s.array("response_ids").tolist(), *res.response_ids],',
         "            response_ids=list(res.response_ids),",
         (
-            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_a_finished_sample_untrained",
         ),
     ),
     Mutation(
@@ -933,7 +933,7 @@ MUTATIONS = [
         "    vals = np.where(trained, vals, _UNTRAINED)",
         "    vals = vals",
         (
-            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_finished_samples_as_they_are",
+            "tests/test_partial_rollout.py::test_continuing_keeps_every_token_once_and_a_finished_sample_untrained",
         ),
     ),
     Mutation(
@@ -960,8 +960,8 @@ MUTATIONS = [
         "evictions_do_not_recount_admission",
         "a generator told its groups were evicted keeps its admission count: a surplus lives on, one eviction after another",
         "stages/rollout/position.py",
-        "            await self.recount_from_buffer(self.batch_groups)\n",
-        "",
+        "                await self.recount_from_buffer(self.batch_groups)\n",
+        "                pass\n",
         (
             "tests/test_elastic.py::test_a_generator_whose_groups_were_evicted_recounts_its_window_from_the_buffers_tally",
         ),
@@ -970,7 +970,7 @@ MUTATIONS = [
         "prefix_cache_key_not_moved_at_update",
         "with the radix cache on, requests sent during and after a push keep the old weights' cache key",
         "stages/rollout/sglang_updates.py",
-        '            self.cache_namespace = f"v{version}"\n',
+        "            self.cache_namespace = cache_namespace(version, self.restarts)\n",
         "",
         (
             "tests/test_prefix_cache.py::test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_sent_for",
@@ -980,8 +980,8 @@ MUTATIONS = [
         "engine_handle_without_affinity",
         "a group's (or an episode's) calls spread over the pool's engines, away from their cached prompt",
         "stages/rollout/hooks.py",
-        "rid=rid, affinity=self._prefix))",
-        'rid=rid, affinity=""))',
+        '        self._affinity = rid_prefix if affinity else ""',
+        '        self._affinity = ""',
         (
             "tests/test_prefix_cache.py::test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spread",
         ),

@@ -167,7 +167,11 @@ def check_batch(batch: pa.RecordBatch) -> None:
             f"unknown status value; expected one of {[str(s) for s in Status]}", "invalid_sample"
         )
     if not (batch.column("min_version").to_numpy() == recompute_min_version(batch)).all():
-        raise ProtocolError("column min_version does not match the versions column", "invalid_sample")
+        raise ProtocolError(
+            "column min_version does not match the versions column: it is each row's oldest version of a "
+            "trained token (loss_mask 1), -1 for none (buffer.record.min_versions)",
+            "invalid_sample",
+        )
     for name in ("reward_parts", "metadata"):
         for text in set(batch.column(name).to_pylist()):  # rows often share their text ("{}")
             try:

@@ -327,6 +327,14 @@ def validate(cfg: RunConfig) -> None:
             f"{cfg.trainer.batch_groups}: each generator needs at least one group of every batch"
         )
     r, c = cfg.rollout, cfg.cluster
+    if r.engine == "sglang" and r.sglang.radix_cache and cfg.weights.transport in ("nccl", "cuda_ipc"):
+        raise ConfigError(
+            f"rollout.sglang.radix_cache with weights.transport={cfg.weights.transport}: the trainer pushes "
+            "into the servers itself, so the generator learns of new weights only after they are in use, "
+            "and requests sent meanwhile could reuse prefixes cached under the old ones; use "
+            "weights.transport=cpu (pushes through the generator, which keys the cache before each "
+            "update), or leave the radix cache off"
+        )
     if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":
         raise ConfigError(
             "trainer.lora.push=adapter sends LoRA adapters for the engines to apply, which only the torch "

@@ -109,6 +109,24 @@ def test_without_partial_rollout_the_stale_group_is_dropped(tmp_path_factory):
     assert stats["groups_aborted_stale"] == 1 and stats["groups_recycled"] == 0 and "g-0" not in sink.groups
 
 
+class FailingContinuation(SlowFirstGroup):
+    """SlowFirstGroup whose server dies under the first group's continuation."""
+
+    async def generate(self, requests):
+        if requests[0].rid.startswith("g-0-r1"):
+            raise RuntimeError("connection refused")
+        return await super().generate(requests)
+
+
+def test_an_engine_error_while_continuing_fails_the_group_not_the_generator(tmp_path_factory):
+    cfg = make_cfg(
+        tmp_path_factory, max_inflight_groups=4, partial_rollout=True, sampling={"max_new_tokens": 100}
+    )
+    stats, sink = _run(cfg, FailingContinuation())
+    assert stats["groups_recycled"] == 1 and stats["groups_failed"] == 1 and "g-0" not in sink.groups
+    assert stats["groups_finished"] == 5
+
+
 class Answers:
     """An engine handle answering each request from a list (one GenResult per request, in order)."""
 
@@ -136,7 +154,7 @@ def _aborted(i, ids, vers, mask=None):
     return s
 
 
-def test_continuing_keeps_every_token_once_and_finished_samples_as_they_are():
+def test_continuing_keeps_every_token_once_and_a_finished_sample_untrained():
     params = SamplingParams(max_new_tokens=6)
     done = _aborted(0, [4, 4], [0, 0])
     done.status = Status.COMPLETED
@@ -153,7 +171,9 @@ def test_continuing_keeps_every_token_once_and_finished_samples_as_they_are():
     assert [r.prompt_ids for r in engine.requests] == [[1, 2, 5], [1, 2, 6, 6, 6]]
     assert [r.params.max_new_tokens for r in engine.requests] == [5, 3]
     assert [r.rid for r in engine.requests] == ["g-r1-1", "g-r1-2"]
+    # finished before the interrupt: as far past the bound, so kept as context with its reward
     assert list(samples[0].array("response_ids")) == [4, 4] and samples[0].status == Status.COMPLETED
+    assert list(samples[0].array("loss_mask")) == [0, 0]
     one, two = samples[1], samples[2]
     assert list(one.array("response_ids")) == [5, 8, 8] and list(one.array("loss_mask")) == [0, 1, 1]
     assert np.allclose(one.array("rollout_logprobs"), [-1.0, -0.1, -0.2]) and list(one.array("versions")) == [
@@ -164,8 +184,8 @@ def test_continuing_keeps_every_token_once_and_finished_samples_as_they_are():
     assert list(two.array("loss_mask")) == [0, 0, 0, 1, 1, 1] and two.status == Status.TRUNCATED
     # the trained tokens alone make a sample's staleness, in the record and in its Arrow column alike
     batch = samples_to_batch(samples)
-    assert batch.column("min_version").to_pylist() == [0, 3, 3] == [s.min_version() for s in samples]
-    assert list(min_versions(batch.column("versions"), batch.column("loss_mask"))) == [0, 3, 3]
+    assert batch.column("min_version").to_pylist() == [-1, 3, 3] == [s.min_version() for s in samples]
+    assert list(min_versions(batch.column("versions"), batch.column("loss_mask"))) == [-1, 3, 3]
 
 
 def test_the_torch_engine_ends_an_interrupted_request_with_the_tokens_it_has(tmp_path_factory):

@@ -18,13 +18,19 @@ def test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_
     assert "extra_key" not in _StreamingStub.bodies[-1]  # the cache off (the default): no key
     stub_engine.cfg.radix_cache = True
     asyncio.run(stub_engine.generate([req]))
-    assert _StreamingStub.bodies[-1]["extra_key"] == "v0"
+    assert _StreamingStub.bodies[-1]["extra_key"] == "v0.r0"
     posted = []
     stub_engine._post = lambda path, body=None, **kw: posted.append((path, stub_engine.cache_namespace)) or {}
     with stub_engine.updating(3):
         asyncio.run(stub_engine.generate([req]))  # sent while the update is under way: the new weights'
-    assert _StreamingStub.bodies[-1]["extra_key"] == "v3" and stub_engine.version == 3
-    assert posted[0][1] == "v3"  # the namespace moved before the pause was asked for
+    assert _StreamingStub.bodies[-1]["extra_key"] == "v3.r0" and stub_engine.version == 3
+    assert posted[0][1] == "v3.r0"  # the namespace moved before the pause was asked for
+    # a relaunched server runs an older version until caught up: the catch-up push's key is not the one
+    # its older weights cached under, nor the one before the relaunch
+    stub_engine.restarts = 1
+    with stub_engine.updating(5):
+        pass
+    assert stub_engine.cache_namespace == "v5.r1"
 
 
 def test_the_engine_counts_the_prompt_tokens_it_prefilled_and_not_those_the_cache_served(stub_engine):  # noqa: F811
@@ -44,9 +50,9 @@ def test_a_requests_sampling_seed_reaches_sglang():
 
 
 def test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spread():
-    """A generate_fn's calls through one EngineHandle (a group's, or per sample an episode's) carry its
-    id as affinity: the pool sends them all to the engine that computed their prompt and earlier turns,
-    while another group goes to the less loaded engine."""
+    """With the radix cache a generate_fn's calls through one EngineHandle (a group's, or per sample an
+    episode's) carry its id as affinity: the pool sends them all to the engine that computed their prompt
+    and earlier turns, while another group goes to the less loaded engine."""
     from stages.rollout.engine import GenResult
     from stages.rollout.engine_pool import EnginePool
     from stages.rollout.hooks import EngineHandle
@@ -68,7 +74,7 @@ def test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spr
     a, b = Counting("a"), Counting("b")
     pool = EnginePool([a, b])
     params = SamplingParams(max_new_tokens=1)
-    first, second = EngineHandle(pool, "g-0"), EngineHandle(pool, "g-1")
+    first, second = EngineHandle(pool, "g-0", affinity=True), EngineHandle(pool, "g-1", affinity=True)
 
     async def go():
         await first.generate([1, 2], params, n=4)  # a group of 4 on one prompt
@@ -79,3 +85,13 @@ def test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spr
 
     asyncio.run(go())
     assert a.got == ["g-0-0", "g-0-1", "g-0-2", "g-0-3", "g-0-4"] and b.got == ["g-1-0", "g-1-1", "g-1-2"]
+
+
+def test_the_radix_cache_with_a_trainer_side_push_is_refused_at_load():
+    import pytest
+
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="use weights.transport=cpu"):
+        load_config("configs/tool-calc-gpu.yaml", ["rollout.sglang.radix_cache=true"])
+    load_config("configs/tool-calc-gpu.yaml", ["rollout.sglang.radix_cache=true", "weights.transport=cpu"])

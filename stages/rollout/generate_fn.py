@@ -39,11 +39,21 @@ class GenerateFn:
     what it returns is checked (check_samples). with_retries() adds the retry loop of rollout.engine_retries.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, per_sample: bool, kwargs: dict[str, Any], tokenizer: Any):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        per_sample: bool,
+        kwargs: dict[str, Any],
+        tokenizer: Any,
+        affinity: bool = False,
+    ):
+        """`affinity`: each group's (per sample: episode's) calls go to one engine of a pool (EngineHandle)."""
         self.fn, self.name = fn, hook_name(fn)
         if not inspect.iscoroutinefunction(fn):
             raise HookError(f"rollout.generate_fn {self.name}: must be an `async def` function")
         self.per_sample, self.kwargs, self.tokenizer = per_sample, dict(kwargs), tokenizer
+        self.affinity = affinity
 
     @classmethod
     def from_config(cls, rollout_cfg: RolloutConfig, tokenizer: Any) -> GenerateFn:
@@ -55,6 +65,8 @@ class GenerateFn:
             per_sample=rollout_cfg.generate_per_sample,
             kwargs=rollout_cfg.generate_kwargs,
             tokenizer=tokenizer,
+            # with SGLang's prefix cache, where its prompt and earlier turns are cached
+            affinity=rollout_cfg.engine == "sglang" and rollout_cfg.sglang.radix_cache,
         )
 
     async def __call__(
@@ -65,7 +77,7 @@ class GenerateFn:
                 prompt=prompt,
                 samples=samples,
                 params=params,
-                engine=EngineHandle(engine, rid),
+                engine=EngineHandle(engine, rid, affinity=self.affinity),
                 tokenizer=self.tokenizer,
                 kwargs=dict(self.kwargs),
             )

@@ -136,7 +136,7 @@ class Generator(ResumableGenerator):
         )
         self._flights: dict[str, Flight] = {}  # the groups run() started and not yet done
         self.admission_wait_s = 0.0
-        self._evicted_polled = 0.0
+        self._evicted_polled = self._recounted_at = 0.0
         self._held_since = self._held_warned = 0.0
         self._held_at_count = -1  # groups_started when the current held-back stretch began
         self._running = 0
@@ -370,7 +370,7 @@ class Generator(ResumableGenerator):
         tasks.discard(task)
         flight = self._flights.pop(gid)  # with it, its unsent request places
         self._running -= 1
-        if task.cancelled() and flight.aborting:
+        if task.cancelled() and flight.aborting and not self.rollout.partial_rollout:  # abort_stale's cancel
             self.counters["groups_aborted_stale"] += 1
             self.settle(gid)
         elif not task.cancelled() and task.exception() is None:  # put (acked or filtered) or failed
@@ -398,7 +398,9 @@ class Generator(ResumableGenerator):
             self.counters["groups_recycled"] += 1
             restart_attempt(flight, self.engine.version)
             engine = self.seeded(SendingEngine(self.engine, lambda n: None, flight), gid)
-            samples = await continue_partial(engine, f"{gid}-r{flight.recycles}", samples, self.params)
+            samples = await continue_partial(
+                engine, f"{gid}-r{flight.recycles}", samples, self.params, self.id
+            )
         flight.generating = False  # past aborting: its put may already be on the way
         if samples is None:
             self.counters["groups_failed"] += 1

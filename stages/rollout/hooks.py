@@ -117,8 +117,10 @@ class EngineHandle:
     tokens, exactly as generated: never decoded and re-encoded); `Conversation` does this per turn.
     """
 
-    def __init__(self, engine: Engine, rid_prefix: str):
+    def __init__(self, engine: Engine, rid_prefix: str, *, affinity: bool = False):
+        """`affinity`: every call goes to the pool's engine of the first (its prefix cache has them)."""
         self._engine, self._prefix, self._n = engine, rid_prefix, 0
+        self._affinity = rid_prefix if affinity else ""
         self.calls = 0
 
     @property
@@ -133,10 +135,8 @@ class EngineHandle:
         ids = [int(t) for t in prompt_ids]
         reqs = []
         for _ in range(n):
-            # affinity: every call of a group (or, per sample, of an episode) goes to one engine of a pool,
-            # where its prompt and earlier turns were computed (a prefix cache's hits); groups still spread
             rid = f"{self._prefix}-{self._n}"
-            reqs.append(GenRequest(prompt_ids=list(ids), params=params, rid=rid, affinity=self._prefix))
+            reqs.append(GenRequest(prompt_ids=list(ids), params=params, rid=rid, affinity=self._affinity))
             self._n += 1
         self.calls += 1
         try:

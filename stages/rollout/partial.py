@@ -8,8 +8,10 @@ each unfinished sample continues from exactly those tokens (never decoded and re
 current weights. The kept tokens stay in the response with their own logprobs and versions, as context
 (loss_mask 0): they come from a policy past the bound, so they are not trained, and the staleness the
 buffer checks counts trained tokens only (buffer.record.min_versions). The tokens generated after the
-recycle are trained as usual. A group can be recycled again if it goes stale again; each time the tokens
-so far become context.
+recycle are trained as usual; so are none of a sample that had finished before the interrupt (its tokens
+are as old, and its reward still counts in the group's baseline). A group can be recycled again if it goes
+stale again; each time the tokens so far become context. An engine error while continuing fails the group,
+as one in a first attempt does once its retries are spent.
 
 Only the built-in single-turn generate_fn is recycled this way (config.py refuses the others): a custom
 generate_fn or agent holds its own state between engine calls that a restart from tokens would skip.
@@ -18,6 +20,7 @@ generate_fn or agent holds its own state between engine calls that a restart fro
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 from buffer.record import Sample, Status
@@ -25,6 +28,8 @@ from stages.rollout.engine import GenRequest, SamplingParams
 from stages.rollout.flight import Flight
 from stages.rollout.hooks import fill_response
 from stages.rollout.single_turn import STATUS
+
+log = logging.getLogger(__name__)
 
 
 def has_partial(samples: list[Sample] | None) -> bool:
@@ -41,14 +46,19 @@ def restart_attempt(flight: Flight, version: int) -> None:
     flight.recycles += 1
 
 
-async def continue_partial(engine, rid_prefix: str, samples: list[Sample], params: SamplingParams):
+async def continue_partial(
+    engine, rid_prefix: str, samples: list[Sample], params: SamplingParams, name: str = ""
+) -> list[Sample] | None:
     """Continue every aborted sample of a group from its tokens so far (`engine`: the group's engine as
-    its generate_fn reaches it; requests are named `rid_prefix`-<group index>). Finished samples are kept
-    as they are. Returns the samples, updated in place: response = kept tokens (loss_mask 0) + new tokens
-    (loss_mask 1); the status is the new tokens' one."""
+    its generate_fn reaches it; requests are named `rid_prefix`-<group index>). Returns the samples,
+    updated in place: response = kept tokens (loss_mask 0) + new tokens (loss_mask 1), the status the new
+    tokens' one. A sample that had finished keeps its response, untrained (loss_mask 0): its tokens are as
+    far past the staleness bound as the others', and its reward still counts in the group's baseline.
+    None when the engine fails (the group fails; `name`: the generator's, for the log)."""
     todo, reqs = [], []
     for s in samples:
-        if s.status != Status.ABORTED:
+        if s.status != Status.ABORTED:  # finished before the interrupt, but past the bound all the same:
+            s.loss_mask = bytes(s.response_len)  # context only, its reward still in the group's baseline
             continue
         left = params.max_new_tokens - s.response_len
         if left <= 0:  # it had all its tokens when it was interrupted
@@ -63,7 +73,17 @@ async def continue_partial(engine, rid_prefix: str, samples: list[Sample], param
                 rid=f"{rid_prefix}-{s.group_index}",
             )
         )
-    results = await engine.generate(reqs) if reqs else []
+    try:
+        results = await engine.generate(reqs) if reqs else []
+    except Exception as e:  # an engine error (a server died): the group fails, not the generator
+        log.warning(
+            "generator %s: continuing %s failed (%s: %s); the group fails",
+            name,
+            rid_prefix,
+            type(e).__name__,
+            e,
+        )
+        return None
     for s, res in zip(todo, results, strict=True):
         kept = s.response_len
         fill_response(
@@ -73,5 +93,6 @@ async def continue_partial(engine, rid_prefix: str, samples: list[Sample], param
             versions=[*s.array("versions").tolist(), *res.versions],
             loss_mask=[0] * kept + [1] * len(res.response_ids),
             status=STATUS.get(res.finish_reason, Status.ABORTED),
+            routed_experts=res.routed_experts,  # the continuation's prompt is the whole context so far
         )
     return samples

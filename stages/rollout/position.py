@@ -28,6 +28,8 @@ import time
 DATA_POS_KEY = "slipstream_data_pos"  # Sample.metadata: [epoch, index] of the group's prompt (position)
 log = logging.getLogger(__name__)
 EVICTED_POLL_S = 0.5  # how often a held-back generator asks the buffer about evictions
+# evictions of ours re-count the admission from the buffer's tally at most this often (recount_from_buffer)
+RECOUNT_EVERY_S = 5.0
 MAX_INCARNATIONS = 8  # earlier generator ids a state remembers (their groups in the buffer are its own)
 SNAPSHOT_TRIES = 20  # reads of the buffer at a resume until one saw no fetch served meanwhile
 
@@ -184,7 +186,8 @@ class ResumableGenerator:
     resumes it: `settle` a group, the state it writes and loads, and at run()'s start what earlier
     incarnations left in the buffer. It uses the generator's `position` (DataPosition), `state_path`,
     `id`, `group_counter`, `sink`, `batch_groups`, `_admission` (StalenessAdmission), `counters`,
-    `_prior_ids`, `_prior_evicted`, `_evicted_polled`, `resumed`, `run_seed` and `admission_counts()`."""
+    `_prior_ids`, `_prior_evicted`, `_evicted_polled`, `_recounted_at`, `resumed`, `run_seed` and
+    `admission_counts()`."""
 
     def seeded(self, engine, gid: str):
         """`engine` for group `gid`'s requests: seeded from its prompt's position (module docstring),
@@ -266,7 +269,9 @@ class ResumableGenerator:
             n = await asyncio.to_thread(ask, self.id)
         if n > self.counters["groups_evicted"]:
             self.counters["groups_evicted"] = n
-            await self.recount_from_buffer(self.batch_groups)
+            if now - self._recounted_at >= RECOUNT_EVERY_S:  # a peek of every live row: not at every poll
+                self._recounted_at = now
+                await self.recount_from_buffer(self.batch_groups)
 
     async def recount_from_buffer(self, batch_groups: int) -> bool:
         """Re-base the staleness admission on the buffer's tally of our groups not yet consumed

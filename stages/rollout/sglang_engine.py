@@ -38,7 +38,7 @@ from stages.rollout.engine import Engine, GenRequest, GenResult, interrupted
 from stages.rollout.routing import RoutingRows
 from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
 from stages.rollout.sglang_updates import SGLangWeightUpdates
-from stages.rollout.sglang_wire import as_version, finish_reason, sampling_body
+from stages.rollout.sglang_wire import as_version, cache_namespace, finish_reason, sampling_body
 from stages.rollout.stop_strings import StopStrings
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
         # radix_cache: new requests' prefix-cache namespace (SGLang's extra_key), moved on by each update
-        self.cache_namespace = f"v{version}"
+        self.cache_namespace = cache_namespace(version, 0)
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
         self._base = (self.model_path, version)
         self._disk: tuple[str, int] | None = None
@@ -265,6 +265,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                 with self._state_lock:
                     self.restarts += 1
                     self._version = version
+                    self.cache_namespace = cache_namespace(version, self.restarts)
                 self.start(path, version)
                 self.release_again()  # relaunched mid-hand-over (offload): the trainer keeps its memory
             finally:
@@ -318,7 +319,10 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             v = self._server_version()
             with self._state_lock:  # a relaunch may have begun since the server was asked
                 if v is not None and v > self._version and self._proc is proc:
+                    # pushed by the trainer itself (weights.transport nccl / cuda_ipc): the key moves
+                    # only now, so config.py keeps the radix cache to pushes through this client
                     self._version = v
+                    self.cache_namespace = cache_namespace(v, self.restarts)
             time.sleep(VERSION_POLL_S)
 
     def _get_json(self, path: str, timeout: float) -> dict | None:

@@ -15,13 +15,14 @@ import torch
 
 import stages.weights.sglang_protocol as proto
 from stages.rollout.sglang_process import EngineError
+from stages.rollout.sglang_wire import cache_namespace
 
 log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log, as before the split
 
 
 class SGLangWeightUpdates:
     """Mixed into SGLangEngine: expects its cfg, name, gpu_id, log_dir, _post, _update_lock, _version,
-    cache_namespace (the radix cache's namespace of new requests),
+    cache_namespace (the radix cache's namespace of new requests), restarts,
     the held-copy fields (_base, _disk, _held, _held_version, _held_pending), last_update and _stats."""
 
     # -- weight updates --------------------------------------------------------------------------
@@ -48,7 +49,7 @@ class SGLangWeightUpdates:
             t0 = time.perf_counter()
             # before the pause: what is sent from now on is served by the new weights, and must match
             # no prefix cached under the old ones (a failed load leaves an empty namespace: misses only)
-            self.cache_namespace = f"v{version}"
+            self.cache_namespace = cache_namespace(version, self.restarts)
             self.pause_generation()
             t["pause_s"] = time.perf_counter() - t0
             try:

@@ -25,6 +25,14 @@ def sampling_body(p: SamplingParams) -> dict:
     return sp
 
 
+def cache_namespace(version: int, restarts: int) -> str:
+    """The prefix-cache key (SGLang's extra_key) of requests sent for weights `version` of a server
+    relaunched `restarts` times: SGLang matches cached prefixes only within one key, so no request reuses
+    KV that other weights computed (a relaunched server runs an older version until caught up, and the
+    catch-up push must not meet what was cached under that older one)."""
+    return f"v{version}.r{restarts}"
+
+
 def as_version(stamp, default: int) -> int:
     """A `weight_version` stamp of SGLang's meta_info as the int the trainer pushed."""
     try:

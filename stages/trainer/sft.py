@@ -28,7 +28,7 @@ import pyarrow as pa
 import torch
 
 from buffer.record import Sample, samples_to_batch
-from stages.trainer.packing import TokenBatch
+from stages.trainer.packing import ROW_ALIGN, TokenBatch
 from stages.trainer.sft_config import SftConfig
 
 log = logging.getLogger(__name__)
@@ -110,38 +110,50 @@ def tokenize_conversation(
 class SftData:
     """The SFT rows of each step, as buffer records (one group of one sample each)."""
 
-    def __init__(self, cfg: SftConfig, tokenizer):
+    def __init__(self, cfg: SftConfig, tokenizer, max_tokens: int | None = None):
+        """`max_tokens`: the longest conversation a micro-batch holds (trainer.micro_batch_tokens), if
+        below trainer.sft.max_tokens."""
         self.cfg = cfg
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
+        limit = min(cfg.max_tokens, max_tokens or cfg.max_tokens)
+        # packed as a sequence of prompt + response - 1 tokens, in rows of whole ROW_ALIGN blocks
+        row_len = lambda p, r: -(-(len(p) + len(r) - 1) // ROW_ALIGN) * ROW_ALIGN  # noqa: E731
         path = Path(cfg.source)
         self.rows: list[tuple[list[int], list[int], list[int]]] = []
         too_long = 0
         for n, messages in enumerate(_read_rows(path, cfg.messages_key)):
             where = f"{path} row {n}"
             p, r, m = tokenize_conversation(tokenizer, _check_messages(messages, where), where)
-            if len(p) + len(r) > cfg.max_tokens:
+            if len(p) + len(r) > cfg.max_tokens or row_len(p, r) > limit:
                 too_long += 1
                 continue
             self.rows.append((p, r, m))
         if too_long:
             log.warning(
-                "trainer.sft: %d conversations over max_tokens=%d are skipped", too_long, cfg.max_tokens
+                "trainer.sft: %d conversations over %d tokens (trainer.sft.max_tokens, micro_batch_tokens) are skipped",
+                too_long,
+                limit,
             )
         if not self.rows:
             raise SftDataError(
-                f"{path}: no conversation to train on ({too_long} over trainer.sft.max_tokens={cfg.max_tokens})"
+                f"{path}: no conversation to train on ({too_long} over {limit} tokens: trainer.sft.max_tokens, "
+                "trainer.micro_batch_tokens)"
             )
 
     def indices(self, step: int) -> list[int]:
         """Row indices of step `step`: consecutive positions of an endless walk over the rows, each pass
         in its own order (seeded by the pass number)."""
         k, n = self.cfg.samples_per_step, len(self.rows)
-        out = []
-        for pos in range(step * k, (step + 1) * k):
-            order = list(range(n))
+        return [self._order(pos // n)[pos % n] for pos in range(step * k, (step + 1) * k)]
+
+    def _order(self, epoch: int) -> list[int]:
+        """The rows' order in pass `epoch` (the last one made is kept: a step rarely spans two)."""
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.rows)))
             if self.cfg.shuffle:
-                random.Random(self.cfg.seed * 1_000_003 + pos // n).shuffle(order)
-            out.append(order[pos % n])
-        return out
+                random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def batch(self, step: int, version: int) -> pa.RecordBatch:
         samples = []

@@ -415,7 +415,7 @@ def _sft_data(tc: TrainerConfig, model_path: str) -> SftData | None:
         return None
     from stages.models import load_tokenizer
 
-    return SftData(tc.sft, load_tokenizer(model_path))
+    return SftData(tc.sft, load_tokenizer(model_path), max_tokens=tc.micro_batch_tokens)
 
 
 def _token_batch(batch: pa.RecordBatch) -> TokenBatch:
