@@ -986,6 +986,14 @@ MUTATIONS = [
             "tests/test_prefix_cache.py::test_every_call_of_a_group_goes_to_one_engine_of_a_pool_and_groups_still_spread",
         ),
     ),
+    Mutation(
+        "sft_rows_all_in_last_update",
+        "with trainer.mini_batches > 1 every SFT row lands in the last update",
+        "stages/trainer/packing.py",
+        "rows[k * len(rows) // m : (k + 1) * len(rows) // m]",
+        "(rows if k == m - 1 else [])",
+        ("tests/test_sft.py::test_each_update_of_a_batch_trains_its_share_of_the_sft_rows",),
+    ),
 ]
 
 

@@ -155,3 +155,16 @@ def test_a_conversation_with_nothing_to_train_or_a_broken_line_is_named(tiny, tm
     broken.write_text('{"messages": []}\n{not json\n')
     with pytest.raises(SftDataError, match="broken.jsonl:2: not JSON"):
         SftData(SftConfig(source=str(broken), samples_per_step=1), tok)
+
+
+def test_each_update_of_a_batch_trains_its_share_of_the_sft_rows():
+    """trainer.mini_batches: the SFT rows (at the batch's end) are split over the updates like the RL
+    samples, not all left to the last one; without SFT rows the parts are the consecutive slices."""
+    from types import SimpleNamespace
+
+    from stages.trainer.packing import mini_batch_parts
+
+    shard = list(range(10))
+    tb = SimpleNamespace(sft=torch.tensor([False] * 6 + [True] * 4))
+    assert mini_batch_parts(tb, shard, 2) == [[0, 1, 2, 6, 7], [3, 4, 5, 8, 9]]
+    assert mini_batch_parts(SimpleNamespace(sft=None), shard, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]

@@ -145,6 +145,17 @@ def shard_samples(tb: TokenBatch, dp: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
+def mini_batch_parts(tb: TokenBatch, shard: list[int], m: int) -> list[list[int]]:
+    """A rank's samples in `m` consecutive parts, one per update (trainer.mini_batches). SFT rows (at the
+    batch's end) are split over the parts on their own, so that each update trains its share of them."""
+    sft = set() if tb.sft is None else {i for i in shard if bool(tb.sft[i])}
+    rl, rows = [i for i in shard if i not in sft], [i for i in shard if i in sft]
+    return [
+        rl[k * len(rl) // m : (k + 1) * len(rl) // m] + rows[k * len(rows) // m : (k + 1) * len(rows) // m]
+        for k in range(m)
+    ]
+
+
 def pack(
     tb: TokenBatch,
     samples: list[int],

@@ -40,7 +40,7 @@ from stages.trainer.feed import BatchFeed, SourceExhausted
 from stages.trainer.hooks import TrainerHookContext, TrainerHooks
 from stages.trainer.offload import GRADS, OPTIMIZER, PARTS, TrainerMemory, WakingPublisher
 from stages.trainer.optimizer import lr_at
-from stages.trainer.packing import MicroBatch, TokenBatch, shard_samples, to_token_batch
+from stages.trainer.packing import MicroBatch, TokenBatch, mini_batch_parts, shard_samples, to_token_batch
 from stages.trainer.sft import SftData, mark_sft
 from stages.trainer.shaping import shape_batch
 from stages.trainer.step_metrics import (
@@ -260,7 +260,7 @@ class Trainer:
                 f"trainer.mini_batches={m} but this rank has {len(shard)} samples of the batch; lower "
                 "trainer.mini_batches or raise trainer.batch_groups"
             )
-        parts = [shard[i * len(shard) // m : (i + 1) * len(shard) // m] for i in range(m)]
+        parts = mini_batch_parts(tb, shard, m)
         packed = [self.backend.pack(tb, p) for p in parts]
         acc: dict = {}
         for epoch in range(self.tc.ppo_epochs):
