@@ -2,8 +2,14 @@
 of a CUDA-IPC weight update made while requests are in flight. Prints one JSON line last.
 
     PYTHONPATH=. python bench/gpu_sglang.py [--model PATH] [--batch 64] [--max-new 256] [--updates 5]
+    PYTHONPATH=. python bench/gpu_sglang.py --model PATH --spec NGRAM   # speculative decoding (issue #41)
 
-Without --model it builds a random-init Qwen2 (4 layers, hidden 512) in a temporary folder.
+Without --model it builds a random-init Qwen2 (4 layers, hidden 512) in a temporary folder. With --spec
+the same measurement runs twice in the invocation, without speculative decoding (the baseline) and with
+`--speculative-algorithm ALGO` (plus --spec-args), and the row has both, `spec_speedup` (tokens/s with
+over without) and whether every sampled token still came with its logprob and the updates still applied;
+an engine that fails with it records the error instead. NGRAM needs no draft model; EAGLE/MTP need one
+(--spec-args "--speculative-draft-model-path DIR ...").
 """
 
 from __future__ import annotations
@@ -31,18 +37,38 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--cuda-graph", action="store_true")
+    ap.add_argument("--spec", default="", help="also measure with --speculative-algorithm SPEC (e.g. NGRAM)")
+    ap.add_argument("--spec-args", default="", help="more SGLang flags for the speculative run")
     args = ap.parse_args()
-
     import torch
+
+    path = args.model or build_tiny()
+    row = {"bench": "gpu_sglang", "device": torch.cuda.get_device_name(0), **measure(path, args, [])}
+    if args.spec:
+        extra = ["--speculative-algorithm", args.spec, *args.spec_args.split()]
+        try:
+            spec = measure(path, args, extra)
+        except Exception as e:  # a server that refuses the combination: the reason is the result
+            spec = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        row["spec"] = {"extra_args": extra, **spec}
+        if spec.get("tokens_per_s"):
+            row["spec_speedup"] = round(spec["tokens_per_s"] / row["tokens_per_s"], 3)
+    print(json.dumps(row))
+
+
+def measure(path: str, args, extra_args: list[str]) -> dict:
+    """One server with `extra_args`: start-up, tokens/s, and the updates made while requests run."""
     from safetensors.torch import load_file
 
     from stages.rollout.config import SGLangConfig
     from stages.rollout.engine import GenRequest, SamplingParams
     from stages.rollout.sglang_engine import SGLangEngine
 
-    path = args.model or build_tiny()
     cfg = SGLangConfig(
-        mem_fraction_static=0.3, disable_cuda_graph=not args.cuda_graph, keep_weights_copy=False
+        mem_fraction_static=0.3,
+        disable_cuda_graph=not args.cuda_graph,
+        keep_weights_copy=False,
+        extra_args=list(extra_args),
     )
     t0 = time.perf_counter()
     eng = SGLangEngine(path, cfg, dtype="bfloat16")
@@ -75,22 +101,21 @@ def main() -> None:
     finally:
         eng.close()
     med = {k[:-2] + "_ms": round(statistics.median(t[k] for t in times) * 1e3, 2) for k in times[0]}
-    print(
-        json.dumps(
-            {
-                "bench": "gpu_sglang",
-                "device": torch.cuda.get_device_name(0),
-                "startup_s": round(startup, 1),
-                "batch": args.batch,
-                "tokens": ntok,
-                "tokens_per_s": round(ntok / gen_s),
-                "weights_mb": round(mb, 1),
-                "update_ms_median": med,
-                "inflight_requests_kept": kept,
-                "cuda_graph": args.cuda_graph,
-            }
-        )
-    )
+    return {
+        "startup_s": round(startup, 1),
+        "batch": args.batch,
+        "tokens": ntok,
+        "tokens_per_s": round(ntok / gen_s),
+        # every sampled token came with its logprob and version (what TIS needs)
+        "logprobs_complete": all(
+            len(r.logprobs) == len(r.versions) == len(r.response_ids) for r in res + res2
+        ),
+        "versions_after_updates": sorted({v for r in res2 for v in r.versions}),
+        "weights_mb": round(mb, 1),
+        "update_ms_median": med,
+        "inflight_requests_kept": kept,
+        "cuda_graph": args.cuda_graph,
+    }
 
 
 if __name__ == "__main__":
