@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from run_setup import small_run
 
-from pipeline.config import load_config
 from pipeline.orchestration.elastic import (
     REJECTED_FILE,
     REQUEST_FILE,
@@ -28,21 +28,6 @@ from pipeline.orchestration.placement import PlacementError, check_room
 from stages.rollout.admission import StalenessAdmission
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cfg(tmp_path, *extra):
-    return load_config(
-        None,
-        [
-            f"run.dir={tmp_path / 'run'}",
-            "run.timeout_s=120",
-            "metrics.progress=false",
-            "metrics.tensorboard=false",
-            "trainer.batch_groups=4",
-            "rollout.group_size=4",
-            *extra,
-        ],
-    )
 
 
 # -- the request file -----------------------------------------------------------------------------
@@ -72,7 +57,7 @@ def test_a_request_is_taken_once_and_a_malformed_one_is_kept_aside_with_the_fix(
     ],
 )
 def test_impossible_counts_and_setups_are_refused_naming_the_fix(tmp_path, overrides, n, says):
-    scaler = Scaler(_cfg(tmp_path, *overrides), None, None, None, None, None)
+    scaler = Scaler(small_run(tmp_path, *overrides), None, None, None, None, None)
     why = scaler.refusal(n)
     assert (says in why) if says else why == ""
     if "offload" in says or "sglang" in says:  # a way on: start again with the count
@@ -237,7 +222,7 @@ def test_a_generator_added_and_one_removed_mid_run_loses_and_repeats_nothing(tmp
     from pipeline.orchestration.metrics import MetricsWriter
     from pipeline.orchestration.progress import Progress
 
-    cfg = _cfg(tmp_path, "run.steps=12")
+    cfg = small_run(tmp_path, "run.steps=12")
     run_dir = Path(cfg.run.dir)
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
@@ -287,7 +272,7 @@ def test_an_added_generator_that_dies_is_healed_in_its_own_placement_and_can_the
     from pipeline.orchestration.metrics import MetricsWriter
     from pipeline.orchestration.progress import Progress
 
-    cfg = _cfg(tmp_path, "run.steps=14")
+    cfg = small_run(tmp_path, "run.steps=14")
     run_dir = Path(cfg.run.dir)
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)

@@ -12,26 +12,11 @@ import threading
 import time
 
 import pytest
+from run_setup import small_run
 
-from pipeline.config import load_config
 from pipeline.orchestration.launcher import Pipeline, StageFailed
 from pipeline.orchestration.metrics import MetricsWriter
 from pipeline.orchestration.progress import Progress
-
-
-def _cfg(tmp_path, *extra):
-    return load_config(
-        None,
-        [
-            f"run.dir={tmp_path / 'run'}",
-            "run.timeout_s=120",
-            "metrics.progress=false",
-            "metrics.tensorboard=false",
-            "trainer.batch_groups=4",
-            "rollout.group_size=4",
-            *extra,
-        ],
-    )
 
 
 def _kill_at_step(
@@ -77,7 +62,7 @@ def _run(cfg, tmp_path, kill_at: list[int]):
 def test_killed_generator_is_replaced_and_the_run_finishes(tmp_path, ray_session):
     from buffer.segments import iter_log, recover_segments
 
-    cfg = _cfg(tmp_path, "run.steps=10")
+    cfg = small_run(tmp_path, "run.steps=10")
     steps, history, kills, run_dir = _run(cfg, tmp_path, kill_at=[3])
     assert len(kills) == 1
     assert steps == 10 and [h["version"] for h in history if "version" in h] == list(range(1, 11))
@@ -97,7 +82,7 @@ def test_a_generator_that_dies_between_steps_is_healed_when_its_stats_are_read(t
     generators' counters. Before: the run stopped with "generator gen-0 failed: The actor is dead"."""
     import ray
 
-    cfg = _cfg(tmp_path, "run.steps=5")
+    cfg = small_run(tmp_path, "run.steps=5")
     pipe = Pipeline(cfg, tmp_path / "run")
     try:
         pipe.start()
@@ -112,7 +97,7 @@ def test_a_generator_that_dies_between_steps_is_healed_when_its_stats_are_read(t
 
 
 def test_a_generator_that_keeps_dying_stops_the_run_by_name(tmp_path, ray_session):
-    cfg = _cfg(tmp_path, "run.steps=40", "run.max_restarts=1")
+    cfg = small_run(tmp_path, "run.steps=40", "run.max_restarts=1")
     with pytest.raises(StageFailed, match=r"generator gen-0 died 2 times within run.restart_window_s"):
         _run(cfg, tmp_path, kill_at=[2, 5])
 
@@ -121,7 +106,7 @@ def test_a_killed_buffer_is_restarted_on_its_directory_and_the_run_finishes(tmp_
     """Before: the run stopped (and before that, hung with no step and no error)."""
     from buffer.segments import iter_log, recover_segments
 
-    cfg = _cfg(tmp_path, "run.steps=10")
+    cfg = small_run(tmp_path, "run.steps=10")
     run_dir = tmp_path / "run"
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
@@ -149,7 +134,7 @@ def test_a_killed_buffer_without_segments_stops_the_run_at_once_with_its_name(tm
     """buffer.durable=false: nothing to restart from, so the run stops, named, within seconds."""
     import ray
 
-    cfg = _cfg(tmp_path, "run.steps=200", "buffer.durable=false")
+    cfg = small_run(tmp_path, "run.steps=200", "buffer.durable=false")
     run_dir = tmp_path / "run"
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
@@ -181,7 +166,7 @@ def test_a_killed_trainer_restarts_from_its_checkpoint_and_the_run_finishes(
 
     from buffer.segments import iter_log
 
-    cfg = _cfg(tmp_path, "run.steps=10", f"trainer.checkpoint_every={every}", f"trainer.dp={ranks}")
+    cfg = small_run(tmp_path, "run.steps=10", f"trainer.checkpoint_every={every}", f"trainer.dp={ranks}")
     run_dir = tmp_path / "run"
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
