@@ -85,15 +85,23 @@ def verl_console_records(text: str) -> list[tuple[int, dict, float | None]]:
     return out
 
 
-def verl_file_records(text: str) -> list[tuple[int, dict]]:
-    """(step, metrics) of each line of verl's file logger that carries a step (torn lines skipped)."""
-    out = []
+def _json_objects(text: str):
+    """The JSON objects of a JSON-lines text, one per line; torn or non-object lines are skipped (a log
+    cut off mid-write ends with one)."""
     for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("data"), dict):
+        if isinstance(row, dict):
+            yield row
+
+
+def verl_file_records(text: str) -> list[tuple[int, dict]]:
+    """(step, metrics) of each line of verl's file logger that carries a step (torn lines skipped)."""
+    out = []
+    for row in _json_objects(text):
+        if isinstance(row.get("step"), int) and isinstance(row.get("data"), dict):
             data = {k: float(v) for k, v in row["data"].items() if _finite(v)}
             out.append((row["step"], data))
     return out
@@ -151,12 +159,8 @@ def _fill_times(steps: list[Step]) -> None:
 def slipstream_steps(metrics_text: str) -> list[Step]:
     """slipstream's training steps from its run directory's metrics.jsonl."""
     steps = []
-    for line in metrics_text.splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(r, dict) or "reward/mean" not in r or not isinstance(r.get("step"), int):
+    for r in _json_objects(metrics_text):
+        if "reward/mean" not in r or not isinstance(r.get("step"), int):
             continue
         steps.append(
             Step(
