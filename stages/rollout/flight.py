@@ -25,6 +25,13 @@ class Flight:
     interrupt: threading.Event = field(default_factory=threading.Event)
     recycles: int = 0  # times it was interrupted and continued (partial.py)
 
+    def recycle(self, version: int) -> None:
+        """Start its next attempt, continuing from its tokens so far, at engine `version`: the staleness
+        check counts from there, with a fresh interrupt for its requests."""
+        self.start_version, self.aborting, self.generating = version, False, True
+        self.interrupt = threading.Event()
+        self.recycles += 1
+
 
 class SendingEngine:
     """The engine as one group's generate_fn reaches it: each call first tells `sent` how many requests

@@ -52,7 +52,7 @@ from stages.rollout.engine_watch import watch_for
 from stages.rollout.flight import Flight, SendingEngine
 from stages.rollout.generate_fn import GenerateFn
 from stages.rollout.hooks import GroupFilter, apply_filter, hook_name, load_hook, resolve_filter
-from stages.rollout.partial import continue_partial, has_partial, restart_attempt
+from stages.rollout.partial import continue_partial, has_partial
 from stages.rollout.position import DATA_POS_KEY, DataPosition, ResumableGenerator
 from stages.rollout.run import RolloutRun
 from stages.rollout.scoring import score_samples
@@ -396,7 +396,7 @@ class Generator(ResumableGenerator):
         samples = await self._generate(gid, prompt, flight)
         while self.rollout.partial_rollout and flight.aborting and has_partial(samples):  # it went stale
             self.counters["groups_recycled"] += 1
-            restart_attempt(flight, self.engine.version)
+            flight.recycle(self.engine.version)
             engine = self.seeded(SendingEngine(self.engine, lambda n: None, flight), gid)
             samples = await continue_partial(
                 engine, f"{gid}-r{flight.recycles}", samples, self.params, self.id

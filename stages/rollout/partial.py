@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 from buffer.record import Sample, Status
 from stages.rollout.engine import GenRequest, SamplingParams
-from stages.rollout.flight import Flight
 from stages.rollout.hooks import fill_response
 from stages.rollout.single_turn import STATUS
 
@@ -36,14 +34,6 @@ def has_partial(samples: list[Sample] | None) -> bool:
     """Whether a group's attempt left samples to continue (interrupted before they finished). One that
     went stale after its generation ended goes to the buffer as it is, which judges its staleness."""
     return samples is not None and any(s.status == Status.ABORTED for s in samples)
-
-
-def restart_attempt(flight: Flight, version: int) -> None:
-    """Start a recycled group's next attempt at engine `version`: the staleness check counts from there,
-    with a fresh interrupt for its requests."""
-    flight.start_version, flight.aborting, flight.generating = version, False, True
-    flight.interrupt = threading.Event()
-    flight.recycles += 1
 
 
 async def continue_partial(
