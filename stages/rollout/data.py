@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.data_files import ROW_FORMATS, file_rows
 from stages.rollout.config import DataConfig
 from stages.rollout.tasks import Example, Task, is_task, make_task
 
@@ -83,31 +84,16 @@ def read_examples(path: Path, cfg: DataConfig, counters: dict[str, int]) -> list
             raise err
         counters["bad_lines"] += 1
 
-    if path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    bad(DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"))
-                    continue
-                try:
-                    out.append(_row_to_example(row, cfg, where))
-                except DataError as e:
-                    bad(e)
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            try:
-                out.append(_row_to_example(row, cfg, f"{path}: row {i}"))
-            except DataError as e:
-                bad(e)
-    else:
+    if path.suffix not in ROW_FORMATS:
         raise DataError(f"data file {path}: unsupported format {path.suffix!r}; use .jsonl or .parquet")
+    for where, row, err in file_rows(path):
+        if err is not None:
+            bad(DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})"))
+            continue
+        try:
+            out.append(_row_to_example(row, cfg, where))
+        except DataError as e:
+            bad(e)
     if not out:
         raise DataError(f"data file {path} has no usable rows")
     return out

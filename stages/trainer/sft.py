@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 
 from buffer.record import Sample, samples_to_batch
+from stages.data_files import ROW_FORMATS, file_rows
 from stages.trainer.packing import ROW_ALIGN, TokenBatch
 from stages.trainer.sft_config import SftConfig
 
@@ -41,27 +42,18 @@ class SftDataError(ValueError):
 def _read_rows(path: Path, key: str) -> list[list[dict]]:
     if not path.exists():
         raise SftDataError(f"trainer.sft.source {path} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if key not in table.column_names:
-            raise SftDataError(
-                f"{path}: no column {key!r} (trainer.sft.messages_key); has {table.column_names}"
-            )
-        return [(m if isinstance(m, list) else json.loads(m)) for m in table.column(key).to_pylist()]
+    if path.suffix not in ROW_FORMATS:
+        raise SftDataError(
+            f"trainer.sft.source {path}: unsupported format {path.suffix!r}; use .jsonl or .parquet"
+        )
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SftDataError(f"{path}:{n}: not JSON ({e.msg}); fix or remove the line") from None
-            if not isinstance(row, dict) or key not in row:
-                raise SftDataError(f"{path}:{n}: no {key!r} key (trainer.sft.messages_key)")
-            rows.append(row[key])
+    for where, row, err in file_rows(path):
+        if err is not None:
+            raise SftDataError(f"{where}: not JSON ({err.msg}); fix or remove the line")
+        if not isinstance(row, dict) or key not in row:
+            raise SftDataError(f"{where}: no {key!r} key (trainer.sft.messages_key)")
+        messages = row[key]  # Parquet files often hold a list column as JSON text
+        rows.append(json.loads(messages) if isinstance(messages, str) else messages)
     return rows
 
 
