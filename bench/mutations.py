@@ -994,6 +994,14 @@ MUTATIONS = [
         "(rows if k == m - 1 else [])",
         ("tests/test_sft.py::test_each_update_of_a_batch_trains_its_share_of_the_sft_rows",),
     ),
+    Mutation(
+        "world_left_under_a_running_writer",
+        "a rank leaves the world at once at its normal end, under a checkpoint writer still committing",
+        "stages/trainer/world.py",
+        "    atexit.register(leave_world)",
+        "    leave_world()",
+        ("tests/test_world.py",),
+    ),
 ]
 
 

@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"trainer finished at version {trainer.version}; run dir {run_dir}; last loss {last.get('loss')}"
         )
-    from stages.trainer.world import leave_world
+    from stages.trainer.world import leave_world_at_exit
 
-    leave_world()
+    leave_world_at_exit()
     return 0
 
 

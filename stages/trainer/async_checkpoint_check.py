@@ -124,7 +124,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from stages.trainer.world import leave_world
+    from stages.trainer.world import leave_world_at_exit
 
     main()
-    leave_world()
+    leave_world_at_exit()

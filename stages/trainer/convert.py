@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"convert: {e}") from None
         print(f"converted {a.direction}: {a.out}")
         return
-    from stages.trainer.world import leave_world
+    from stages.trainer.world import leave_world_at_exit
 
     convert(a)
-    leave_world()
+    leave_world_at_exit()
 
 
 if __name__ == "__main__":

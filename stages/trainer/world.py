@@ -3,6 +3,7 @@ megatron's groups) and the fsdp backend both start here."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -40,3 +41,11 @@ def leave_world() -> None:
     still write an export for longer than the group's timeout while the others leave."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_world_at_exit() -> None:
+    """Call at a rank's normal end: leave_world() runs once the interpreter has joined its non-daemon
+    threads (CPython runs atexit callbacks after them) and before it finalizes. An asynchronous
+    checkpoint's writer thread that is still committing uses the world (its rank, the ranks' gather),
+    so leaving at once, while it runs, would drop that last checkpoint."""
+    atexit.register(leave_world)
