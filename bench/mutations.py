@@ -1002,6 +1002,38 @@ MUTATIONS = [
         "    leave_world()",
         ("tests/test_world.py",),
     ),
+    Mutation(
+        "sglang_lora_tokens_take_the_chunk_stamp",
+        "under SGLang LoRA serving a request's tokens take the server's version stamp, not their adapter's",
+        "stages/rollout/sglang_engine.py",
+        "v = fixed if fixed is not None else stamp if stamp == prev else min(prev, stamp)",
+        "v = stamp if stamp == prev else min(prev, stamp)",
+        ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "sglang_lora_unloads_an_adapter_in_use",
+        "an SGLang adapter that requests in flight still use is unloaded at the next push",
+        "stages/rollout/sglang_lora.py",
+        "if n != current and not self._in_flight[n]]",
+        "if n != current]",
+        ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "sglang_lora_relaunch_keeps_adapters",
+        "a relaunched SGLang server is still sent requests under an adapter it no longer holds",
+        "stages/rollout/sglang_engine.py",
+        "                self.served.forget()",
+        "                pass",
+        ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "sglang_lora_scales_twice",
+        "the adapter is announced with an alpha that scales the already scaled B again",
+        "stages/rollout/sglang_lora.py",
+        '"lora_alpha": rank,',
+        '"lora_alpha": 2 * rank,',
+        ("tests/test_sglang_lora.py",),
+    ),
 ]
 
 

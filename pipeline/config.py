@@ -22,6 +22,7 @@ from stages.config_loader import ConfigError, error_at, load_tree
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
 from stages.rollout.run import RolloutRun
+from stages.rollout.sglang_lora import LoraServing
 from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
@@ -288,8 +289,17 @@ def effective_staleness(cfg: RunConfig) -> int:
 
 def rollout_run(cfg: RunConfig) -> RolloutRun:
     """The run-wide values of the rollout stage (generators and their engines)."""
+    lora = cfg.trainer.lora
+    serving = None
+    if lora.rank and lora.push == "adapter" and cfg.rollout.engine == "sglang":
+        # a batch may mix the adapters of every version a request still in flight was sent under
+        slots = effective_staleness(cfg) + 2
+        serving = LoraServing(lora.rank, tuple(lora.target_modules), max_loras_per_batch=slots)
     return RolloutRun(
-        seed=cfg.run.seed, max_staleness=effective_staleness(cfg), routing_replay=cfg.trainer.routing_replay
+        seed=cfg.run.seed,
+        max_staleness=effective_staleness(cfg),
+        routing_replay=cfg.trainer.routing_replay,
+        lora_serving=serving,
     )
 
 
@@ -305,6 +315,24 @@ def trainer_run(cfg: RunConfig, run_dir: str) -> TrainerRun:
         fp32_lm_head=cfg.model.fp32_lm_head,
         max_new_tokens=cfg.rollout.sampling.max_new_tokens,
     )
+
+
+def _check_sglang_adapter_pushes(cfg: RunConfig) -> None:
+    """trainer.lora.push=adapter on SGLang: the generator loads each push into its servers as a LoRA
+    adapter (stages/rollout/sglang_lora.py), so the push must reach the generator, and carry adapters only."""
+    if cfg.weights.transport != "cpu":
+        raise ConfigError(
+            f"trainer.lora.push=adapter with rollout.engine=sglang and weights.transport="
+            f"{cfg.weights.transport}: the adapters are loaded into the servers by their generator (SGLang's "
+            "LoRA serving), so pushes go through it: set weights.transport=cpu (or trainer.lora.push=merge)"
+        )
+    if cfg.trainer.lora.modules_to_save:
+        raise ConfigError(
+            f"trainer.lora.push=adapter with rollout.engine=sglang and trainer.lora.modules_to_save="
+            f"{cfg.trainer.lora.modules_to_save}: SGLang's LoRA serving applies adapters over a base it keeps, "
+            "and a module trained whole would change that base; train the adapters alone or use "
+            "trainer.lora.push=merge"
+        )
 
 
 def validate(cfg: RunConfig) -> None:
@@ -336,11 +364,7 @@ def validate(cfg: RunConfig) -> None:
             "update), or leave the radix cache off"
         )
     if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":
-        raise ConfigError(
-            "trainer.lora.push=adapter sends LoRA adapters for the engines to apply, which only the torch "
-            "engine takes; SGLang servers get whole tensors: set trainer.lora.push=merge (the merged "
-            "tensors that have adapters)"
-        )
+        _check_sglang_adapter_pushes(cfg)
     if c.rollout_num_gpus and not c.colocate and r.engine == "sglang":
         need = r.num_generators * r.engines_per_generator * r.sglang.tp_size
         if c.rollout_num_gpus != need:

@@ -272,11 +272,3 @@ def test_one_lora_step_raises_the_logprobs_of_positive_advantage_tokens(tmp_path
     moved = sum(float(abs(d).sum()) for d in delta)
     assert moved > 1e-2 * sum(len(d) for d in delta), (gain, moved)
     assert gain > 0.5 * moved, (gain, moved)
-
-
-def test_adapter_pushes_to_sglang_are_refused_when_the_config_loads():
-    from pipeline.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="set trainer.lora.push=merge"):
-        load_config(None, ["trainer.lora.rank=4", "trainer.lora.push=adapter", "rollout.engine=sglang"])
-    load_config(None, ["trainer.lora.rank=4", "trainer.lora.push=adapter"])  # the torch engine takes them

@@ -61,6 +61,7 @@ def build_engine(
             fp32_lm_head=model.fp32_lm_head,
             name=name,
             record_routing=run.routing_replay,
+            lora=run.lora_serving,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 

@@ -21,6 +21,7 @@ import torch
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult
 from stages.rollout.sglang_engine import SGLangEngine
+from stages.rollout.sglang_lora import LoraServing
 
 MAX_AFFINITY_KEYS = 65536  # keys remembered (least recently used dropped): far more than episodes in flight
 
@@ -48,6 +49,7 @@ class EnginePool(Engine):
         fp32_lm_head: bool = False,
         name: str = "sglang",
         record_routing: bool = False,
+        lora: LoraServing | None = None,
     ) -> EnginePool:
         """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free),
         named (and logged as) `name`-i: several generators' pools share one log directory."""
@@ -65,6 +67,7 @@ class EnginePool(Engine):
                 port=port,
                 fp32_lm_head=fp32_lm_head,
                 record_routing=record_routing,
+                lora=lora,
             )
 
         with ThreadPoolExecutor(n) as ex:
@@ -144,6 +147,11 @@ class EnginePool(Engine):
     @property
     def version(self) -> int:
         return min(e.version for e in self.engines)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether pushes are LoRA adapters the servers apply over their base (sglang_lora.py)."""
+        return all(e.serves_adapters for e in self.engines)
 
     @property
     def urls(self) -> list[str]:

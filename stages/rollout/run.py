@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stages.rollout.sglang_lora import LoraServing
+
 
 @dataclass(frozen=True)
 class RolloutRun:
@@ -14,6 +16,8 @@ class RolloutRun:
     # token may lag the trainer, which bounds what a generator starts (see generator.py)
     max_staleness: int = 2
     routing_replay: bool = False  # trainer.routing_replay: the engines record each token's experts
+    # trainer.lora.push=adapter on SGLang: the servers serve the trainer's adapters (sglang_lora.py)
+    lora_serving: LoraServing | None = None
 
     def __post_init__(self):
         if self.max_staleness < 0:

@@ -25,7 +25,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 import weakref
 from pathlib import Path
 
@@ -36,9 +35,10 @@ from buffer.net import free_port
 from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, interrupted
 from stages.rollout.routing import RoutingRows
+from stages.rollout.sglang_lora import LoraServing, ServedAdapters
 from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
 from stages.rollout.sglang_updates import SGLangWeightUpdates
-from stages.rollout.sglang_wire import as_version, cache_namespace, finish_reason, sampling_body
+from stages.rollout.sglang_wire import as_version, cache_namespace, finish_reason, generate_body
 from stages.rollout.stop_strings import StopStrings
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,10 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         start: bool = True,
         fp32_lm_head: bool = False,
         record_routing: bool = False,
+        lora: LoraServing | None = None,
     ):
         self.cfg = cfg or SGLangConfig()
+        self.lora, self.served = lora, ServedAdapters()  # LoRA serving: trainer.lora.push=adapter
         self.fp32_lm_head = fp32_lm_head
         # MoE routing replay: the server returns each request's experts (--enable-return-routed-experts)
         self.routing = RoutingRows.of_model(model_path) if record_routing else None
@@ -136,6 +138,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             cmd.append("--enable-fp32-lm-head")
         if self.routing is not None:
             cmd.append("--enable-return-routed-experts")
+        cmd += self.lora.launch_args() if self.lora is not None else []
         return cmd + [str(a) for a in c.extra_args]
 
     def start(self, model_path: str | None = None, version: int | None = None) -> float:
@@ -194,12 +197,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         try:
             self._post("/freeze_gc", {}, timeout=max(self.cfg.health_timeout_s, 1.0))
         except Exception as e:  # noqa: BLE001 - best effort: a server that answers /health must not fail here
-            log.warning(
-                "%s: could not freeze the server's garbage collector (%s); generation may stall for the "
-                "length of a full collection now and then. Set rollout.sglang.freeze_gc=false to skip this.",
-                self.name,
-                e,
-            )
+            why = "generation may stall for a full collection at times (rollout.sglang.freeze_gc=false skips this)"
+            log.warning("%s: could not freeze the server's garbage collector (%s); %s", self.name, e, why)
 
     @property
     def pid(self) -> int | None:
@@ -266,6 +265,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                     self.restarts += 1
                     self._version = version
                     self.cache_namespace = cache_namespace(version, self.restarts)
+                self.served.forget()  # relaunched with no adapter: the base serves until the catch-up push
                 self.start(path, version)
                 self.release_again()  # relaunched mid-hand-over (offload): the trainer keeps its memory
             finally:
@@ -301,7 +301,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             ) from None
         out = json.loads(text) if text.strip().startswith("{") else {"text": text}
         if out.get("success") is False:
-            raise EngineError(f"{self.name}: POST {path} was refused: {out.get('message')}")
+            why = out.get("message") or out.get("error_message")  # LoRA routes say error_message
+            raise EngineError(f"{self.name}: POST {path} was refused: {why}")
         return out
 
     # -- generation ------------------------------------------------------------------------------
@@ -382,14 +383,6 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         return self.outstanding
 
     async def _generate_one(self, session, req: GenRequest, start_v: int) -> GenResult:
-        # Per-token versions. SGLang stamps each streamed chunk with the server's weight_version when the
-        # chunk is built, not per token. Updates bump the version while generation is paused, so every
-        # token first seen in a chunk whose stamp equals the previous chunk's was made by those weights;
-        # a chunk whose stamp changed can hold tokens from before the update (buffered by stream_interval
-        # or by the overlapped last batch of the pause), so its tokens get the older version (staleness
-        # is then over- never under-estimated, by at most one chunk per update).
-        import aiohttp
-
         p = req.params
         stop_text = StopStrings(p.stop, self.tokenizer()) if p.stop and not p.ignore_eos else None
         if stop_text is not None and self.routing is not None:
@@ -398,17 +391,33 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                 "routed experts when it finishes, and a stop string ends the request before; stop on "
                 "tokens (rollout.sampling.stop_token_ids) or use the torch engine"
             )
-        payload = {
-            "input_ids": list(req.prompt_ids),
-            "sampling_params": sampling_body(req.params),
-            "return_logprob": True,
-            "stream": True,
-            "rid": f"{self.name}-{uuid.uuid4().hex}",
-        }
-        if self.cfg.radix_cache:
-            payload["extra_key"] = self.cache_namespace
-        if self.routing is not None:
-            payload["return_routed_experts"] = True  # every position from the first prompt token on
+        adapter = self.served.acquire()  # LoRA serving: the request's adapter, and so its one version
+        payload = generate_body(
+            req,
+            self.name,
+            cache_key=self.cache_namespace if self.cfg.radix_cache else None,
+            routed_experts=self.routing is not None,
+            adapter=adapter[1] if adapter is not None else None,
+        )
+        try:
+            fixed = None if adapter is None else adapter[0]
+            return await self._stream(session, req, payload, stop_text, start_v, fixed)
+        finally:
+            if adapter is not None:
+                self.served.release(adapter[1])
+
+    async def _stream(
+        self, session, req: GenRequest, payload: dict, stop_text, start_v: int, fixed: int | None
+    ) -> GenResult:
+        """One /generate stream. Under LoRA serving every token has the request's adapter's version
+        (`fixed`). Otherwise SGLang stamps each streamed chunk with the server's weight_version when the
+        chunk is built, not per token. Updates bump the version while generation is paused, so
+        every token first seen in a chunk whose stamp equals the previous chunk's was made by those
+        weights; a chunk whose stamp changed can hold tokens from before the update (buffered by
+        stream_interval or by the overlapped last batch of the pause), so its tokens get the older version
+        (staleness is then over- never under-estimated, by at most one chunk per update)."""
+        import aiohttp
+
         routed = None
         ids: list[int] = []
         lps: list[float] = []
@@ -426,7 +435,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                         break
                     meta = out.get("meta_info", {})
                     stamp = as_version(meta.get("weight_version"), prev)
-                    v = stamp if stamp == prev else min(prev, stamp)
+                    v = fixed if fixed is not None else stamp if stamp == prev else min(prev, stamp)
                     for lp, tid, *_ in meta.get("output_token_logprobs") or ():
                         ids.append(int(tid))
                         lps.append(float(lp))

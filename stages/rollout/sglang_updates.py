@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import stages.weights.sglang_protocol as proto
+from stages.rollout.sglang_lora import adapter_config, adapter_name, split_adapter_push
 from stages.rollout.sglang_process import EngineError
 from stages.rollout.sglang_wire import cache_namespace
 
@@ -21,8 +22,9 @@ log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log,
 
 
 class SGLangWeightUpdates:
-    """Mixed into SGLangEngine: expects its cfg, name, gpu_id, log_dir, _post, _update_lock, _version,
-    cache_namespace (the radix cache's namespace of new requests), restarts,
+    """Mixed into SGLangEngine: expects its cfg, name, gpu_id, dtype, log_dir, _post, _update_lock, _version,
+    cache_namespace (the radix cache's namespace of new requests), restarts, lora and served (LoRA
+    serving: sglang_lora.LoraServing or None, and its ServedAdapters),
     the held-copy fields (_base, _disk, _held, _held_version, _held_pending), last_update and _stats."""
 
     # -- weight updates --------------------------------------------------------------------------
@@ -101,8 +103,52 @@ class SGLangWeightUpdates:
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        """The Engine interface: colocated push by CUDA IPC; returns the phase timings."""
+        """The Engine interface: colocated push by CUDA IPC; returns the phase timings. With LoRA serving
+        (trainer.lora.push=adapter) the push is the adapters, loaded under a new name."""
+        if self.lora is not None:
+            return self.load_adapters(named_tensors, version)
         return self.update_weights_from_tensor(named_tensors, version=version)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether pushes are LoRA adapters this server applies over its base (sglang_lora.py)."""
+        return self.lora is not None
+
+    def load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """An adapter push: load the adapters as a new adapter, send new requests under it as `version`,
+        and unload the adapters no request of ours uses any more. Generation is not paused: requests in
+        flight finish under the adapter they were sent with (sglang_lora.py says why)."""
+        adapters = split_adapter_push([(n, t.detach()) for n, t in named_tensors])
+        with self._update_lock:
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            name = adapter_name(version, self.restarts)
+            config = adapter_config(adapters, self.lora.rank)
+            dev = torch.device("cuda", self.gpu_id)
+            body, _keep = proto.lora_load_body(name, config, adapters, self.cfg.tp_size, dev, self.dtype)
+            self._post(proto.LOAD_LORA, body)
+            t["load_s"] = time.perf_counter() - t0
+            self.cache_namespace = cache_namespace(version, self.restarts)
+            self.served.switch(version, name)
+            self._post(proto.SET_VERSION, proto.version_body(version))  # the label /model_info reports
+            self._version = version
+            t1 = time.perf_counter()
+            for old in self.served.unused():
+                self._post(proto.UNLOAD_LORA, {"lora_name": old})
+                self.served.unloaded(old)
+            t["unload_s"] = time.perf_counter() - t1
+            t["total_s"] = time.perf_counter() - t0
+            self.last_update = t
+            self._stats["updates"] += 1
+            self._stats["update_s"] += t["total_s"]
+            log.info(
+                "%s: adapter %s (v%d) loaded: %s",
+                self.name,
+                name,
+                version,
+                {k: round(v, 4) for k, v in t.items()},
+            )
+        return t
 
     def update_weights_from_tensor(
         self,

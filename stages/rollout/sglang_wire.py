@@ -3,7 +3,31 @@ answers: the sampling parameters, the weight-version stamp, the finish reason.""
 
 from __future__ import annotations
 
-from stages.rollout.engine import SamplingParams
+import uuid
+
+from stages.rollout.engine import GenRequest, SamplingParams
+
+
+def generate_body(
+    req: GenRequest, engine_name: str, *, cache_key: str | None, routed_experts: bool, adapter: str | None
+) -> dict:
+    """A streamed /generate request with per-token logprobs. `cache_key`: the radix cache's namespace
+    (extra_key), None with the cache off; `routed_experts`: MoE routing replay (every position's experts,
+    from the first prompt token on); `adapter`: the LoRA adapter to serve it (LoRA serving)."""
+    body = {
+        "input_ids": list(req.prompt_ids),
+        "sampling_params": sampling_body(req.params),
+        "return_logprob": True,
+        "stream": True,
+        "rid": f"{engine_name}-{uuid.uuid4().hex}",
+    }
+    if cache_key is not None:
+        body["extra_key"] = cache_key
+    if routed_experts:
+        body["return_routed_experts"] = True
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
 
 
 def sampling_body(p: SamplingParams) -> dict:

@@ -32,6 +32,9 @@ JOIN_GROUP = "/init_weights_update_group"
 LEAVE_GROUP = "/destroy_weights_update_group"
 HEALTH = "/health"  # 200 once the server serves
 MODEL_INFO = "/model_info"  # {"weight_version": ...}: the version the server runs
+# LoRA serving (trainer.lora.push=adapter): adapters loaded and unloaded by name, the base untouched
+LOAD_LORA = "/load_lora_adapter_from_tensors"
+UNLOAD_LORA = "/unload_lora_adapter"
 
 
 def align_nccl_env(env=None):
@@ -150,3 +153,16 @@ def ipc_bucket_body(
         "flush_cache": False,
     }
     return body, data["flattened_tensor"]
+
+
+def lora_load_body(
+    name: str, config: dict, tensors: dict[str, torch.Tensor], tp_size: int, device, dtype: str
+) -> tuple[dict, torch.Tensor]:
+    """The /load_lora_adapter_from_tensors body for adapter `name` (PEFT-named tensors, copied to `device`
+    in the server's `dtype`, and their PEFT `config`), and the flat tensor the server maps by CUDA IPC
+    (kept alive by the caller until the server answered). The same flattened bucket as a weight push;
+    every TP rank takes the whole adapter and slices its own part."""
+    bucket = [(n, t.to(device, getattr(torch, dtype))) for n, t in tensors.items()]
+    body, flat = ipc_bucket_body(bucket, tp_size, device)
+    del body["flush_cache"]  # a weight push's field; an adapter load touches no KV
+    return {"lora_name": name, "config_dict": config, **body}, flat

@@ -375,17 +375,18 @@ class WeightReceiver:
 
     def _announce_adapters(self, tensors: dict) -> None:
         """An adapter push (trainer.lora.push=adapter) names adapter tensors the engine's model has no
-        room for yet: the torch engine builds it before it applies the update (torch_model.py)."""
+        room for yet: the torch engine builds it before it applies the update (torch_model.py). SGLang
+        servers with LoRA serving load them as an adapter of their own (sglang_lora.py)."""
         from stages.rollout.torch_model import announce_adapters, is_adapter
 
         shapes = {n: tuple(t.shape) for n, t in tensors.items() if is_adapter(n)}
-        if not shapes:
+        if not shapes or getattr(self.engine, "serves_adapters", False):
             return
         model = getattr(self.engine, "model", None)
         if model is None:
             raise ValueError(
-                f"{type(self.engine).__name__} takes no LoRA adapters (trainer.lora.push=adapter is the torch "
-                "engine's); use trainer.lora.push=merge"
+                f"{type(self.engine).__name__} takes no LoRA adapters (trainer.lora.push=adapter needs the "
+                "torch engine, or SGLang servers launched for LoRA serving); use trainer.lora.push=merge"
             )
         announce_adapters(model, shapes)
 

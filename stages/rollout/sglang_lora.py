@@ -1,0 +1,123 @@
+"""Adapter pushes into SGLang's LoRA serving (trainer.lora.push=adapter with rollout.engine=sglang, issue
+#37): the server keeps one copy of the base model, each push loads the trained adapters under a new name,
+and requests name the adapter they are to be served by.
+
+Why a new name per version rather than one adapter updated in place: SGLang binds a request to its
+adapter when the request is admitted, so the requests in flight at a push go on under the adapter they
+were sent with, and every token of a request comes from one version (the request's version is its
+adapter's: exact, with no pause of generation and no relabelled chunk). An adapter is unloaded once no
+request of ours uses it any more (at the next push: unloading waits for the server's requests under it).
+
+The server is launched with LoRA serving on (`LoraServing.launch_args`) and the load goes through
+/load_lora_adapter_from_tensors (stages/weights/sglang_protocol.lora_load_body): the tensors by CUDA IPC,
+as a weight push's. The adapter tensors arrive as the trainer sends them (lora_peft.adapter_push_state):
+`<HF module>.lora_A.weight` / `.lora_B.weight` with alpha/r folded into B, so the adapter is announced with
+lora_alpha = r (SGLang's scaling alpha/r is then 1).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: RolloutRun (run.py) imports LoraServing without torch
+    import torch
+
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."  # how PEFT (and SGLang's adapter loader) names an adapter's tensors
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """What a server needs to serve the trainer's adapters: trainer.lora's rank and target modules, and
+    how many adapters (versions) one batch may mix."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    max_loras_per_batch: int = 4
+
+    def launch_args(self) -> list[str]:
+        """sglang.launch_server's arguments for LoRA serving with no adapter loaded at start."""
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.rank),
+            "--lora-target-modules",
+            *self.target_modules,
+            "--max-loras-per-batch",
+            str(self.max_loras_per_batch),
+        ]
+
+
+def adapter_name(version: int, relaunches: int) -> str:
+    """The adapter's name on the server: unique per version and per relaunch of the server (a catch-up
+    push after a relaunch loads the same version again into a server that never had it)."""
+    return f"slipstream-v{version}.r{relaunches}"
+
+
+def split_adapter_push(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of an adapter push by PEFT's names. Anything else (a module trained whole)
+    would change the base under every adapter in use: refused, naming it."""
+    others = [n for n, _ in named if not (n.endswith(LORA_A) or n.endswith(LORA_B))]
+    if others:
+        raise ValueError(
+            f"an adapter push to SGLang carries {others[:3]} besides the adapters: SGLang's LoRA serving "
+            "applies adapters over a base it keeps; train no modules whole (trainer.lora.modules_to_save: "
+            "[]) or use trainer.lora.push=merge"
+        )
+    return {PEFT_PREFIX + n: t for n, t in named}
+
+
+def adapter_config(tensors: dict[str, torch.Tensor], rank: int) -> dict:
+    """The PEFT adapter_config SGLang reads: the modules the tensors adapt, rank r, and lora_alpha = r
+    (alpha/r is folded into B already)."""
+    modules = sorted({n[: -len(LORA_A)].rsplit(".", 1)[-1] for n in tensors if n.endswith(LORA_A)})
+    return {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": modules, "bias": "none"}
+
+
+class ServedAdapters:
+    """Which adapter new requests are sent under, and how many of our requests each loaded adapter still
+    serves. Thread-safe: requests start and end on the generator's event loop, pushes come on the weight
+    receiver's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: tuple[int, str] | None = None  # (version, name); None: the base model serves
+        self.loaded: list[str] = []
+        self._in_flight: collections.Counter[str] = collections.Counter()
+
+    def acquire(self) -> tuple[int, str] | None:
+        """For a request about to be sent: the (version, name) to send it under, counted until release()."""
+        with self._lock:
+            if self.current is not None:
+                self._in_flight[self.current[1]] += 1
+            return self.current
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._in_flight[name] -= 1
+            if self._in_flight[name] <= 0:
+                del self._in_flight[name]
+
+    def switch(self, version: int, name: str) -> None:
+        """`name` (just loaded) serves new requests from now on, as `version`."""
+        with self._lock:
+            self.loaded.append(name)
+            self.current = (version, name)
+
+    def unused(self) -> list[str]:
+        """Loaded adapters that no request of ours uses and new ones will not: the ones to unload."""
+        with self._lock:
+            current = self.current[1] if self.current else None
+            return [n for n in self.loaded if n != current and not self._in_flight[n]]
+
+    def unloaded(self, name: str) -> None:
+        with self._lock:
+            self.loaded.remove(name)
+
+    def forget(self) -> None:
+        """The server was relaunched: it holds no adapter, and serves the base until the next push."""
+        with self._lock:
+            self.current, self.loaded = None, []

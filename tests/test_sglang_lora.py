@@ -1,0 +1,147 @@
+"""Adapter pushes into SGLang's LoRA serving (trainer.lora.push=adapter with rollout.engine=sglang, issue
+#37; stages/rollout/sglang_lora.py). The SGLang server is the streaming stub of the sampling-knob tests,
+and the adapter load's CUDA IPC body (GPU-only) is replaced by a recorder: what is checked is what the
+client sends and keeps: the launch flags, each push's adapter name, config and tensors, the adapter and
+the version of every request, and which adapters are unloaded when."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from stages.rollout.engine import GenRequest, SamplingParams
+from stages.rollout.sglang_lora import LoraServing
+from tests.test_rollout_sampling_knobs import _StreamingStub, stub_engine  # noqa: F401 - the SGLang stub
+
+ADAPTERS = {
+    "model.layers.0.self_attn.q_proj.lora_A.weight": torch.full((4, 8), 0.5),
+    "model.layers.0.self_attn.q_proj.lora_B.weight": torch.full((8, 4), 0.25),
+    "model.layers.1.mlp.down_proj.lora_A.weight": torch.ones(4, 16),
+    "model.layers.1.mlp.down_proj.lora_B.weight": torch.ones(8, 4),
+}
+
+
+@pytest.fixture
+def served(stub_engine, monkeypatch):  # noqa: F811 - the fixture
+    """The stub engine with LoRA serving of rank 4; its control calls and adapter loads recorded."""
+    import stages.weights.sglang_protocol as proto
+
+    eng = stub_engine
+    eng.lora = LoraServing(4, ("q_proj", "down_proj"))
+    eng.posted = []
+    eng._post = lambda path, body=None, **kw: eng.posted.append((path, body)) or {}
+
+    def load_body(name, config, tensors, tp_size, device, dtype):
+        return {"lora_name": name, "config_dict": config, "tensors": dict(tensors), "dtype": dtype}, None
+
+    monkeypatch.setattr(proto, "lora_load_body", load_body)
+    _StreamingStub.tokens = list(b"abcd")
+    return eng
+
+
+def _generate(eng):
+    req = GenRequest(prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=4), rid="q")
+    (r,) = asyncio.run(eng.generate([req]))
+    return _StreamingStub.bodies[-1], r
+
+
+def _paths(eng, path):
+    return [body for p, body in eng.posted if p == path]
+
+
+def test_a_server_for_adapter_pushes_is_launched_with_lora_serving_on(served):
+    cmd = served._command("/m", 0)
+    i = cmd.index("--lora-target-modules")
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "4"
+    assert cmd[i + 1 : i + 3] == ["q_proj", "down_proj"]
+    assert cmd[cmd.index("--max-loras-per-batch") + 1] == "4"
+    served.lora = None
+    assert "--enable-lora" not in served._command("/m", 0)
+
+
+def test_an_adapter_push_loads_a_new_adapter_and_new_requests_are_served_by_it_as_its_version(served):
+    body, r = _generate(served)
+    assert "lora_path" not in body and r.versions == [0] * 4  # before any push: the base model
+    served.update_weights(list(ADAPTERS.items()), 3)
+    (load,) = _paths(served, "/load_lora_adapter_from_tensors")
+    assert load["lora_name"] == "slipstream-v3.r0" and load["dtype"] == served.dtype
+    assert load["config_dict"] == {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 4,  # alpha/r is folded into B by the trainer: SGLang's scaling must be 1
+        "target_modules": ["down_proj", "q_proj"],
+        "bias": "none",
+    }
+    assert load["tensors"].keys() == {"base_model.model." + n for n in ADAPTERS}
+    for n, t in ADAPTERS.items():
+        assert torch.equal(load["tensors"]["base_model.model." + n], t)
+    assert _paths(served, "/update_weight_version")[-1]["new_version"] == "3"
+    assert not _paths(served, "/pause_generation")  # generation goes on around an adapter load
+    body, r = _generate(served)
+    # the stub stamps every chunk "0": under LoRA serving a request's tokens are its adapter's version
+    assert body["lora_path"] == "slipstream-v3.r0" and r.versions == [3] * 4
+    assert served.version == 3 and served.requests_in_flight() == 0
+
+
+def test_an_adapter_is_unloaded_only_once_no_request_uses_it(served):
+    served.update_weights(list(ADAPTERS.items()), 1)
+    in_flight = served.served.acquire()  # a request sent under v1, still streaming
+    assert in_flight == (1, "slipstream-v1.r0")
+    served.update_weights(list(ADAPTERS.items()), 2)
+    assert not _paths(served, "/unload_lora_adapter")  # v1 still serves that request
+    served.served.release(in_flight[1])
+    served.update_weights(list(ADAPTERS.items()), 3)
+    assert [b["lora_name"] for b in _paths(served, "/unload_lora_adapter")] == [
+        "slipstream-v1.r0",
+        "slipstream-v2.r0",
+    ]
+    assert served.served.loaded == ["slipstream-v3.r0"]
+
+
+def test_a_relaunched_server_serves_the_base_until_the_catch_up_push_loads_under_a_new_name(served):
+    served.update_weights(list(ADAPTERS.items()), 2)
+    served._stop = lambda: None
+    served.start = lambda path, version: None
+    served.restart()
+    body, r = _generate(served)
+    assert "lora_path" not in body and r.versions == [0] * 4  # the relaunch holds no adapter
+    served.update_weights(list(ADAPTERS.items()), 2)  # the transport's catch-up
+    assert _paths(served, "/load_lora_adapter_from_tensors")[-1]["lora_name"] == "slipstream-v2.r1"
+    assert _generate(served)[0]["lora_path"] == "slipstream-v2.r1"
+
+
+def test_an_adapter_push_that_carries_a_whole_module_is_refused_naming_the_key(served):
+    with pytest.raises(ValueError, match="modules_to_save"):
+        served.update_weights([*ADAPTERS.items(), ("model.embed_tokens.weight", torch.ones(3, 8))], 1)
+    assert not _paths(served, "/load_lora_adapter_from_tensors") and served.version == 0
+
+
+def test_the_cpu_transport_delivers_an_adapter_push_to_a_server_with_lora_serving(served):
+    from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
+
+    sender = ZmqWeightSender(timeout_s=20, min_engines=1)
+    receiver = WeightReceiver(sender.address, served, name="sglang")
+    try:
+        sender.push(5, list(ADAPTERS.items())).result()
+        assert receiver.applied == [5] and served.version == 5
+        assert _paths(served, "/load_lora_adapter_from_tensors")[-1]["lora_name"] == "slipstream-v5.r0"
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_the_config_takes_adapter_pushes_to_sglang_through_the_generator_only():
+    from pipeline.config import ConfigError, load_config, rollout_run
+
+    args = ["trainer.lora.rank=4", "trainer.lora.push=adapter", "rollout.engine=sglang"]
+    with pytest.raises(ConfigError, match="weights.transport=cpu"):
+        load_config(None, args)  # auto picks a transport that pushes into the servers directly
+    with pytest.raises(ConfigError, match="modules_to_save"):
+        load_config(None, [*args, "weights.transport=cpu", "trainer.lora.modules_to_save=[embed_tokens]"])
+    cfg = load_config(None, [*args, "weights.transport=cpu", "run.max_staleness=3"])
+    serving = rollout_run(cfg).lora_serving
+    assert serving.rank == 4 and serving.target_modules == tuple(cfg.trainer.lora.target_modules)
+    assert serving.max_loras_per_batch == 5  # every version a request in flight may still be under
+    assert rollout_run(load_config(None, ["trainer.lora.rank=4"])).lora_serving is None  # merge pushes
