@@ -1034,6 +1034,16 @@ MUTATIONS = [
         '"lora_alpha": 2 * rank,',
         ("tests/test_sglang_lora.py",),
     ),
+    Mutation(
+        "lora_init_from_not_pushed_at_start",
+        "adapters started from a PEFT folder are not pushed before the first step: v0 samples come from the base",
+        "stages/trainer/trainer.py",
+        "self.engines_start_behind = bool(state) or bool(tc.lora.rank and tc.lora.init_from)",
+        "self.engines_start_behind = bool(state)",
+        (
+            "tests/test_lora.py::test_adapters_from_a_peft_folder_make_the_launcher_push_before_the_first_step",
+        ),
+    ),
 ]
 
 

@@ -144,6 +144,22 @@ def test_init_from_a_peft_folder_starts_where_it_was_saved(one_rank, dist1):
         build_policy(path, lora=LoraConfig(rank=4, init_from=str(d)), ddp=False)
 
 
+def test_adapters_from_a_peft_folder_make_the_launcher_push_before_the_first_step(one_rank, tmp_path):
+    """The engines start from the model folder at version 0. With init_from, version 0 is other weights
+    (base + the folder's adapters), so the launcher must push them before the first samples are made, as
+    after a resume (pipeline/orchestration/actors.py reads Trainer.engines_start_behind)."""
+    from test_trainer_direction import _cfg
+    from trainer_setup import make_trainer
+
+    path, d, _ = one_rank
+    cfg = _cfg()
+    cfg.trainer.lora = LoraConfig(rank=4, alpha=8.0)
+    assert not make_trainer(cfg, ListSource([]), path, tmp_path / "fresh").engines_start_behind
+    cfg.trainer.lora = LoraConfig(rank=4, alpha=8.0, init_from=str(d / "tp1" / "adapter"))
+    tr = make_trainer(cfg, ListSource([]), path, tmp_path / "from_peft")
+    assert tr.version == 0 and tr.engines_start_behind
+
+
 def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
     path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
     args = ("--lora-rank", "4", "--optimizer", "adam", "--lr", "0.01")

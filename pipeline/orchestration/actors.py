@@ -356,9 +356,10 @@ class TrainerActor(_Located):
             sender=self.sender,
         )
         self.offload = cfg.cluster.offload
-        if (self.trainer.version > 0 or push_now) and not self.offload.on:
-            # resumed from a checkpoint: the engines start from the base model at version 0, and their
-            # groups would all be too stale; send them the checkpoint's weights first (in the background:
+        if (self.trainer.engines_start_behind or push_now) and not self.offload.on:
+            # resumed or loaded from a checkpoint, or adapters from a PEFT folder: the engines start from
+            # the base model at version 0, and their groups would be too stale (or, at version 0, made by
+            # other weights than the version says); send them the trainer's weights first (in the background:
             # the sender waits for the engines to connect, and they are started after the trainer).
             # Collective: every rank takes part in gathering the weights. With cluster.offload the
             # hand-over pushes instead, into engines that have woken their weights for it (handover.py).

@@ -121,6 +121,10 @@ class Trainer:
             path = resolve_checkpoint(tc.load, tc.ckpt_step)
             state = self.checkpoints.load(parts, path, optimizer=not tc.finetune, backend=backend)
             self.version = 0 if tc.finetune else int(state["version"])
+        # the engines start from the model folder: they lack this trainer's weights when it resumed or
+        # loaded a checkpoint (trainer.finetune's too, at version 0) or its adapters start from a PEFT
+        # folder, and then the launcher pushes its weights before the first step
+        self.engines_start_behind = bool(state) or bool(tc.lora.rank and tc.lora.init_from)
         self.hooks = TrainerHooks(tc.hooks)
         self.hooks.call("init", self._hook_context())
         self.start_version = self.version  # where this trainer began (resumed): logs and tests only
