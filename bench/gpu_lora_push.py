@@ -1,0 +1,172 @@
+"""LoRA pushes into one live SGLang server (issue #37's GPU goals), all on one server in one run:
+
+- adapter push (trainer.lora.push=adapter): the adapters loaded as a new adapter by the engine's
+  load_adapters (stages/rollout/sglang_lora.py), idle and while 64 requests generate; goal <= 50 ms;
+- merged push (push=merge): base + B.A of the adapted tensors only, by CUDA IPC;
+- full push: every tensor of the model, by CUDA IPC (the baseline the merged push must not be slower than);
+- correctness: greedy samples served under the adapter, their logprobs against an HF forward of the merged
+  model (fp32) on the same tokens, and every token of a request carrying its adapter's version.
+
+    PYTHONPATH=. python bench/gpu_lora_push.py [--model DIR|smollm2-135m] [--rank 64] [--pushes 10]
+
+Adapters are random (A and B ~ N(0, 0.02^2)) on every decoder layer's q/k/v/o/gate/up/down, as a trained
+one's shapes and bytes are; B is sent with alpha/r folded in, as the trainer sends it. Appends its JSON line
+to bench/results/gpu_lora_push.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _results import record  # bench/ is on sys.path when a bench runs
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def model_dir(name: str) -> str:
+    from pipeline.config import ModelConfig
+    from stages.models import resolve_model
+
+    if Path(name).is_dir():
+        return name
+    return str(resolve_model(ModelConfig(name=name, cache_dir="/tmp/models-lora-push")))
+
+
+def linears(path: str) -> dict[str, tuple[int, int]]:
+    """Every targeted decoder linear: HF module name -> (out, in)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = (
+        cfg["num_attention_heads"] * head,
+        cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head,
+    )
+    shapes = {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }
+    return {f"model.layers.{i}.{m}": s for i in range(layers) for m, s in shapes.items()}
+
+
+def random_adapters(path: str, rank: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for module, (o, i) in linears(path).items():
+        out[f"{module}.lora_A.weight"] = torch.randn(rank, i, generator=g) * 0.02
+        out[f"{module}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.02
+    return out
+
+
+def merged(base: dict, adapters: dict) -> dict:
+    """base + B.A for every adapted weight (fp32 sum, the base's dtype), on the GPU."""
+    out = {}
+    for name in adapters:
+        if name.endswith(".lora_A.weight"):
+            module = name[: -len(".lora_A.weight")]
+            a, b = adapters[name].cuda(), adapters[f"{module}.lora_B.weight"].cuda()
+            w = base[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.float() + b @ a).to(w.dtype)
+    return out
+
+
+def ms(xs: list[float]) -> float:
+    return round(statistics.median(xs) * 1e3, 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--pushes", type=int, default=10)
+    ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "gpu_lora_push.jsonl"))
+    args = ap.parse_args()
+    import torch
+    from gpu_push import Load
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from stages.rollout.config import SGLangConfig
+    from stages.rollout.engine import GenRequest, SamplingParams
+    from stages.rollout.sglang_engine import SGLangEngine
+    from stages.rollout.sglang_lora import LoraServing
+
+    path = model_dir(args.model)
+    base = {}
+    for f in Path(path).glob("*.safetensors"):
+        base.update({k: v.cuda() for k, v in load_file(f).items()})
+    cfg = SGLangConfig(mem_fraction_static=0.5, keep_weights_copy=False)
+    eng = SGLangEngine(path, cfg, dtype="bfloat16", lora=LoraServing(args.rank, TARGETS))
+    row: dict = {"bench": "gpu_lora_push", "model": args.model, "rank": args.rank}
+    try:
+        adapters = [random_adapters(path, args.rank, seed) for seed in range(args.pushes + 1)]
+        row["adapter_mb"] = round(sum(t.numel() * 2 for t in adapters[0].values()) / 2**20, 1)  # as bf16
+        row["model_mb"] = round(sum(t.numel() * t.element_size() for t in base.values()) / 2**20, 1)
+        idle = [eng.update_weights(list(adapters[v].items()), v + 1)["total_s"] for v in range(args.pushes)]
+        with Load(eng.url):
+            busy = [
+                eng.update_weights(list(adapters[v].items()), args.pushes + v + 1)["total_s"]
+                for v in range(args.pushes)
+            ]
+        last = adapters[args.pushes - 1]
+        version = eng.version
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
+        prompts = [list(range(100 + 7 * i, 116 + 7 * i)) for i in range(8)]
+        reqs = [GenRequest(prompt_ids=p, params=greedy, rid=str(i)) for i, p in enumerate(prompts)]
+        res = asyncio.run(eng.generate(reqs))
+        row["versions_exact"] = all(set(r.versions) == {version} for r in res)
+        # the reference: HF, fp32, the merged weights of the adapter the requests were served under
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        hf.load_state_dict({k: v.float() for k, v in merged(base, last).items()}, strict=False)
+        gaps = []
+        with torch.no_grad():
+            for p, r in zip(prompts, res):
+                ids = torch.tensor([p + r.response_ids], device="cuda")
+                logp = torch.log_softmax(hf(ids).logits[0, len(p) - 1 : -1].float(), -1)
+                mine = logp.gather(-1, ids[0, len(p) :, None])[:, 0].cpu()
+                gaps.append((mine - torch.tensor(r.logprobs)).abs())
+        gap = torch.cat(gaps)
+        row["logprob_gap_vs_merged_hf"] = {
+            "max": round(gap.max().item(), 4),
+            "mean": round(gap.mean().item(), 5),
+        }
+        del hf
+        # the merged and the full push, by CUDA IPC into the same server (its base), timed the same way
+        merged_named = list(merged(base, last).items())
+        merged_s, full_s = [], []
+        for v in range(args.pushes):
+            t0 = time.perf_counter()
+            eng.update_weights_from_tensor(merged_named, version=1000 + 2 * v)
+            merged_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            eng.update_weights_from_tensor(list(base.items()), version=1001 + 2 * v)
+            full_s.append(time.perf_counter() - t0)
+    finally:
+        eng.close()
+    row.update(
+        adapter_push_ms_idle=ms(idle),
+        adapter_push_ms_generating=ms(busy),
+        merged_push_ms=ms(merged_s),
+        full_push_ms=ms(full_s),
+        goal_adapter_push_le_50ms=ms(busy) <= 50.0,
+        goal_merged_not_slower_than_full=ms(merged_s) <= ms(full_s),
+    )
+    record(row, args.results, device=torch.cuda.get_device_name(0))
+
+
+if __name__ == "__main__":
+    main()
