@@ -1044,6 +1044,38 @@ MUTATIONS = [
             "tests/test_lora.py::test_adapters_from_a_peft_folder_make_the_launcher_push_before_the_first_step",
         ),
     ),
+    Mutation(
+        "teacher_logprobs_shifted_by_one",
+        "a served teacher's answer is read from its first entry (the last prompt token's) on",
+        "stages/rollout/teacher.py",
+        "lps = np.asarray([e[0] for e in entries[1:]], dtype=np.float64)",
+        "lps = np.asarray([e[0] or 0.0 for e in entries[:-1]], dtype=np.float64)",
+        ("tests/test_served_teacher.py",),
+    ),
+    Mutation(
+        "generator_never_asks_the_teacher",
+        "the generator does not ask the served teacher to score its samples",
+        "stages/rollout/generator.py",
+        "            await self.teacher.annotate(samples)",
+        "            pass",
+        ("tests/test_served_teacher.py",),
+    ),
+    Mutation(
+        "trainer_ignores_the_served_teacher",
+        "with trainer.distill.server the trainer takes no reference logprobs from the samples",
+        "stages/trainer/trainer.py",
+        "        if self.tc.distill.server:",
+        "        if False:",
+        ("tests/test_served_teacher.py",),
+    ),
+    Mutation(
+        "buffer_takes_misaligned_teacher_logprobs",
+        "the buffer's columnar check lets teacher_logprobs of another length than the response through",
+        "buffer/validate.py",
+        "bad = (taught > 0) & (taught != np.diff(ref))",
+        "bad = taught < 0",
+        ("tests/test_served_teacher.py",),
+    ),
 ]
 
 

@@ -10,6 +10,8 @@ Per-token arrays and their dtypes (all little-endian):
   rollout_logprobs  float32 one per response token: log p(token) under the *sampling* distribution
   versions          int32   one per response token: the policy version that produced that token
   loss_mask         uint8   one per response token: 1 = trained on, 0 = ignored (e.g. tool output)
+  teacher_logprobs  float32 on-policy distillation with a served teacher (optional, empty otherwise): one per
+                            response token, log p(token) under the teacher (stages/rollout/teacher.py)
   routed_experts    int16   MoE routing replay (optional, empty otherwise): for each position the trainer
                             forwards (prompt + response tokens but the last, prompt_len + response_len - 1
                             rows), the experts the engine routed it to, layer-major: row r holds
@@ -27,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from buffer.scratch import ScratchPool
+from buffer.values import routed_problem, value_problem
 
 I32 = np.dtype("<i4")
 I16 = np.dtype("<i2")
@@ -41,70 +44,9 @@ PACKED_FIELDS: dict[str, np.dtype] = {
     "versions": I32,
     "loss_mask": U8,
     "routed_experts": I16,
+    "teacher_logprobs": F32,
 }
 RESPONSE_ALIGNED = ("response_ids", "rollout_logprobs", "versions", "loss_mask")
-
-# Value bounds every sample must meet (Sample.validate; the buffer's columnar check_batch applies the same).
-# A NaN or infinite reward or logprob poisons the loss of its whole batch (and every later step through
-# the weights); a group that can never complete holds buffer capacity forever.
-MAX_GROUP_SIZE = 4096
-# |reward| above this is a reward function's bug (a sentinel, an overflow), not a signal: one such sample
-# dominates the group's advantages
-MAX_ABS_REWARD = 1e6
-# created_at / finished_at are unix seconds: 0 (unset) up to 2**32 (year 2106); milliseconds or
-# nanoseconds since the epoch, negative or non-finite values are refused
-MAX_TIMESTAMP = float(2**32)
-# a logprob is log p <= 0; float rounding of an engine's log-softmax may exceed 0 by less than this
-LOGPROB_SLACK = 1e-4
-
-
-def routed_problem(entries: int, positions: int) -> str | None:
-    """What is wrong with `entries` routed_experts values for a sample whose trainer forward has
-    `positions` positions (prompt_len + response_len - 1); None if they make whole rows (or none)."""
-    if entries == 0:
-        return None
-    if positions <= 0 or entries % positions:
-        return (
-            f"routed_experts has {entries} entries, not whole rows for the {max(positions, 0)} positions the "
-            "trainer forwards (prompt + response tokens but the last): one row of moe_layers x top_k expert "
-            "ids per position, or none at all"
-        )
-    return None
-
-
-def value_problem(
-    *, reward, group_size, token_ids, logprobs, versions, loss_mask, routed=None, times=None
-) -> str:
-    """The first out-of-range value among these arrays, described with the bound and the fix; "" if none.
-    Shared by Sample.validate (one sample) and buffer.validate.check_batch (whole columns). `times`:
-    {"created_at": array, "finished_at": array}."""
-    if not np.isfinite(reward).all():
-        return f"reward {reward[~np.isfinite(reward)][0]} is not finite; a reward must be a real number"
-    if len(reward) and np.abs(reward).max() > MAX_ABS_REWARD:
-        bad = reward[np.abs(reward) > MAX_ABS_REWARD][0]
-        return f"reward {bad} outside [-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}] (MAX_ABS_REWARD); scale the reward"
-    for name, t in (times or {}).items():
-        out = ~np.isfinite(t) | (t < 0) | (t > MAX_TIMESTAMP)
-        if out.any():
-            return (
-                f"{name} {t[out][0]} outside [0, {MAX_TIMESTAMP:.0f}] (MAX_TIMESTAMP): unix seconds, "
-                "e.g. time.time(), not milliseconds or nanoseconds"
-            )
-    if ((group_size < 1) | (group_size > MAX_GROUP_SIZE)).any():
-        bad = group_size[(group_size < 1) | (group_size > MAX_GROUP_SIZE)][0]
-        return f"group_size {bad} outside [1, {MAX_GROUP_SIZE}]"
-    if len(token_ids) and token_ids.min() < 0:
-        return f"token id {token_ids.min()} is negative; token ids index the vocabulary"
-    if len(logprobs) and not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_SLACK):
-        bad = logprobs[~np.isfinite(logprobs) | (logprobs > LOGPROB_SLACK)][0]
-        return f"rollout_logprobs holds {bad}; a logprob must be finite and <= 0"
-    if len(versions) and versions.min() < 0:
-        return f"versions holds {versions.min()}; a token's policy version is >= 0"
-    if len(loss_mask) and loss_mask.max() > 1:
-        return f"loss_mask holds {loss_mask.max()}; it must be 0 or 1 per token"
-    if routed is not None and len(routed) and routed.min() < 0:
-        return f"routed_experts holds {routed.min()}; an expert id is >= 0"
-    return ""
 
 
 class Status(enum.StrEnum):
@@ -134,6 +76,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     versions: bytes = b""
     loss_mask: bytes = b""
     routed_experts: bytes = b""  # MoE routing replay rows (see the module docstring); empty for dense models
+    teacher_logprobs: bytes = b""  # a served teacher's logprob per response token; empty without one
     reward: float = 0.0
     reward_parts: dict[str, float] = {}
     status: Status = Status.COMPLETED
@@ -176,6 +119,9 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
                     f"{name} has {m} entries but response_ids has {n}; every response token needs a "
                     "logprob, a version and a loss_mask entry (0 for tokens the environment added)"
                 )
+        taught = len(self.teacher_logprobs) // F32.itemsize
+        if taught not in (0, n):
+            return f"teacher_logprobs has {taught} entries but response_ids has {n}: one per response token, or none"
         return routed_problem(len(self.routed_experts) // I16.itemsize, self.prompt_len + n - 1)
 
     def validate(self) -> None:
@@ -199,6 +145,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             versions=self.array("versions"),
             loss_mask=self.array("loss_mask"),
             routed=self.array("routed_experts"),
+            teacher=self.array("teacher_logprobs"),
             times={
                 "created_at": np.asarray([self.created_at], np.float64),
                 "finished_at": np.asarray([self.finished_at], np.float64),
@@ -252,6 +199,7 @@ ARROW_SCHEMA = pa.schema(
         ("versions", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
         ("routed_experts", pa.list_(pa.int16())),
+        ("teacher_logprobs", pa.list_(pa.float32())),
         ("reward", pa.float64()),
         ("reward_parts", pa.string()),  # JSON object
         ("status", pa.string()),
@@ -272,10 +220,15 @@ _ARROW_TYPES = {
     "versions": pa.int32(),
     "loss_mask": pa.uint8(),
     "routed_experts": pa.int16(),
+    "teacher_logprobs": pa.float32(),
 }
 # Schemas older code wrote (a buffer's segments on disk outlive an update): `upgrade_batch` reads them as
-# ARROW_SCHEMA. Before routing replay a row had no routed_experts column.
-LEGACY_SCHEMAS = (pa.schema([f for f in ARROW_SCHEMA if f.name != "routed_experts"]),)
+# ARROW_SCHEMA. Before routing replay a row had no routed_experts column, and before served teachers no
+# teacher_logprobs column.
+LEGACY_SCHEMAS = tuple(
+    pa.schema([f for f in ARROW_SCHEMA if f.name not in missing])
+    for missing in (("routed_experts", "teacher_logprobs"), ("teacher_logprobs",))
+)
 
 
 def is_legacy_schema(schema: pa.Schema) -> bool:
@@ -289,10 +242,14 @@ def upgrade_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
         return batch
     if not is_legacy_schema(batch.schema):
         raise ValueError("schema differs from buffer.record.ARROW_SCHEMA (and from every older one)")
-    empty = pa.ListArray.from_arrays(
-        pa.array(np.zeros(batch.num_rows + 1, np.int32)), pa.array([], pa.int16())
-    )
-    cols = [batch.column(f.name) if f.name in batch.schema.names else empty for f in ARROW_SCHEMA]
+    offsets = pa.array(np.zeros(batch.num_rows + 1, np.int32))
+
+    def column(f: pa.Field) -> pa.Array:
+        if f.name in batch.schema.names:
+            return batch.column(f.name)
+        return pa.ListArray.from_arrays(offsets, pa.array([], _ARROW_TYPES[f.name]))  # empty per row
+
+    cols = [column(f) for f in ARROW_SCHEMA]
     return pa.RecordBatch.from_arrays(cols, schema=ARROW_SCHEMA)
 
 
@@ -308,9 +265,9 @@ SCRATCH = ScratchPool()
 
 
 def _packed_columns(cols: list[tuple], uids: tuple) -> dict[str, pa.Array]:
-    """The five per-token list columns from the samples' packed buffers.
+    """The per-token list columns (PACKED_FIELDS) from the samples' packed buffers.
 
-    One block from `SCRATCH` holds the values of all five columns (the pages of earlier batches,
+    One block from `SCRATCH` holds the values of all the columns (the pages of earlier batches,
     where fresh `bytes` would fault in new ones), and each sample's buffer is copied into it once;
     offsets come from the buffer lengths with numpy.
     """

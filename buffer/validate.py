@@ -11,14 +11,8 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from buffer.record import (
-    ARROW_SCHEMA,
-    RESPONSE_ALIGNED,
-    Status,
-    min_versions,
-    routed_problem,
-    value_problem,
-)
+from buffer.record import ARROW_SCHEMA, RESPONSE_ALIGNED, Status, min_versions
+from buffer.values import routed_problem, value_problem
 from buffer.wire import ProtocolError
 
 _STATUS_SET = frozenset(str(s) for s in Status)
@@ -76,7 +70,7 @@ def _values(col: pa.Array) -> np.ndarray:
 
 
 def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """The arrays buffer.record.value_problem checks, for all rows of `batch`."""
+    """The arrays buffer.values.value_problem checks, for all rows of `batch`."""
     return {
         "reward": batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64),
         "group_size": batch.column("group_size").to_numpy(),
@@ -87,6 +81,7 @@ def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         "versions": _values(batch.column("versions")),
         "loss_mask": _values(batch.column("loss_mask")),
         "routed": _values(batch.column("routed_experts")),
+        "teacher": _values(batch.column("teacher_logprobs")),
         "times": {
             "created_at": batch.column("created_at").to_numpy(zero_copy_only=False),
             "finished_at": batch.column("finished_at").to_numpy(zero_copy_only=False),
@@ -95,7 +90,7 @@ def _value_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
 
 
 def _check_values(batch: pa.RecordBatch) -> None:
-    """Value bounds (buffer.record.value_problem) over whole columns; on a violation, redo the check
+    """Value bounds (buffer.values.value_problem) over whole columns; on a violation, redo the check
     row by row to name the sample."""
     if not value_problem(**_value_columns(batch)):
         return
@@ -161,6 +156,14 @@ def check_batch(batch: pa.RecordBatch) -> None:
                 "logprob, a version and a mask entry",
                 "invalid_sample",
             )
+    taught = np.diff(_offsets(batch.column("teacher_logprobs")))
+    bad = (taught > 0) & (taught != np.diff(ref))
+    if bad.any():
+        raise ProtocolError(
+            f"sample {batch.column('uid')[int(np.flatnonzero(bad)[0])].as_py()}: teacher_logprobs is not "
+            "aligned with response_ids: one per response token, or none",
+            "invalid_sample",
+        )
     _check_routed_rows(batch)
     if not set(batch.column("status").to_pylist()) <= _STATUS_SET:
         raise ProtocolError(

@@ -300,6 +300,7 @@ def rollout_run(cfg: RunConfig) -> RolloutRun:
         max_staleness=effective_staleness(cfg),
         routing_replay=cfg.trainer.routing_replay,
         lora_serving=serving,
+        teacher_url=cfg.trainer.distill.server,
     )
 
 
@@ -362,6 +363,13 @@ def validate(cfg: RunConfig) -> None:
             "and requests sent meanwhile could reuse prefixes cached under the old ones; use "
             "weights.transport=cpu (pushes through the generator, which keys the cache before each "
             "update), or leave the radix cache off"
+        )
+    if cfg.trainer.distill.server and r.sampling.temperature != 1.0:
+        raise ConfigError(
+            f"trainer.distill.server with rollout.sampling.temperature={r.sampling.temperature}: SGLang scores "
+            "the teacher at temperature 1 (its prefill logprobs are not scaled), while the trainer's logprobs "
+            "are at the sampling temperature; sample at 1.0, or hold the teacher in the trainer (distill.teacher "
+            "without server)"
         )
     if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":
         _check_sglang_adapter_pushes(cfg)

@@ -56,6 +56,7 @@ from stages.rollout.partial import continue_partial, has_partial
 from stages.rollout.position import DATA_POS_KEY, DataPosition, ResumableGenerator
 from stages.rollout.run import RolloutRun
 from stages.rollout.scoring import score_samples
+from stages.rollout.teacher import TeacherClient
 
 log = logging.getLogger(__name__)
 __all__ = ["EngineDown", "Generator", "score_samples"]
@@ -108,6 +109,7 @@ class Generator(ResumableGenerator):
             source, tokenizer = load_source(r.data, model, tokenizer)
         self.source, self.tok = source, tokenizer if tokenizer is not None else source.tok
         self.scorer = scorer or RewardScorer.from_config(r.reward)
+        self.teacher = TeacherClient(run.teacher_url) if run.teacher_url else None  # trainer.distill.server
         self.group_filter = group_filter if group_filter is not None else resolve_filter(r.filter)
         self.generate = (AgentGenerateFn if r.agent_fn else GenerateFn).from_config(r, self.tok)
         self.rollout_fn = load_hook(r.rollout_fn, "rollout.rollout_fn") if r.rollout_fn else None
@@ -181,14 +183,8 @@ class Generator(ResumableGenerator):
         """(groups kept or running, groups running): what staleness admission counts against its window."""
         c = self.counters
         # groups the buffer evicted as too stale will never be consumed: they no longer hold a place
-        live = (
-            c["groups_started"]
-            - c["groups_filtered"]
-            - c["groups_failed"]
-            - c["groups_evicted"]
-            - c["groups_aborted_stale"]
-        )
-        return live, self._running
+        gone = ("groups_filtered", "groups_failed", "groups_evicted", "groups_aborted_stale")
+        return c["groups_started"] - sum(c[k] for k in gone), self._running
 
     def admissible(self) -> bool:
         if self.batch_groups <= 0:
@@ -462,7 +458,10 @@ class Generator(ResumableGenerator):
         self.counters["engine_errors"] += 1
 
     async def _score(self, samples: list[Sample]) -> None:
+        """The reward of each sample, and with a served teacher its logprobs of the response."""
         await score_samples(self.scorer, self.tok, samples)
+        if self.teacher is not None:
+            await self.teacher.annotate(samples)
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self) -> dict:

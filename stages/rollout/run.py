@@ -18,6 +18,8 @@ class RolloutRun:
     routing_replay: bool = False  # trainer.routing_replay: the engines record each token's experts
     # trainer.lora.push=adapter on SGLang: the servers serve the trainer's adapters (sglang_lora.py)
     lora_serving: LoraServing | None = None
+    # trainer.distill.server: the SGLang server of a distillation teacher that scores each sample
+    teacher_url: str = ""
 
     def __post_init__(self):
         if self.max_staleness < 0:

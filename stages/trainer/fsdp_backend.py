@@ -68,7 +68,8 @@ class FsdpBackend:
         self.policy = FsdpPolicy(self._build(model_path, train=True), None, model_path)
         self.hf_config = self.policy.model.lm.config
         self.optimizer = build_optimizer(self.policy.model, tc)
-        self.has_reference = tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0
+        # a KL term's frozen reference model; a served teacher's logprobs come with the samples instead
+        self.has_reference = (tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0) and not tc.distill.server
         self.ref = None
         if self.has_reference:  # the KL's frozen reference: trainer.ref_load, else the initial policy
             self.ref = self._build(tc.ref_load or model_path, train=False)

@@ -97,7 +97,8 @@ class MegatronBackend:
                 )
             self.replay = RoutingReplay(unwrap(self.policy.model), self.hf_config)
         self.ref = None
-        self.has_reference = tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0
+        # a KL term's frozen reference model; a served teacher's logprobs come with the samples instead
+        self.has_reference = (tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0) and not tc.distill.server
         # the KL's frozen reference: trainer.ref_load, else the initial policy; with LoRA and no ref_load
         # the policy itself with its adapters off (no copy)
         if self.has_reference and (self.policy.lora is None or tc.ref_load):

@@ -52,6 +52,10 @@ class TokenBatch:
     # RL loss's) then leaves out. None: the step has none
     sft: torch.Tensor | None = None
     sft_mask: torch.Tensor | None = None
+    # a served teacher's logprob per response token ([T] float32, 0 where a sample has none) and which
+    # samples carry them ([n] bool): trainer.distill.server. None when no sample has any
+    teacher_logprobs: torch.Tensor | None = None
+    taught: torch.Tensor | None = None
 
     def rl_rows(self) -> torch.Tensor:
         """[n] bool: the RL samples (every sample but SFT rows), whose rewards and versions the metrics report."""
@@ -117,7 +121,28 @@ def to_token_batch(batch: pa.RecordBatch | pa.Table) -> TokenBatch:
         truncated=torch.tensor([s == "truncated" for s in status], dtype=torch.bool),
         group_ids=[str(g) for g in batch.column("group_id").to_pylist()],
         routed=_routed_column(batch),
+        **_teacher_column(batch, lens),
     )
+
+
+def _teacher_column(batch, lens: np.ndarray) -> dict:
+    """TokenBatch's teacher_logprobs and taught (a sample has one logprob per response token, or none)."""
+    if "teacher_logprobs" not in batch.schema.names:
+        return {}
+    values, offsets = list_values(batch, "teacher_logprobs")
+    counts = np.diff(offsets)
+    if not counts.any():
+        return {}
+    taught = counts > 0
+    if not (counts[taught] == lens[taught]).all():
+        bad = int(np.flatnonzero(taught & (counts != lens))[0])
+        raise ValueError(
+            f"sample {batch.column('uid')[bad]}: teacher_logprobs has {counts[bad]} entries but response_ids "
+            f"has {lens[bad]}; a served teacher's logprob per response token, or none"
+        )
+    full = np.zeros(int(lens.sum()), np.float32)
+    full[np.repeat(taught, lens)] = values
+    return {"teacher_logprobs": torch.from_numpy(full), "taught": torch.from_numpy(taught)}
 
 
 def _routed_column(batch) -> tuple[np.ndarray, np.ndarray] | None:

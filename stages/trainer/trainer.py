@@ -36,6 +36,7 @@ from stages.trainer import advantages, losses
 from stages.trainer.backend import TrainBackend, ValueModel
 from stages.trainer.checkpoint import ROOT, CheckpointManager, resolve_checkpoint
 from stages.trainer.config import TrainerConfig, TrainerRun, check_critic_layout
+from stages.trainer.distill import served_teacher_logprobs
 from stages.trainer.feed import BatchFeed, SourceExhausted
 from stages.trainer.hooks import TrainerHookContext, TrainerHooks
 from stages.trainer.offload import GRADS, OPTIMIZER, PARTS, TrainerMemory, WakingPublisher
@@ -169,7 +170,7 @@ class Trainer:
         self.hooks.call("before_log_prob", self._hook_context(), tb)
         separate = self._separate_old_pass()
         old = self.backend.logprobs(tb, mbs) if separate else None
-        ref = self.backend.logprobs(tb, mbs, reference=True) if self.backend.has_reference else None
+        ref = self._reference_logprobs(tb, mbs)
         adv, value_batch = self._advantages(tb, mbs, old, ref)
         self.hooks.call("before_train_step", self._hook_context(), tb)
         if self.tc.ppo_epochs * self.tc.mini_batches == 1:
@@ -189,6 +190,13 @@ class Trainer:
         metrics["time/train_s"] = time.perf_counter() - t0
         metrics.update(self._perf(metrics["tokens/total"], metrics["time/train_s"], separate))
         return metrics
+
+    def _reference_logprobs(self, tb: TokenBatch, mbs: list[MicroBatch]) -> torch.Tensor | None:
+        """The KL's reference logprobs [T]: a served teacher's, which the samples carry
+        (trainer.distill.server), else the backend's reference forward; None without a KL term."""
+        if self.tc.distill.server:
+            return served_teacher_logprobs(tb, self.device)
+        return self.backend.logprobs(tb, mbs, reference=True) if self.backend.has_reference else None
 
     def _hook_context(self) -> TrainerHookContext:
         return TrainerHookContext(
@@ -287,7 +295,7 @@ class Trainer:
             adv,
             version=made,
             skipped_total=self.skipped_steps,
-            kl=self.backend.has_reference,
+            kl=self.backend.has_reference or bool(self.tc.distill.server),
             critic=self.critic is not None,
         )
         metrics.update(self.backend.model_metrics())
