@@ -128,7 +128,7 @@ MUTATIONS = [
     Mutation(
         "nan_reward_accepted",
         "the buffer acks a NaN reward",
-        "buffer/record.py",
+        "buffer/values.py",
         "    if not np.isfinite(reward).all():\n",
         "    if False:\n",
         ("tests/test_bad_values.py",),
@@ -501,7 +501,7 @@ MUTATIONS = [
     Mutation(
         "reward_unbounded",
         "a reward of 2e6 (a sentinel or overflow) is stored and dominates its group's advantages",
-        "buffer/record.py",
+        "buffer/values.py",
         "MAX_ABS_REWARD = 1e6\n",
         'MAX_ABS_REWARD = float("inf")\n',
         ("tests/test_buffer_exactly_once.py::test_samples_with_insane_rewards_or_timestamps_are_refused",),
@@ -509,7 +509,7 @@ MUTATIONS = [
     Mutation(
         "timestamps_unbounded",
         "created_at in milliseconds (or NaN) is stored as if it were unix seconds",
-        "buffer/record.py",
+        "buffer/values.py",
         "MAX_TIMESTAMP = float(2**32)\n",
         'MAX_TIMESTAMP = float("inf")\n',
         ("tests/test_buffer_exactly_once.py::test_samples_with_insane_rewards_or_timestamps_are_refused",),
@@ -970,8 +970,8 @@ MUTATIONS = [
         "prefix_cache_key_not_moved_at_update",
         "with the radix cache on, requests sent during and after a push keep the old weights' cache key",
         "stages/rollout/sglang_updates.py",
-        "            self.cache_namespace = cache_namespace(version, self.restarts)\n",
-        "",
+        "leaves an empty namespace: misses only)\n            self.cache_namespace = cache_namespace(version, self.restarts)\n",
+        "leaves an empty namespace: misses only)\n",
         (
             "tests/test_prefix_cache.py::test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_sent_for",
         ),

@@ -21,8 +21,7 @@ from buffer.config import BufferConfig
 from stages.config_loader import ConfigError, error_at, load_tree
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
-from stages.rollout.run import RolloutRun
-from stages.rollout.sglang_lora import LoraServing
+from stages.rollout.run import RolloutRun, check_teacher_temperature, lora_serving
 from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
@@ -287,14 +286,20 @@ def effective_staleness(cfg: RunConfig) -> int:
     return 0 if sync_mode(cfg) else cfg.run.max_staleness
 
 
+def weights_start_elsewhere(cfg: RunConfig) -> bool:
+    """Whether the run's version 0 is other weights than the model folder's, which the engines start from
+    (LoRA adapters from a PEFT folder; trainer.load with finetune): the trainer pushes them before its
+    first step (Trainer.engines_start_behind), and generators wait for that push before generating."""
+    t = cfg.trainer
+    return bool((t.lora.rank and t.lora.init_from) or (t.load and t.finetune))
+
+
 def rollout_run(cfg: RunConfig) -> RolloutRun:
     """The run-wide values of the rollout stage (generators and their engines)."""
     lora = cfg.trainer.lora
-    serving = None
-    if lora.rank and lora.push == "adapter" and cfg.rollout.engine == "sglang":
-        # a batch may mix the adapters of every version a request still in flight was sent under
-        slots = effective_staleness(cfg) + 2
-        serving = LoraServing(lora.rank, tuple(lora.target_modules), max_loras_per_batch=slots)
+    serving = lora_serving(
+        lora.rank, lora.push, lora.target_modules, cfg.rollout.engine, effective_staleness(cfg)
+    )
     return RolloutRun(
         seed=cfg.run.seed,
         max_staleness=effective_staleness(cfg),
@@ -364,13 +369,10 @@ def validate(cfg: RunConfig) -> None:
             "weights.transport=cpu (pushes through the generator, which keys the cache before each "
             "update), or leave the radix cache off"
         )
-    if cfg.trainer.distill.server and r.sampling.temperature != 1.0:
-        raise ConfigError(
-            f"trainer.distill.server with rollout.sampling.temperature={r.sampling.temperature}: SGLang scores "
-            "the teacher at temperature 1 (its prefill logprobs are not scaled), while the trainer's logprobs "
-            "are at the sampling temperature; sample at 1.0, or hold the teacher in the trainer (distill.teacher "
-            "without server)"
-        )
+    try:
+        check_teacher_temperature(cfg.trainer.distill.server, r.sampling.temperature)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":
         _check_sglang_adapter_pushes(cfg)
     if c.rollout_num_gpus and not c.colocate and r.engine == "sglang":

@@ -160,6 +160,30 @@ def test_adapters_from_a_peft_folder_make_the_launcher_push_before_the_first_ste
     assert tr.version == 0 and tr.engines_start_behind
 
 
+def test_generators_wait_for_the_first_push_when_version_0_is_not_the_model_folders():
+    """The launcher's side of the test above: with init_from (or trainer.load + finetune) a generator
+    generates nothing before its receiver applied the trainer's first push (actors.GeneratorActor)."""
+    import torch
+    from test_weights_cpu import FakeEngine
+
+    from pipeline.config import load_config, weights_start_elsewhere
+    from stages.weights.zmq_transport import WeightReceiver, ZmqWeightSender
+
+    assert not weights_start_elsewhere(load_config(None, ["trainer.lora.rank=4"]))
+    assert weights_start_elsewhere(load_config(None, ["trainer.lora.rank=4", "trainer.lora.init_from=/peft"]))
+    assert weights_start_elsewhere(load_config(None, ["trainer.load=/ckpt", "trainer.finetune=true"]))
+    assert not weights_start_elsewhere(load_config(None, ["trainer.load=/ckpt"]))  # its version is stale
+    sender = ZmqWeightSender(timeout_s=10, min_engines=1)
+    receiver = WeightReceiver(sender.address, FakeEngine(), name="e")
+    try:
+        assert not receiver.wait_applied(0.3)
+        sender.push(0, [("a", torch.ones(3))]).result()
+        assert receiver.wait_applied(5.0)
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(tmp_path):
     path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
     args = ("--lora-rank", "4", "--optimizer", "adam", "--lr", "0.01")

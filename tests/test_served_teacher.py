@@ -231,3 +231,12 @@ def test_the_config_takes_a_served_teacher_at_temperature_one_only():
         load_config(None, ["trainer.distill.server=10.0.0.5:30010", *args[1:]])
     with pytest.raises((ConfigError, ValueError), match="drop trainer.ref_load"):
         load_config(None, [*args, "trainer.ref_load=/ref"])
+
+
+def test_the_standalone_rollout_stage_asks_the_served_teacher_too():
+    from stages.rollout.config_file import ConfigError, load
+
+    args = ["trainer.distill.server=http://10.0.0.5:30010", "trainer.distill.coef=0.5"]
+    assert load(None, args).run.teacher_url == "http://10.0.0.5:30010"
+    with pytest.raises(ConfigError, match="temperature"):
+        load(None, [*args, "rollout.sampling.temperature=0.7"])

@@ -145,3 +145,39 @@ def test_the_config_takes_adapter_pushes_to_sglang_through_the_generator_only():
     assert serving.rank == 4 and serving.target_modules == tuple(cfg.trainer.lora.target_modules)
     assert serving.max_loras_per_batch == 5  # every version a request in flight may still be under
     assert rollout_run(load_config(None, ["trainer.lora.rank=4"])).lora_serving is None  # merge pushes
+
+
+def test_the_standalone_rollout_stage_launches_its_servers_for_adapter_pushes_too():
+    from stages.rollout.config_file import load
+
+    args = [
+        "trainer.lora.rank=8",
+        "trainer.lora.push=adapter",
+        "rollout.engine=sglang",
+        "run.max_staleness=1",
+    ]
+    serving = load(None, args).run.lora_serving
+    assert serving is not None and serving.rank == 8 and serving.max_loras_per_batch == 3
+    assert load(None, ["trainer.lora.rank=8"]).run.lora_serving is None
+
+
+def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_retried(served):
+    from stages.rollout.sglang_process import EngineError
+
+    posted = served._post
+
+    def refuse_unloads(path, body=None, **kw):
+        if path == "/unload_lora_adapter":
+            raise EngineError("timed out")
+        return posted(path, body, **kw)
+
+    served.update_weights(list(ADAPTERS.items()), 1)
+    served._post = refuse_unloads
+    served.update_weights(list(ADAPTERS.items()), 2)  # v1's unload fails: the push of v2 stands
+    assert served.version == 2 and served.served.loaded == ["slipstream-v1.r0", "slipstream-v2.r0"]
+    served._post = posted
+    served.update_weights(list(ADAPTERS.items()), 3)
+    assert [b["lora_name"] for b in _paths(served, "/unload_lora_adapter")] == [
+        "slipstream-v1.r0",
+        "slipstream-v2.r0",
+    ]

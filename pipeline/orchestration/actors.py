@@ -7,6 +7,7 @@ imports happen inside the actors, never in the driver.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -166,7 +167,8 @@ class GeneratorActor(_Located):
         self.engine = build_engine(
             cfg.rollout, cfg.model, run, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}"
         )
-        # SGLang engines are updated by the trainer's transport directly (NCCL / CUDA IPC): no receiver here
+        # weights.transport cpu pushes through this receiver; with nccl / cuda_ipc the trainer updates the
+        # SGLang servers directly, and there is no receiver here
         self.receiver = (
             WeightReceiver(weights_address, self.engine, name=generator_id, curve=curve)
             if weights_address
@@ -214,7 +216,25 @@ class GeneratorActor(_Located):
     async def run(self) -> dict:
         if self.joining:
             await self.gen.join()
+        await self._first_weights()
         return await self.gen.run()
+
+    async def _first_weights(self) -> None:
+        """When version 0 is not the model folder's weights (weights_start_elsewhere), generate nothing
+        before the trainer's first push is applied: samples of the folder's weights would be labelled v0.
+        With cluster.offload the hand-over gives the engines their first weights before they generate;
+        without a receiver (SGLang pushed by the trainer directly) there is nothing to wait on."""
+        from pipeline.config import weights_start_elsewhere
+
+        if self.receiver is None or self.cfg.cluster.offload.on or not weights_start_elsewhere(self.cfg):
+            return
+        limit = self.cfg.run.timeout_s
+        if not await asyncio.to_thread(self.receiver.wait_applied, limit):
+            raise TimeoutError(
+                f"{self.id}: the trainer's first weight push did not arrive within run.timeout_s={limit:.0f}s; "
+                "its weights (trainer.lora.init_from, or trainer.load with finetune) are not the model folder's "
+                "the engines start from, so nothing is generated before it: is the trainer running?"
+            )
 
     async def set_share(self, batch_groups: int) -> None:
         """The run's generator count changed: this generator's share of a trainer batch (docs/elastic.md)."""

@@ -2,7 +2,9 @@
 configs/default.yaml) with `a.b=c` overrides applied (stages/config_loader.py), read into the sections
 this stage runs on. The `rollout:` and `model:` sections are checked in full (unknown keys and bad values
 are errors); of the others only the values the stage takes are read: run.seed and run.max_staleness
-(RolloutRun), trainer.routing_replay and trainer.batch_groups (the batch the generators share). The
+(RolloutRun), trainer.routing_replay and trainer.batch_groups (the batch the generators share),
+trainer.lora's rank, push and target_modules (SGLang's LoRA serving for adapter pushes) and
+trainer.distill.server (the served teacher the generators ask). The
 launcher reads the whole file through pipeline/config.py and checks every section.
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from stages.config_loader import ConfigError, convert, load_tree, section
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
-from stages.rollout.run import RolloutRun
+from stages.rollout.run import RolloutRun, check_teacher_temperature, lora_serving
 
 __all__ = ["ConfigError", "RolloutStageConfig", "load"]
 
@@ -30,14 +32,27 @@ class RolloutStageConfig:
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RolloutStageConfig:
     tree, where = load_tree(path, overrides)
     run, trainer = section(tree, "run", where), section(tree, "trainer", where)
+    lora, teacher = trainer.get("lora") or {}, str((trainer.get("distill") or {}).get("server", ""))
     try:
+        rollout = convert(tree, "rollout", RolloutConfig, where)
+        staleness = int(run.get("max_staleness", 2))
+        check_teacher_temperature(teacher, rollout.sampling.temperature)
+        serving = lora_serving(
+            int(lora.get("rank", 0)),
+            str(lora.get("push", "merge")),
+            list(lora.get("target_modules", [])),
+            rollout.engine,
+            staleness,
+        )
         cfg = RolloutStageConfig(
-            rollout=convert(tree, "rollout", RolloutConfig, where),
+            rollout=rollout,
             model=convert(tree, "model", ModelConfig, where),
             run=RolloutRun(
                 seed=int(run.get("seed", 0)),
-                max_staleness=int(run.get("max_staleness", 2)),
+                max_staleness=staleness,
                 routing_replay=bool(trainer.get("routing_replay", False)),
+                lora_serving=serving,
+                teacher_url=teacher,
             ),
             batch_groups=int(trainer.get("batch_groups", 8)),
         )

@@ -24,3 +24,28 @@ class RolloutRun:
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ValueError(f"RolloutRun.max_staleness={self.max_staleness}: must be >= 0")
+
+
+def lora_serving(
+    rank: int, push: str, target_modules: list[str], engine: str, max_staleness: int
+) -> LoraServing | None:
+    """What SGLang servers need to serve trainer.lora's adapters (trainer.lora.push=adapter), or None.
+    A batch may mix the adapters of every version a request still in flight was sent under."""
+    if not (rank and push == "adapter" and engine == "sglang"):
+        return None
+    targets = tuple(target_modules) or (
+        "all",
+    )  # a config that names none: trainer.lora's default, all linears
+    return LoraServing(rank, targets, max_loras_per_batch=max_staleness + 2)
+
+
+def check_teacher_temperature(server: str, temperature: float) -> None:
+    """A served distillation teacher (trainer.distill.server) scores at temperature 1: SGLang's prefill
+    logprobs are not temperature-scaled, while the trainer's are at the sampling temperature."""
+    if server and temperature != 1.0:
+        raise ValueError(
+            f"trainer.distill.server with rollout.sampling.temperature={temperature}: SGLang scores the "
+            "teacher at temperature 1 (its prefill logprobs are not scaled), while the trainer's logprobs "
+            "are at the sampling temperature; sample at 1.0, or hold the teacher in the trainer "
+            "(distill.teacher without server)"
+        )

@@ -134,8 +134,11 @@ class SGLangWeightUpdates:
             self._version = version
             t1 = time.perf_counter()
             for old in self.served.unused():
-                self._post(proto.UNLOAD_LORA, {"lora_name": old})
-                self.served.unloaded(old)
+                try:
+                    self._post(proto.UNLOAD_LORA, {"lora_name": old})
+                    self.served.unloaded(old)
+                except EngineError as e:  # the push itself worked: try this one again at the next
+                    log.warning("%s: could not unload adapter %s yet (%s)", self.name, old, e)
             t["unload_s"] = time.perf_counter() - t1
             t["total_s"] = time.perf_counter() - t0
             self.last_update = t

@@ -10,7 +10,9 @@ last prompt token, which nothing before the start predicts) has no logprob, each
 log p(token | everything before it), so the entries after the first are the response tokens'.
 
 A teacher that cannot be reached (after `retries` tries) or answers something else fails the sample,
-naming the server: a failed sample is never trained, and the generator's samples_failed counts it.
+naming the server: a failed sample is never trained, and the generator's samples_failed counts it. SGLang
+refuses an input as long as its context, so the teacher's context length must hold the longest prompt
+plus response (rollout.sampling.max_new_tokens), or the longest samples would fail.
 """
 
 from __future__ import annotations
@@ -87,7 +89,13 @@ class TeacherClient:
         try:
             answer = await self._post(session, score_body(prompt, response))
             s.teacher_logprobs = pack(response_logprobs(answer, response), F32)
-        except (ValueError, ConnectionError) as e:
+        except (
+            ValueError,
+            ConnectionError,
+            TypeError,
+            KeyError,
+            IndexError,
+        ) as e:  # a bad answer: this sample
             s.status, s.error = Status.FAILED, f"teacher {self.url}: {e}"
             self.failures += 1
             if time.monotonic() - self._warned_at > WARN_EVERY_S:
@@ -110,6 +118,6 @@ class TeacherClient:
                     if resp.status != 200:
                         raise ValueError(f"/generate -> HTTP {resp.status}: {(await resp.text())[:300]}")
                     return await resp.json()
-            except (aiohttp.ClientConnectionError, TimeoutError, OSError) as e:
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:  # unreachable, cut off, not JSON
                 last = e
         raise ConnectionError(f"unreachable after {self.retries + 1} tries ({type(last).__name__}: {last})")

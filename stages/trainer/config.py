@@ -139,7 +139,7 @@ class LoraConfig(_Base):
     # how the engines get the trained policy: "merge" sends base + (alpha/rank) B.A for the tensors that
     # have adapters (the rest never change), so the engine needs no LoRA support; "adapter" sends the
     # adapters alone (and the modules trained whole), which the engine applies over the base it keeps:
-    # the torch engine only (SGLang servers are refused when the weight sender is attached)
+    # the torch engine, or SGLang's LoRA serving (weights.transport cpu, no modules_to_save)
     push: Literal["merge", "adapter"] = "merge"
 
     def __post_init__(self):

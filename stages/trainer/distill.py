@@ -97,11 +97,15 @@ def apply_distill(tc) -> None:
 def served_teacher_logprobs(tb: TokenBatch, device) -> torch.Tensor:
     """The KL's reference logprobs [T] from a served teacher (trainer.distill.server): the samples' own.
     Raises ValueError naming a trained sample that has none (its generator did not ask the teacher)."""
-    rl = tb.rl_rows() & tb.trainable
-    missing = rl & ~tb.taught if tb.taught is not None else rl
+    import numpy as np
+    import torch
+
+    scored = tb.rl_rows() & tb.trainable & torch.from_numpy(np.diff(tb.response_off) > 0)
+    missing = scored & ~tb.taught if tb.taught is not None else scored
     if missing.any():
+        i = int(missing.nonzero()[0][0])
         raise ValueError(
-            f"trainer.distill.server is set, but sample {int(missing.nonzero()[0][0])} of the batch carries no "
+            f"trainer.distill.server is set, but sample {i} of the batch (group {tb.group_ids[i]}) carries no "
             "teacher_logprobs: its generator ran without the teacher (start the rollout stage with the same "
             "trainer.distill section, which tells the generators the server)"
         )

@@ -298,11 +298,16 @@ class WeightReceiver:
         self.engine = engine
         self.name = name or f"engine-{id(engine):x}"
         self.applied: list[int] = []  # versions applied, in order (for tests and logs)
+        self._applied_one = threading.Event()  # set at the first applied push (wait_applied)
         self.hello_every_s = 2.0
         self.error: str = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weights-receiver-{self.name}", daemon=True)
         self._thread.start()
+
+    def wait_applied(self, timeout_s: float) -> bool:
+        """Block until this receiver has applied a push (any version), at most `timeout_s`; whether it has."""
+        return self._applied_one.wait(timeout_s)
 
     def close(self) -> None:
         self._stop.set()
@@ -400,6 +405,7 @@ class WeightReceiver:
             self._announce_adapters(tensors)
             self.engine.update_weights(list(tensors.items()), version)
             self.applied.append(version)
+            self._applied_one.set()
             return self._ack(version)
         except Exception as e:  # noqa: BLE001 - reported to the trainer, which fails the run with it
             self.error = f"{type(e).__name__}: {e}"
