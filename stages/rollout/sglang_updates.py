@@ -82,13 +82,15 @@ class SGLangWeightUpdates:
             t2 = time.perf_counter()
             self.continue_generation()
             t["continue_s"] = time.perf_counter() - t2
-            t["total_s"] = time.perf_counter() - t0
-            self.last_update = t
-            self._stats["updates"] += 1
-            self._stats["update_s"] += t["total_s"]
-            log.info(
-                "%s: weights v%d applied: %s", self.name, version, {k: round(v, 4) for k, v in t.items()}
-            )
+            self._updated(t, t0, f"weights v{version} applied")
+
+    def _updated(self, t: dict[str, float], t0: float, what: str) -> None:
+        """An update is done: its phase timings `t` (started at `t0`) become last_update and the stats."""
+        t["total_s"] = time.perf_counter() - t0
+        self.last_update = t
+        self._stats["updates"] += 1
+        self._stats["update_s"] += t["total_s"]
+        log.info("%s: %s: %s", self.name, what, {k: round(v, 4) for k, v in t.items()})
 
     def _resume_after_failure(self) -> None:
         try:
@@ -140,17 +142,7 @@ class SGLangWeightUpdates:
                 except EngineError as e:  # the push itself worked: try this one again at the next
                     log.warning("%s: could not unload adapter %s yet (%s)", self.name, old, e)
             t["unload_s"] = time.perf_counter() - t1
-            t["total_s"] = time.perf_counter() - t0
-            self.last_update = t
-            self._stats["updates"] += 1
-            self._stats["update_s"] += t["total_s"]
-            log.info(
-                "%s: adapter %s (v%d) loaded: %s",
-                self.name,
-                name,
-                version,
-                {k: round(v, 4) for k, v in t.items()},
-            )
+            self._updated(t, t0, f"adapter {name} (v{version}) loaded")
         return t
 
     def update_weights_from_tensor(
