@@ -21,7 +21,7 @@ from buffer.config import BufferConfig
 from stages.config_loader import ConfigError, error_at, load_tree
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
-from stages.rollout.run import RolloutRun, check_teacher_temperature, lora_serving
+from stages.rollout.run import RolloutRun, check_served_teacher, lora_serving
 from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
@@ -370,7 +370,7 @@ def validate(cfg: RunConfig) -> None:
             "update), or leave the radix cache off"
         )
     try:
-        check_teacher_temperature(cfg.trainer.distill.server, r.sampling.temperature)
+        check_served_teacher(cfg.trainer.distill.server, r.sampling.temperature)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.trainer.lora.rank and cfg.trainer.lora.push == "adapter" and r.engine == "sglang":

@@ -240,3 +240,38 @@ def test_the_standalone_rollout_stage_asks_the_served_teacher_too():
     assert load(None, args).run.teacher_url == "http://10.0.0.5:30010"
     with pytest.raises(ConfigError, match="temperature"):
         load(None, [*args, "rollout.sampling.temperature=0.7"])
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [[1, 2], None, {"meta_info": [3]}, {"meta_info": {"input_token_logprobs": [[1]]}}],
+    ids=["list", "null", "meta-list", "short-entry"],
+)
+def test_an_answer_of_another_shape_fails_the_sample_not_the_generator(answer):
+    class Odd(TeacherClient):
+        async def _post(self, session, body):
+            return answer
+
+    samples = make_samples(1, 2, seed=3)
+    asyncio.run(Odd("http://teacher:1").annotate(samples))
+    assert all(s.status == Status.FAILED and s.error.startswith("teacher http://teacher:1:") for s in samples)
+
+
+def test_a_batch_whose_samples_all_failed_trains_nothing_without_teacher_logprobs(tmp_path):
+    """Every sample failed (the teacher down for a whole batch): nothing is trained, nothing is asked of
+    the teacher's logprobs, and the step goes through."""
+    student = make_tiny_hf(str(tmp_path / "student"), "qwen2", seed=1)
+    _, served = _trainer(tmp_path, student, {"server": "http://x:1", "coef": 1.0}, "served")
+    samples = make_samples(2, 4, seed=7)
+    for s in samples:
+        s.status, s.error = Status.FAILED, "teacher http://x:1: unreachable"
+    tr = served(samples_to_batch(samples))
+    assert tr.step()["kl/value"] == 0.0
+    tr.close()
+
+
+def test_the_standalone_rollout_stage_refuses_a_teacher_that_is_not_a_url():
+    from stages.rollout.config_file import ConfigError, load
+
+    with pytest.raises(ConfigError, match="an SGLang server's URL"):
+        load(None, ["trainer.distill.server=10.0.0.5:30010", "trainer.distill.coef=0.5"])

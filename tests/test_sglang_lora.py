@@ -181,3 +181,19 @@ def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_r
         "slipstream-v1.r0",
         "slipstream-v2.r0",
     ]
+
+
+def test_an_unload_that_had_worked_before_its_answer_was_lost_is_not_retried_for_ever(served):
+    from stages.rollout.sglang_process import EngineError
+
+    posted = served._post
+
+    def gone(path, body=None, **kw):
+        if path == "/unload_lora_adapter":
+            raise EngineError("POST /unload_lora_adapter -> HTTP 400: LoRA with name x does not exist")
+        return posted(path, body, **kw)
+
+    served.update_weights(list(ADAPTERS.items()), 1)
+    served._post = gone
+    served.update_weights(list(ADAPTERS.items()), 2)
+    assert served.served.loaded == ["slipstream-v2.r0"]

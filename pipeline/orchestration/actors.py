@@ -153,7 +153,6 @@ class GeneratorActor(_Located):
         from pipeline.orchestration.placement import local_gpus, rollout_on_gpus
         from pipeline.orchestration.turns import rollout_cfg
         from stages.rollout.build import build_engine
-        from stages.weights.zmq_transport import WeightReceiver
 
         # Sample uids are "<generator id>-<group>-<i>"; the random part keeps them unique when a run
         # directory (and so its buffer, which drops known uids as duplicates) is used a second time.
@@ -168,12 +167,12 @@ class GeneratorActor(_Located):
             cfg.rollout, cfg.model, run, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}"
         )
         # weights.transport cpu pushes through this receiver; with nccl / cuda_ipc the trainer updates the
-        # SGLang servers directly, and there is no receiver here
-        self.receiver = (
-            WeightReceiver(weights_address, self.engine, name=generator_id, curve=curve)
-            if weights_address
-            else None
-        )
+        # SGLang servers directly, and there is no receiver here. SGLang generators start before the
+        # trainer, so theirs comes later (connect_weights)
+        self.curve = curve
+        self.receiver = None
+        if weights_address:
+            self.connect_weights(weights_address)
         self.sink = BufferClient(
             buffer_address, producer=generator_id, timeout_s=cfg.run.timeout_s, curve=curve
         )
@@ -205,6 +204,13 @@ class GeneratorActor(_Located):
         os.replace(tmp, self.state_path)  # atomic: a kill leaves the old state or the new one
         self._saved_at = time.monotonic()
 
+    def connect_weights(self, address: str) -> None:
+        """Take weight pushes from the trainer's sender at `address` (weights.transport cpu)."""
+        from stages.weights.zmq_transport import WeightReceiver
+
+        if self.receiver is None:
+            self.receiver = WeightReceiver(address, self.engine, name=self.id, curve=self.curve)
+
     def ident(self) -> str:
         """This incarnation's generator id (the weight receiver's engine name, the uid prefix)."""
         return self.id
@@ -233,7 +239,8 @@ class GeneratorActor(_Located):
             raise TimeoutError(
                 f"{self.id}: the trainer's first weight push did not arrive within run.timeout_s={limit:.0f}s; "
                 "its weights (trainer.lora.init_from, or trainer.load with finetune) are not the model folder's "
-                "the engines start from, so nothing is generated before it: is the trainer running?"
+                "the engines start from, so nothing is generated before it: is the trainer running, and did "
+                "its first push fail (the trainer's log)?"
             )
 
     async def set_share(self, batch_groups: int) -> None:

@@ -121,6 +121,8 @@ class Pipeline:
             if self.handover:  # the trainer's state needs the GPUs the servers just took
                 self.handover.release_engines()
             self.trainer_group.start(engine_urls=self.generator_stage.engine_urls())
+            if self.trainer_group.weights_address:  # weights.transport cpu: pushes go through the generators
+                self.generator_stage.connect_weights(self.trainer_group.weights_address)
         else:  # the trainer binds the weight transport first; torch engines connect to it
             self.trainer_group.start()
             self.generator_stage.start(weights_address=self.trainer_group.weights_address)

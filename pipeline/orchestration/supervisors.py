@@ -222,6 +222,14 @@ class GeneratorStage:
         for i in range(len(self.actors)):
             self._run(i)
 
+    def connect_weights(self, address: str) -> None:
+        """Generators started before the trainer (SGLang servers, whose addresses the trainer needs) take
+        their weights from its sender at `address` (weights.transport cpu): a receiver each, now, and in
+        every generator launched from here on (heals, additions)."""
+        self.weights_address = address
+        for i, g in enumerate(self.actors):
+            self.site.calls.wait(g.connect_weights.remote(address), self.name(i))
+
     def add(self, pg=None) -> int:
         """One more generator, at the end, on placement group `pg` (None: its bundle of the run's own
         group, which a generator of that index had at start). It joins at the trainer's version
@@ -334,7 +342,8 @@ class TrainerGroup:
         self.ranks: list = []
         self.where: list[dict] = []  # each rank's node and GPUs, in rank order
         self.engine_urls: list[str] | None = None  # SGLang servers the sender pushes to
-        self.weights_address: str | None = None  # where torch engines connect (None for SGLang)
+        # where generators' weight receivers connect (None: the sender pushes into SGLang servers itself)
+        self.weights_address: str | None = None
         self.engines = site.cfg.rollout.num_generators  # a push waits for this many (expect_engines)
 
     @property
@@ -344,8 +353,8 @@ class TrainerGroup:
     def start(self, engine_urls: list[str] | None = None) -> None:
         self.engine_urls = engine_urls
         self._launch(weights_bind=None, push_now=False)
-        if self.site.cfg.rollout.engine != "sglang":  # torch engines connect to rank 0's sender
-            self.weights_address = self.site.calls.wait(self.rank0.weights_address.remote(), "trainer")
+        # torch engines, and SGLang servers with weights.transport cpu, connect to rank 0's sender
+        self.weights_address = self.site.calls.wait(self.rank0.weights_address.remote(), "trainer")
 
     def restart(self) -> int:
         """Returns the version the new group resumed at."""

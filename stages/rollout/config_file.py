@@ -16,7 +16,7 @@ from pathlib import Path
 from stages.config_loader import ConfigError, convert, load_tree, section
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
-from stages.rollout.run import RolloutRun, check_teacher_temperature, lora_serving
+from stages.rollout.run import RolloutRun, check_served_teacher, lora_serving
 
 __all__ = ["ConfigError", "RolloutStageConfig", "load"]
 
@@ -36,7 +36,7 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     try:
         rollout = convert(tree, "rollout", RolloutConfig, where)
         staleness = int(run.get("max_staleness", 2))
-        check_teacher_temperature(teacher, rollout.sampling.temperature)
+        check_served_teacher(teacher, rollout.sampling.temperature)
         serving = lora_serving(
             int(lora.get("rank", 0)),
             str(lora.get("push", "merge")),

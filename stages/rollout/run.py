@@ -39,9 +39,13 @@ def lora_serving(
     return LoraServing(rank, targets, max_loras_per_batch=max_staleness + 2)
 
 
-def check_teacher_temperature(server: str, temperature: float) -> None:
-    """A served distillation teacher (trainer.distill.server) scores at temperature 1: SGLang's prefill
-    logprobs are not temperature-scaled, while the trainer's are at the sampling temperature."""
+def check_served_teacher(server: str, temperature: float) -> None:
+    """A served distillation teacher (trainer.distill.server) is an http(s) URL, and scores at temperature
+    1: SGLang's prefill logprobs are not temperature-scaled, while the trainer's are at the sampling one."""
+    if server and not server.startswith(("http://", "https://")):
+        raise ValueError(
+            f"trainer.distill.server={server!r}: an SGLang server's URL, e.g. http://10.0.0.5:30010"
+        )
     if server and temperature != 1.0:
         raise ValueError(
             f"trainer.distill.server with rollout.sampling.temperature={temperature}: SGLang scores the "

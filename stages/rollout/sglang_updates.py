@@ -140,7 +140,10 @@ class SGLangWeightUpdates:
                     self._post(proto.UNLOAD_LORA, {"lora_name": old})
                     self.served.unloaded(old)
                 except EngineError as e:  # the push itself worked: try this one again at the next
-                    log.warning("%s: could not unload adapter %s yet (%s)", self.name, old, e)
+                    if "does not exist" in str(e):  # an earlier unload that timed out had done it
+                        self.served.unloaded(old)
+                    else:
+                        log.warning("%s: could not unload adapter %s yet (%s)", self.name, old, e)
             t["unload_s"] = time.perf_counter() - t1
             self._updated(t, t0, f"adapter {name} (v{version}) loaded")
         return t

@@ -43,7 +43,8 @@ def score_body(prompt_ids: list[int], response_ids: list[int]) -> dict:
 def response_logprobs(answer: dict, response_ids: list[int]) -> np.ndarray:
     """The teacher's logprob of each response token from a score_body request's answer. Raises
     ValueError when the answer does not hold exactly those tokens' logprobs."""
-    entries = (answer.get("meta_info") or {}).get("input_token_logprobs")
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
     if not isinstance(entries, list) or len(entries) != len(response_ids) + 1:
         got = len(entries) if isinstance(entries, list) else "no"
         raise ValueError(
@@ -89,13 +90,8 @@ class TeacherClient:
         try:
             answer = await self._post(session, score_body(prompt, response))
             s.teacher_logprobs = pack(response_logprobs(answer, response), F32)
-        except (
-            ValueError,
-            ConnectionError,
-            TypeError,
-            KeyError,
-            IndexError,
-        ) as e:  # a bad answer: this sample
+        except (ValueError, ConnectionError, TypeError, KeyError, IndexError, AttributeError) as e:
+            # an answer of another shape, or none: this sample fails, the generator goes on
             s.status, s.error = Status.FAILED, f"teacher {self.url}: {e}"
             self.failures += 1
             if time.monotonic() - self._warned_at > WARN_EVERY_S:

@@ -109,4 +109,6 @@ def served_teacher_logprobs(tb: TokenBatch, device) -> torch.Tensor:
             "teacher_logprobs: its generator ran without the teacher (start the rollout stage with the same "
             "trainer.distill section, which tells the generators the server)"
         )
+    if tb.teacher_logprobs is None:  # nothing to score: every sample failed, or no response has a token
+        return torch.zeros(len(tb.rollout_logprobs), device=device)
     return tb.teacher_logprobs.to(device)
