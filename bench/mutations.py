@@ -1076,6 +1076,40 @@ MUTATIONS = [
         "bad = taught < 0",
         ("tests/test_served_teacher.py",),
     ),
+    Mutation(
+        "teacherless_batch_crashes",
+        "a batch in which no sample carries teacher logprobs (all failed) crashes the trainer",
+        "stages/trainer/distill.py",
+        "    if tb.teacher_logprobs is None:  # nothing to score",
+        "    if False:  # nothing to score",
+        ("tests/test_served_teacher.py",),
+    ),
+    Mutation(
+        "gone_adapter_unloaded_for_ever",
+        "an adapter SGLang no longer has is asked to unload again at every push",
+        "stages/rollout/sglang_updates.py",
+        "                        self.served.unloaded(old)\n",
+        "                        pass\n",
+        ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "served_teacher_url_unchecked",
+        "a distill.server that is no URL reaches the generators, whose every sample then fails",
+        "stages/rollout/run.py",
+        '    if server and not server.startswith(("http://", "https://")):',
+        "    if False:",
+        ("tests/test_served_teacher.py",),
+    ),
+    Mutation(
+        "finetune_start_not_awaited",
+        "generators of a run started from trainer.load + finetune generate before the trainer's first push",
+        "pipeline/config.py",
+        "return bool((t.lora.rank and t.lora.init_from) or (t.load and t.finetune))",
+        "return bool(t.lora.rank and t.lora.init_from)",
+        (
+            "tests/test_lora.py::test_generators_wait_for_the_first_push_when_version_0_is_not_the_model_folders",
+        ),
+    ),
 ]
 
 
