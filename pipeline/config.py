@@ -22,6 +22,7 @@ from stages.config_loader import ConfigError, error_at, load_tree
 from stages.models import ModelConfig
 from stages.rollout.config import RolloutConfig
 from stages.rollout.run import RolloutRun, check_served_teacher, lora_serving
+from stages.rollout.sglang_args import flag_value
 from stages.trainer.config import TrainerConfig, TrainerRun
 from stages.weights.config import DIRECT_NEEDS_ONE_STAGE, WeightsConfig
 
@@ -331,6 +332,13 @@ def _check_sglang_adapter_pushes(cfg: RunConfig) -> None:
             f"trainer.lora.push=adapter with rollout.engine=sglang and weights.transport="
             f"{cfg.weights.transport}: the adapters are loaded into the servers by their generator (SGLang's "
             "LoRA serving), so pushes go through it: set weights.transport=cpu (or trainer.lora.push=merge)"
+        )
+    spec = flag_value(cfg.rollout.sglang.extra_args, "--speculative-algorithm")
+    if spec is not None and spec.upper() != "NGRAM":
+        raise ConfigError(
+            f"trainer.lora.push=adapter with rollout.sglang.extra_args --speculative-algorithm {spec}: SGLang "
+            "0.5.17 serves LoRA adapters with NGRAM speculative decoding only; use NGRAM, or "
+            "trainer.lora.push=merge"
         )
     if cfg.trainer.lora.modules_to_save:
         raise ConfigError(

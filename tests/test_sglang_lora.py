@@ -197,3 +197,19 @@ def test_an_unload_that_had_worked_before_its_answer_was_lost_is_not_retried_for
     served._post = gone
     served.update_weights(list(ADAPTERS.items()), 2)
     assert served.served.loaded == ["slipstream-v2.r0"]
+
+
+def test_lora_serving_is_refused_with_a_speculative_algorithm_sglang_cannot_combine_with_it():
+    from pipeline.config import ConfigError, load_config
+
+    args = [
+        "trainer.lora.rank=4",
+        "trainer.lora.push=adapter",
+        "rollout.engine=sglang",
+        "weights.transport=cpu",
+    ]
+    with pytest.raises(ConfigError, match="NGRAM speculative decoding only"):
+        load_config(None, [*args, "rollout.sglang.extra_args=[--speculative-algorithm, EAGLE]"])
+    load_config(None, [*args, "rollout.sglang.extra_args=[--speculative-algorithm=NGRAM]"])
+    with pytest.raises(ConfigError, match="--max-lora-rank is set by slipstream"):
+        load_config(None, [*args, "rollout.sglang.extra_args=[--max-lora-rank, 64]"])

@@ -185,6 +185,11 @@ OWNED: dict[str, str] = {
     "--disable-radix-cache": "rollout.sglang.radix_cache",
     "--enable-fp32-lm-head": "model.fp32_lm_head",
     "--enable-return-routed-experts": "trainer.routing_replay",
+    # LoRA serving: set from trainer.lora when its pushes are adapters (stages/rollout/sglang_lora.py)
+    "--enable-lora": "trainer.lora.push=adapter",
+    "--max-lora-rank": "trainer.lora.rank (with trainer.lora.push=adapter)",
+    "--lora-target-modules": "trainer.lora.target_modules (with trainer.lora.push=adapter)",
+    "--max-loras-per-batch": "nothing: run.max_staleness + 2 (with trainer.lora.push=adapter)",
 }
 
 
@@ -215,6 +220,21 @@ def check_extra_args(extra_args: list) -> None:
             else ""
         )
         raise ValueError("rollout.sglang.extra_args: " + "; ".join(problems) + newer)
+
+
+def flag_value(extra_args: list, flag: str) -> str | None:
+    """The value `extra_args` gives `flag` (`--flag value` or `--flag=value`; "" for a bare flag), or
+    None when it does not name it."""
+    items = [str(a) for a in extra_args]
+    for i, item in enumerate(items):
+        name, eq, value = item.partition("=")
+        if name == flag:
+            return (
+                value
+                if eq
+                else (items[i + 1] if i + 1 < len(items) and not items[i + 1].startswith("--") else "")
+            )
+    return None
 
 
 def _is_number(s: str) -> bool:
