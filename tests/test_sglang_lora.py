@@ -161,18 +161,23 @@ def test_the_standalone_rollout_stage_launches_its_servers_for_adapter_pushes_to
     assert load(None, ["trainer.lora.rank=8"]).run.lora_serving is None
 
 
-def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_retried(served):
+def _unloads_failing(served, message: str):
+    """`served`'s recorder of control calls, with every unload refused by an EngineError of `message`."""
     from stages.rollout.sglang_process import EngineError
 
     posted = served._post
 
-    def refuse_unloads(path, body=None, **kw):
+    def post(path, body=None, **kw):
         if path == "/unload_lora_adapter":
-            raise EngineError("timed out")
+            raise EngineError(message)
         return posted(path, body, **kw)
 
+    return post
+
+
+def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_retried(served):
     served.update_weights(list(ADAPTERS.items()), 1)
-    served._post = refuse_unloads
+    posted, served._post = served._post, _unloads_failing(served, "timed out")
     served.update_weights(list(ADAPTERS.items()), 2)  # v1's unload fails: the push of v2 stands
     assert served.version == 2 and served.served.loaded == ["slipstream-v1.r0", "slipstream-v2.r0"]
     served._post = posted
@@ -184,17 +189,10 @@ def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_r
 
 
 def test_an_unload_that_had_worked_before_its_answer_was_lost_is_not_retried_for_ever(served):
-    from stages.rollout.sglang_process import EngineError
-
-    posted = served._post
-
-    def gone(path, body=None, **kw):
-        if path == "/unload_lora_adapter":
-            raise EngineError("POST /unload_lora_adapter -> HTTP 400: LoRA with name x does not exist")
-        return posted(path, body, **kw)
-
     served.update_weights(list(ADAPTERS.items()), 1)
-    served._post = gone
+    served._post = _unloads_failing(
+        served, "POST /unload_lora_adapter -> HTTP 400: LoRA with name x does not exist"
+    )
     served.update_weights(list(ADAPTERS.items()), 2)
     assert served.served.loaded == ["slipstream-v2.r0"]
 
