@@ -1110,6 +1110,14 @@ MUTATIONS = [
             "tests/test_lora.py::test_generators_wait_for_the_first_push_when_version_0_is_not_the_model_folders",
         ),
     ),
+    Mutation(
+        "generator_never_connects_weights",
+        "a generator started before the trainer's sender (SGLang, weights.transport cpu) never takes its pushes",
+        "pipeline/orchestration/actors.py",
+        "            self.receiver = WeightReceiver(address, self.engine, name=self.id, curve=self.curve)",
+        "            pass",
+        ("tests/test_generator_weights.py",),
+    ),
 ]
 
 
