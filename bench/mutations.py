@@ -1118,6 +1118,14 @@ MUTATIONS = [
         "            pass",
         ("tests/test_generator_weights.py",),
     ),
+    Mutation(
+        "generator_does_not_wait_for_first_push",
+        "with version 0 elsewhere (lora.init_from) a generator samples the model folder's weights as v0",
+        "pipeline/orchestration/actors.py",
+        "        await self._first_weights()\n",
+        "",
+        ("tests/test_generator_weights.py",),
+    ),
 ]
 
 
