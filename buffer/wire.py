@@ -17,9 +17,8 @@ import msgspec
 
 from buffer.record import Sample
 
-SCHEMA_VERSION = (
-    4  # 2: large Arrow buffers may share one frame (buffer/frames.py); 3: routed_experts; 4: teacher_logprobs
-)
+# 2: large Arrow buffers may share one frame (buffer/frames.py); 3: routed_experts; 4: teacher_logprobs
+SCHEMA_VERSION = 4
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a single frame above this is refused (raise `max_message_mb` to change)
 
 

@@ -76,6 +76,16 @@ class GenResult:
     routed_experts: object = None
 
 
+# An adapter push (trainer.lora.push=adapter) sends, for each adapted HF module, `<module>.lora_A.weight`
+# and `<module>.lora_B.weight` (alpha/r folded into B) in place of the module's weight
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a pushed tensor is a LoRA adapter's A or B (an adapter push), not a weight."""
+    return name.endswith(LORA_A) or name.endswith(LORA_B)
+
+
 def stop_token_of(res: GenResult) -> int | None:
     """The stop token that ended `res` (its last token), or None: it ran to its length, was aborted, or
     a stop string ended it (then its last token is ordinary text, which readers of the turn keep)."""

@@ -33,9 +33,8 @@ def lora_serving(
     A batch may mix the adapters of every version a request still in flight was sent under."""
     if not (rank and push == "adapter" and engine == "sglang"):
         return None
-    targets = tuple(target_modules) or (
-        "all",
-    )  # a config that names none: trainer.lora's default, all linears
+    # a config that names none means trainer.lora's default: every linear
+    targets = tuple(target_modules) or ("all",)
     return LoraServing(rank, targets, max_loras_per_batch=max_staleness + 2)
 
 

@@ -228,12 +228,12 @@ def flag_value(extra_args: list, flag: str) -> str | None:
     items = [str(a) for a in extra_args]
     for i, item in enumerate(items):
         name, eq, value = item.partition("=")
-        if name == flag:
-            return (
-                value
-                if eq
-                else (items[i + 1] if i + 1 < len(items) and not items[i + 1].startswith("--") else "")
-            )
+        if name != flag:
+            continue
+        if eq:
+            return value
+        following = items[i + 1] if i + 1 < len(items) else "--"
+        return "" if following.startswith("--") else following
     return None
 
 

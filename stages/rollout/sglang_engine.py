@@ -301,8 +301,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             ) from None
         out = json.loads(text) if text.strip().startswith("{") else {"text": text}
         if out.get("success") is False:
-            why = out.get("message") or out.get("error_message")  # LoRA routes say error_message
-            raise EngineError(f"{self.name}: POST {path} was refused: {why}")
+            raise EngineError(f"{self.name}: POST {path} was refused: {out.get('message')}")
         return out
 
     # -- generation ------------------------------------------------------------------------------

@@ -22,10 +22,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stages.rollout.engine import LORA_A, is_adapter
+
 if TYPE_CHECKING:  # annotations only: RolloutRun (run.py) imports LoraServing without torch
     import torch
 
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 PEFT_PREFIX = "base_model.model."  # how PEFT (and SGLang's adapter loader) names an adapter's tensors
 
 
@@ -60,7 +61,7 @@ def adapter_name(version: int, relaunches: int) -> str:
 def split_adapter_push(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The adapter tensors of an adapter push by PEFT's names. Anything else (a module trained whole)
     would change the base under every adapter in use: refused, naming it."""
-    others = [n for n, _ in named if not (n.endswith(LORA_A) or n.endswith(LORA_B))]
+    others = [n for n, _ in named if not is_adapter(n)]
     if others:
         raise ValueError(
             f"an adapter push to SGLang carries {others[:3]} besides the adapters: SGLang's LoRA serving "

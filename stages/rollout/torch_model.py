@@ -23,19 +23,16 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+from stages.rollout.engine import LORA_A
+
 _EXPERT_MODULE = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+_proj)$")
 _EXPERT_SLOT = re.compile(r"\.experts\.lora_(\w+_proj)_([AB])$")
 _announced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {name: shape}
 _announced_lock = threading.Lock()
 
 
-def is_adapter(name: str) -> bool:
-    return name.endswith(LORA_A) or name.endswith(LORA_B)
-
-
 def announce_adapters(model, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Adapter tensors (`is_adapter` names -> shapes) that an update to `model` is about to carry: their
+    """Adapter tensors (engine.is_adapter names -> shapes) that an update to `model` is about to carry: their
     slots are built at the next checkpoint_names(model). Thread-safe (a weight receiver's thread)."""
     with _announced_lock:
         _announced.setdefault(model, {}).update(shapes)

@@ -382,7 +382,8 @@ class WeightReceiver:
         """An adapter push (trainer.lora.push=adapter) names adapter tensors the engine's model has no
         room for yet: the torch engine builds it before it applies the update (torch_model.py). SGLang
         servers with LoRA serving load them as an adapter of their own (sglang_lora.py)."""
-        from stages.rollout.torch_model import announce_adapters, is_adapter
+        from stages.rollout.engine import is_adapter
+        from stages.rollout.torch_model import announce_adapters
 
         shapes = {n: tuple(t.shape) for n, t in tensors.items() if is_adapter(n)}
         if not shapes or getattr(self.engine, "serves_adapters", False):
