@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 for cache in off on; do
   flag=$([ $cache = on ] && echo true || echo false)
   bash bench/gpu_pipeline.sh --out "$out" configs/tool-calc-gpu.yaml "agent-cache-$cache" 1200 \
-    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu >"$out/agent-cache-$cache.out" 2>&1
+    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu trainer.save_at_end=false eval.every_steps=0 >"$out/agent-cache-$cache.out" 2>&1
 done
 python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" <<'PY'
 import datetime, json, statistics, sys

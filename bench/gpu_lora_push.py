@@ -1,12 +1,21 @@
-"""LoRA pushes into one live SGLang server (issue #37's GPU goals), all on one server in one run:
+"""LoRA pushes into live SGLang servers (issue #37's GPU goals), on two servers one after the other:
 
-- adapter push (trainer.lora.push=adapter): the adapters loaded as a new adapter by the engine's
-  load_adapters (stages/rollout/sglang_lora.py), idle and while 64 requests generate; goal <= 50 ms;
-- merged push (push=merge): base + B.A of the adapted tensors only, by CUDA IPC;
-- full push: every tensor of the model, by CUDA IPC (the baseline the merged push must not be slower than);
-- correctness: greedy samples served under the adapter, their logprobs against an HF forward of the merged
-  model on the same tokens (fp32 up to 3B parameters, bf16 above), and as the control the same tokens'
-  logprobs under the base model alone: the adapter's gap must be far below the base's.
+- server A, with LoRA serving (--enable-lora):
+  - adapter push (trainer.lora.push=adapter): the adapters loaded as a new adapter by the engine's
+    load_adapters (stages/rollout/sglang_lora.py), idle and while 64 requests generate; goal <= 50 ms;
+  - correctness: greedy samples served under the adapter, their logprobs against an HF forward of the
+    merged model on the same tokens (fp32 up to 3B parameters, bf16 above), and as the control the same
+    tokens' logprobs under the base model alone: the adapter's gap must be far below the base's;
+- server B, without LoRA (the one a merged push goes to):
+  - merged push (push=merge): the merge (base + B.A of the adapted tensors only, on the GPU, from adapters
+    already there as the trainer holds them) and its push by CUDA IPC, timed together;
+  - full push: every tensor of the model, by CUDA IPC (the baseline the merged push must not be slower than);
+  - correctness (up to 3B parameters; above, the HF reference is not kept, for memory): greedy samples
+    served after a merged push, their logprobs against the same merged HF model.
+
+Two servers because SGLang's LoRA serving wraps every adapted linear (its weight moves to
+`<module>.base_layer.weight`) while a weight push loads by the plain `<module>.weight` name and skips names
+it does not find: a merged or full push into a LoRA server would load none of the linears.
 
     PYTHONPATH=. python bench/gpu_lora_push.py [--model DIR|smollm2-135m] [--rank 64] [--pushes 10]
 
@@ -19,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,16 +84,44 @@ def random_adapters(path: str, rank: int, seed: int):
     return out
 
 
-def merged(base: dict, adapters: dict, dtype=None) -> dict:
-    """base + B.A for every adapted weight (summed in fp32), in `dtype` (default: the base's), on the GPU."""
+def merged(base: dict, adapters: dict, dtype=None, device=None) -> dict:
+    """base + B.A for every adapted weight (summed in fp32), in `dtype` (default: the base's), on `device`
+    (default: the base tensor's)."""
     out = {}
     for name in adapters:
         if name.endswith(".lora_A.weight"):
             module = name[: -len(".lora_A.weight")]
-            a, b = adapters[name].cuda(), adapters[f"{module}.lora_B.weight"].cuda()
             w = base[f"{module}.weight"]
-            out[f"{module}.weight"] = (w.float() + b @ a).to(dtype or w.dtype)
+            dev = w.device if device is None else device
+            a, b = adapters[name].to(dev), adapters[f"{module}.lora_B.weight"].to(dev)
+            out[f"{module}.weight"] = (w.to(dev).float() + b.float() @ a.float()).to(dtype or w.dtype)
     return out
+
+
+def merge_into(model, adapters: dict) -> None:
+    """`model`'s adapted weights += B.A in place (summed in fp32, as `merged`), with no second state dict."""
+    import torch
+
+    with torch.no_grad():
+        for name in adapters:
+            if name.endswith(".lora_A.weight"):
+                module = name[: -len(".lora_A.weight")]
+                w = model.get_submodule(module).weight
+                a = adapters[name].to(w.device, torch.float32)
+                b = adapters[f"{module}.lora_B.weight"].to(w.device, torch.float32)
+                w.copy_((w.float() + b @ a).to(w.dtype))
+
+
+def wait_gone(pgid: int | None, timeout_s: float = 30.0) -> None:
+    """Wait (at most `timeout_s`) until no process of a closed server's group is left, so its GPU memory
+    is back before the next server starts."""
+    deadline = time.monotonic() + timeout_s
+    while pgid is not None and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)
 
 
 def push_while_generating(eng, adapters: list[dict], first_version: int, max_new: int = 128) -> list[float]:
@@ -146,52 +185,87 @@ def main() -> None:
     from stages.rollout.sglang_engine import SGLangEngine
     from stages.rollout.sglang_lora import LoraServing
 
-    path = model_dir(args.model)
-    base = {}
-    for f in Path(path).glob("*.safetensors"):
-        base.update({k: v.cuda() for k, v in load_file(f).items()})
-    cfg = SGLangConfig(mem_fraction_static=0.4, keep_weights_copy=False)
-    eng = SGLangEngine(path, cfg, dtype="bfloat16", lora=LoraServing(args.rank, TARGETS))
     row: dict = {"bench": "gpu_lora_push", "model": args.model, "rank": args.rank}
+    hf = None  # the merged HF reference, kept for server B's check up to 3B parameters
     try:
+        path = model_dir(args.model)
+        base = {}
+        for f in Path(path).glob("*.safetensors"):
+            base.update({k: v.cuda() for k, v in load_file(f).items()})
+        params = sum(t.numel() for t in base.values())
+        small = params < 3e9  # fp32 reference, and the merged HF model kept for server B's check
+        cfg = SGLangConfig(mem_fraction_static=0.4 if small else 0.3, keep_weights_copy=False)
         adapters = [random_adapters(path, args.rank, seed) for seed in range(args.pushes + 1)]
         row["adapter_mb"] = round(sum(t.numel() * 2 for t in adapters[0].values()) / 2**20, 1)  # as bf16
         row["model_mb"] = round(sum(t.numel() * t.element_size() for t in base.values()) / 2**20, 1)
-        idle = [eng.update_weights(list(adapters[v].items()), v + 1)["total_s"] for v in range(args.pushes)]
-        busy = push_while_generating(eng, adapters[: args.pushes], args.pushes + 1)
-        row.update(adapter_push_ms_idle=ms(idle), adapter_push_ms_generating=ms(busy))
-        row["goal_adapter_push_le_50ms"] = ms(busy) <= 50.0
-        last = adapters[args.pushes - 1]
+        row["mem_fraction_static"] = cfg.mem_fraction_static
         greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
         prompts = [list(range(100 + 7 * i, 116 + 7 * i)) for i in range(8)]
         reqs = [GenRequest(prompt_ids=p, params=greedy, rid=str(i)) for i, p in enumerate(prompts)]
-        res = asyncio.run(eng.generate(reqs))
+        last = adapters[args.pushes - 1]  # the adapter server A serves the greedy requests under
+        on_gpu = {n: t.cuda() for n, t in last.items()}  # where the trainer holds its adapters
+
+        # -- server A, LoRA serving: adapter pushes, and the adapter-served logprobs against merged HF
+        eng = SGLangEngine(path, cfg, dtype="bfloat16", lora=LoraServing(args.rank, TARGETS))
+        try:
+            idle = [
+                eng.update_weights(list(adapters[v].items()), v + 1)["total_s"] for v in range(args.pushes)
+            ]
+            busy = push_while_generating(eng, adapters[: args.pushes], args.pushes + 1)
+            row.update(adapter_push_ms_idle=ms(idle), adapter_push_ms_generating=ms(busy))
+            row["goal_adapter_push_le_50ms"] = ms(busy) <= 50.0
+            res = asyncio.run(eng.generate(reqs))
+        finally:
+            pgid = eng.pid
+            eng.close()
+            wait_gone(pgid)  # its GPU memory back before server B starts
         # the reference: HF with the merged weights of the adapter the requests were served under; the
         # control: the same tokens under the base alone (what a push that did not land would give)
-        params = sum(t.numel() for t in base.values())
-        dtype = torch.float32 if params < 3e9 else torch.bfloat16
+        dtype = torch.float32 if small else torch.bfloat16
+        row["reference_dtype"] = str(dtype).removeprefix("torch.")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
         row["logprob_gap_base_vs_served"] = gap_stats(hf, prompts, res)
-        hf.load_state_dict(merged(base, last, dtype), strict=False)
+        merge_into(hf, on_gpu)  # in place: no second full state dict on the GPU
         row["logprob_gap_vs_merged_hf"] = gap_stats(hf, prompts, res)
-        row["reference_dtype"] = str(dtype).removeprefix("torch.")
-        del hf
-        # the merged and the full push, by CUDA IPC into the same server (its base), timed the same way
-        merged_named = list(merged(base, last).items())
-        merged_s, full_s = [], []
-        for v in range(args.pushes):
-            t0 = time.perf_counter()
-            eng.update_weights_from_tensor(merged_named, version=1000 + 2 * v)
-            merged_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            eng.update_weights_from_tensor(list(base.items()), version=1001 + 2 * v)
-            full_s.append(time.perf_counter() - t0)
-        row.update(merged_push_ms=ms(merged_s), full_push_ms=ms(full_s))
-        row["goal_merged_not_slower_than_full"] = ms(merged_s) <= ms(full_s)
+        if not small:  # server B's check is skipped at this size: free the reference for its server
+            del hf
+            hf = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+        # -- server B, no LoRA: merged (merge included) against full pushes, by CUDA IPC
+        eng = SGLangEngine(path, cfg, dtype="bfloat16")
+        try:
+            merged_s, merge_s, full_s = [], [], []
+            for v in range(args.pushes):
+                t0 = time.perf_counter()
+                named = list(merged(base, on_gpu).items())
+                torch.cuda.synchronize()  # the merge's kernels are done: its own time (the push syncs too)
+                t1 = time.perf_counter()
+                eng.update_weights_from_tensor(named, version=1000 + 2 * v)
+                merged_s.append(time.perf_counter() - t0)
+                merge_s.append(t1 - t0)
+                del named  # one merged copy on the GPU at a time
+                t0 = time.perf_counter()
+                eng.update_weights_from_tensor(list(base.items()), version=1001 + 2 * v)
+                full_s.append(time.perf_counter() - t0)
+            row.update(merged_push_ms=ms(merged_s), merge_ms=ms(merge_s), full_push_ms=ms(full_s))
+            row["goal_merged_not_slower_than_full"] = ms(merged_s) <= ms(full_s)
+            # the server now holds the base (the last push was a full one): one more merged push, untimed,
+            # and the greedy samples it serves against the merged HF model
+            if hf is None:
+                row["logprob_gap_merged_push_vs_merged_hf"] = "skipped at this size: memory"
+            else:
+                eng.update_weights_from_tensor(
+                    list(merged(base, on_gpu).items()), version=1000 + 2 * args.pushes
+                )
+                res_b = asyncio.run(eng.generate(reqs))
+                row["logprob_gap_merged_push_vs_merged_hf"] = gap_stats(hf, prompts, res_b)
+        finally:
+            eng.close()
     except Exception as e:  # what was measured before it is still the result, with the error beside it
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     finally:
-        eng.close()
         record(row, args.results, device=torch.cuda.get_device_name(0))
 
 

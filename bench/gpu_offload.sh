@@ -23,7 +23,7 @@ device=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
 one() {  # NAME CONFIG OFFLOAD [overrides...]: a run of STEPS steps, then its summary row
   local name=$1 cfg=$2 offload=$3; shift 3
   bash bench/gpu_pipeline.sh --out "$out" "$cfg" "$name" 1800 model.name="$model" run.steps="$steps" \
-    run.mode=sync "$@" >"$out/$name.out" 2>&1
+    run.mode=sync trainer.save_at_end=false "$@" >"$out/$name.out" 2>&1
   local log; log=$(ls "$out/$name/run/sglang/"*.log 2>/dev/null | head -n 1)
   python bench/offload_summary.py "$out/$name/run" ${log:+--sglang-log "$log"} >"$out/$name.json" \
     2>"$out/$name.err" || echo "{\"error\": \"no summary: $(tail -1 "$out/$name.err")\"}" >"$out/$name.json"

@@ -707,8 +707,8 @@ MUTATIONS = [
         "fsdp_positions_run_across_segments",
         "fsdp backend: packed sequences see each other (positions run on across the row's segments)",
         "stages/trainer/fsdp_model.py",
-        "        out = self.lm.base_model(input_ids=tokens, position_ids=segment_positions(segments), use_cache=False)\n",
-        "        out = self.lm.base_model(input_ids=tokens, use_cache=False)\n",
+        "            input_ids=tokens, position_ids=segment_positions(segments), use_cache=False, **packed\n",
+        "            input_ids=tokens, use_cache=False, **packed\n",
         (
             "tests/test_fsdp_backend.py::test_fsdp_trains_as_megatron",
             "tests/test_fsdp_backend.py::test_logprobs_equal_megatron_in_fp32",
@@ -1125,6 +1125,22 @@ MUTATIONS = [
         "        await self._first_weights()\n",
         "",
         ("tests/test_generator_weights.py",),
+    ),
+    Mutation(
+        "fsdp_varlen_one_sequence_per_row",
+        "fsdp backend, trainer.attention=varlen: a packed row is attended as one sequence (no boundaries)",
+        "stages/trainer/hf_varlen.py",
+        "    cu = torch.cat([edge[:1], starts, edge[1:]]).to(torch.int32)\n",
+        "    cu = edge.to(torch.int32)\n",
+        ("tests/test_fsdp_backend.py::test_packed_varlen_rows_give_the_same_logprobs",),
+    ),
+    Mutation(
+        "save_at_end_ignored",
+        "trainer.save_at_end=false still writes the final checkpoint (a 7B bench run writes ~100 GB at its end)",
+        "stages/trainer/trainer.py",
+        "        save = save and self.tc.save_at_end\n",
+        "",
+        ("tests/test_shutdown.py::test_save_at_end_off_leaves_no_final_checkpoint_and_on_saves_one",),
     ),
 ]
 

@@ -141,6 +141,18 @@ def parse() -> argparse.Namespace:
         "--lora-only the full fine-tune is not run (a model only LoRA fits)",
     )
     ap.add_argument("--lora-only", action="store_true")
+    ap.add_argument(
+        "--backend",
+        default="megatron",
+        choices=("megatron", "fsdp"),
+        help="trainer.backend (fsdp: HF model under FSDP2 over every rank; --tp must be 1)",
+    )
+    ap.add_argument(
+        "--baseline",
+        default="",
+        help="a .jsonl whose last row of the same shape is the megatron backend's run on the same tokens: "
+        "adds vs_megatron (tokens/s per GPU over that row's)",
+    )
     ap.add_argument("--logits-chunk-tokens", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
@@ -287,6 +299,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto", lora_r
     tc.logits_chunk_tokens = a.logits_chunk_tokens
     tc.ep = a.ep  # as main's init_distributed made the groups (a dense model has no experts to split)
     tc.moe_experts, tc.distributed_optimizer = experts, a.distributed_optimizer
+    tc.backend = a.backend
     if lora_rank:
         from stages.trainer.config import LoraConfig
 
@@ -553,6 +566,8 @@ def main() -> None:
         }
         if is_moe(shape):
             row["ep"] = a.ep
+        if a.backend != "megatron":
+            row["backend"] = a.backend
         # variants: each trainer.old_logprobs mode, then (MoE) each further expert implementation
         experts = a.moe_experts.split(",") if is_moe(shape) else ["auto"]
         variants = [
@@ -625,6 +640,15 @@ def main() -> None:
                 row["vs_hf_from_train_forward"] = round(
                     row["tokens_per_s_from_train_forward"] / row["hf_tokens_per_s"], 3
                 )
+        if a.baseline and row.get("tokens_per_s"):
+            base = [
+                r for r in map(json.loads, open(a.baseline).read().splitlines()) if r.get("shape") == shape
+            ]
+            if base and base[-1].get("tokens_per_s"):
+                per_gpu = row["tokens_per_s"] / n_gpu
+                row["vs_megatron"] = round(per_gpu / (base[-1]["tokens_per_s"] / base[-1]["gpus"]), 3)
+                row["megatron_tokens_per_s"] = base[-1]["tokens_per_s"]
+                row["megatron_layout"] = f"tp={base[-1]['tp']} gpus={base[-1]['gpus']}"
         if is_moe(shape) and "vs_hf" not in row:
             row["vs_hf"] = None
             row["vs_hf_reason"] = (

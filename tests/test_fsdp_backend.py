@@ -83,6 +83,30 @@ def test_logprobs_equal_megatron_in_fp32(runs, tmp_path):
     )
 
 
+def test_packed_varlen_rows_give_the_same_logprobs(runs, tmp_path):
+    """trainer.attention=varlen without the flash-attn package: the fsdp backend packs one row per
+    micro-batch and attends through hf_varlen (torch's FlashAttention varlen on a GPU, SDPA per sequence
+    here); its logprobs equal the block-mask rows' of sdpa, and a row really holds several sequences."""
+    from stages.trainer.config import TrainerConfig, TrainerRun
+    from stages.trainer.fsdp_backend import FsdpBackend
+    from stages.trainer.hf_varlen import VARLEN
+    from stages.trainer.packing import shard_samples, to_token_batch
+
+    tb = to_token_batch(make_batch(3, 4, seed=7, vocab=512))
+    run = TrainerRun(run_dir=str(tmp_path), temperature=0.8)
+    got = {}
+    for attention in ("sdpa", "varlen"):
+        be = FsdpBackend(
+            TrainerConfig(backend="fsdp", micro_batch_tokens=256, attention=attention), run, runs[0]
+        )
+        mbs = be.pack(tb, shard_samples(tb, 1)[0])
+        got[attention] = be.logprobs(tb, mbs)
+    assert be.attn == VARLEN
+    assert all(mb.tokens.shape[0] == 1 for mb in mbs) and len(mbs[0].cu_seqlens) > 2
+    assert (got["varlen"] != 0).all()
+    assert torch.allclose(got["varlen"], got["sdpa"], atol=1e-5), (got["varlen"] - got["sdpa"]).abs().max()
+
+
 @pytest.mark.parametrize(
     "key",
     [

@@ -51,3 +51,24 @@ def test_a_final_save_past_run_timeout_is_named_with_the_setting_to_raise(tmp_pa
     assert "final checkpoint and HF export did not end within 2 s" in out["finish_error"]
     assert "raise run.timeout_s" in out["finish_error"]
     assert time.monotonic() - t0 < 30  # the limit holds: the shutdown does not wait for the save
+
+
+def test_save_at_end_off_leaves_no_final_checkpoint_and_on_saves_one(tmp_path):
+    """trainer.save_at_end=false (benchmarks, throwaway runs): the trainer's close writes no checkpoint
+    and the actor no HF export; at the default the same close saves the trained version."""
+    from trainer_setup import make_trainer
+
+    from pipeline.config import RunConfig
+    from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
+
+    model_path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
+    for save_at_end in (False, True):
+        cfg = RunConfig()
+        cfg.trainer.batch_groups, cfg.trainer.micro_batch_tokens = 2, 64
+        cfg.trainer.checkpoint_every_s, cfg.trainer.save_at_end = 0.0, save_at_end
+        run_dir = tmp_path / str(save_at_end)
+        tr = make_trainer(cfg, ListSource([make_batch(2, 4, seed=4)]), model_path, str(run_dir))
+        tr.step()
+        tr.close()
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        assert saved == (["step_000001"] if save_at_end else []), (save_at_end, saved)

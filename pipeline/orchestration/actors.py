@@ -455,7 +455,7 @@ class TrainerActor(_Located):
         rank: both are collective; rank 0 writes the HF folder)."""
         self.trainer.close(save=True)
         out = {"version": self.trainer.version}
-        if export_hf:
+        if export_hf and self.trainer.tc.save_at_end:
             out["hf_export"] = self.trainer.save_hf()
         if self.sender is not None:
             self.sender.close()

@@ -251,7 +251,7 @@ class Pipeline:
             g.stop.remote()
         if runs and not failed:
             ray.wait(list(runs), num_returns=len(runs), timeout=grace)
-        if self.handover and ranks and not failed:
+        if self.handover and ranks and not failed and self.cfg.trainer.save_at_end:
             try:  # the trainer's final checkpoint takes its whole state back onto the GPUs
                 self.handover.release_engines()
             except Exception as e:  # noqa: BLE001 - reported; the finish below says what it could do

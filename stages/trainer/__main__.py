@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             ZmqWeightSender(args.weights_bind, bucket_mb=w.bucket_mb_for("cpu"), timeout_s=w.timeout_s)
         )
     last = run(trainer, cfg.run.steps)
-    trainer.save_hf(os.path.join(run_dir, "hf", "final"))  # collective; rank 0 writes
+    if cfg.trainer.save_at_end:
+        trainer.save_hf(os.path.join(run_dir, "hf", "final"))  # collective; rank 0 writes
     if rank == 0:
         print(
             f"trainer finished at version {trainer.version}; run dir {run_dir}; last loss {last.get('loss')}"

@@ -17,19 +17,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from stages.trainer.context_parallel import attend_local_queries, cp_info, gather_row, local_positions
-
-try:
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    _HAVE_VARLEN = True
-    # the signature moved between torch releases: 2.10/2.11 take is_causal, later ones window_size
-    # and enable_gqa
-    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
-except ImportError:  # torch < 2.10
-    _HAVE_VARLEN = False
-    _VARLEN_ARGS = set()
+from stages.trainer.varlen import HAVE_VARLEN, flash_varlen, per_segment_sdpa
 
 
 class _ContextParallelOK(DotProductAttention):
@@ -138,47 +126,16 @@ class VarlenAttention(_ContextParallelOK):
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [t, heads, hn]
         cu = packed_seq_params.cu_seqlens_q
         scale = _scale(self)
-        flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _HAVE_VARLEN
+        flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and HAVE_VARLEN
         group, cp, cp_rank = cp_info()
         if cp > 1:  # this rank's positions of the row attend to the whole row's keys and values
             k, v = gather_row(k, group, cp), gather_row(v, group, cp)
             mine = local_positions(k.shape[0], cp, cp_rank, q.device)
-            run = (lambda *a: _flash_varlen(*a, scale=scale)) if flash else None
+            run = (lambda *a: flash_varlen(*a, scale=scale)) if flash else None
             ctx = attend_local_queries(q, k, v, cu, mine, scale, flash=run)
         elif flash:
             n = packed_seq_params.max_segment_len
-            ctx = _flash_varlen(q, k, v, cu, cu, n, n, scale=scale)
+            ctx = flash_varlen(q, k, v, cu, cu, n, n, scale=scale)
         else:
-            ctx = _per_segment_sdpa(q, k, v, cu, scale)
+            ctx = per_segment_sdpa(q, k, v, cu, scale)
         return ctx.reshape(t, 1, self.hidden_size_per_partition)
-
-
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
-    """FlashAttention varlen, causal; for a sequence with fewer queries than keys the mask is aligned
-    bottom-right (the last query sees every key), FlashAttention 2's convention."""
-    kw = {"scale": scale}
-    kw.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_ARGS else {"is_causal": True})
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        if "enable_gqa" in _VARLEN_ARGS:
-            kw["enable_gqa"] = True
-        else:  # FlashAttention takes fewer KV heads natively; this API version does not say so
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
-
-
-def _per_segment_sdpa(q, k, v, cu, scale):
-    rep = q.shape[1] // k.shape[1]
-    out = torch.empty_like(q)
-    bounds = cu.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [heads, s, hn]
-        if rep > 1:
-            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
-    return out
-
-
-def varlen_available() -> bool:
-    """FlashAttention varlen kernels: torch >= 2.10 on a CUDA device."""
-    return _HAVE_VARLEN and torch.cuda.is_available()

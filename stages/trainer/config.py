@@ -289,6 +289,9 @@ class TrainerConfig(_Base):
     finetune: bool = False  # slime's --finetune: take only the weights of trainer.load; start at version 0
     keep_checkpoints: int = 2  # older megatron checkpoints are deleted; 0 keeps all
     save_hf_every: int = 0  # also export a save_pretrained folder every N steps; 0 = only at the end
+    # the final checkpoint and HF export when the run ends; false skips both (benchmarks, throwaway runs:
+    # a 7B model's final save writes ~100 GB), and a resume then starts from the newest periodic checkpoint
+    save_at_end: bool = True
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     hooks: TrainerHooksConfig = msgspec.field(default_factory=TrainerHooksConfig)

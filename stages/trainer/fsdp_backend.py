@@ -24,6 +24,7 @@ from stages.trainer.export import save_hf
 from stages.trainer.fsdp_checkpoint import FsdpPart
 from stages.trainer.fsdp_export import FsdpExport, iter_full
 from stages.trainer.fsdp_model import HeadedLM, attention_impl, build_optimizer, load_lm, local, shard
+from stages.trainer.hf_varlen import VARLEN
 from stages.trainer.moe import empty_microbatch
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack
 from stages.trainer.step_loss import StepLoss, refuse_nonfinite, step_stats
@@ -67,6 +68,7 @@ class FsdpBackend:
         self.mesh = init_device_mesh(self.device.type, (self.dp,))
         self.policy = FsdpPolicy(self._build(model_path, train=True), None, model_path)
         self.hf_config = self.policy.model.lm.config
+        self.attn = self.hf_config._attn_implementation  # load_lm keeps sdpa for windowed families
         self.optimizer = build_optimizer(self.policy.model, tc)
         # a KL term's frozen reference model; a served teacher's logprobs come with the samples instead
         self.has_reference = (tc.loss.kl_coef > 0 or tc.loss.kl_in_reward_coef > 0) and not tc.distill.server
@@ -173,7 +175,9 @@ class FsdpBackend:
     def pack(self, tb: TokenBatch, samples: list[int]) -> list[MicroBatch]:
         """The megatron backend's rows: block-diagonal segments, which the position ids restart in;
         packed rows (one per micro-batch) where the attention is varlen."""
-        mbs = pack(tb, samples, self.tc.micro_batch_tokens, packed_row=self.attn == "flash_attention_2")
+        mbs = pack(
+            tb, samples, self.tc.micro_batch_tokens, packed_row=self.attn in ("flash_attention_2", VARLEN)
+        )
         return self._equal_count(mbs)
 
     # -- the update --------------------------------------------------------------------------------

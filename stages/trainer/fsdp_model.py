@@ -23,27 +23,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.trainer.hf_varlen import VARLEN, packed_kwargs, register, uses_window_or_softcap
 from stages.trainer.lm_head import head_logprobs
+from stages.trainer.varlen import HAVE_VARLEN
 
 log = logging.getLogger(__name__)
 
 # trainer.attention -> transformers' attn_implementation ("auto" is resolved by `attention_impl`)
-ATTENTION = {"varlen": "flash_attention_2", "sdpa": "sdpa", "unfused": "eager"}
+ATTENTION = {"sdpa": "sdpa", "unfused": "eager"}  # varlen: attention_impl
 
 
 def attention_impl(setting: str, cuda: bool, bf16: bool) -> str:
     """transformers' attention implementation for trainer.attention. auto: FlashAttention's varlen
-    kernels on CUDA in bf16 when flash-attn is installed, else sdpa (on CPU with the block mask
-    transformers builds from the position ids)."""
+    kernels on CUDA in bf16 (the flash-attn package's where it is installed, else torch's through
+    hf_varlen.VARLEN), else sdpa (on CPU with the block mask transformers builds from the position ids).
+    varlen: the same kernels; without CUDA, hf_varlen's per-sequence SDPA (same numbers, for tests)."""
+    if setting == "varlen":
+        return "flash_attention_2" if _have_flash_attn() else VARLEN
     if setting != "auto":
-        impl = ATTENTION[setting]
-        if impl == "flash_attention_2" and not _have_flash_attn():
-            raise ValueError(
-                "trainer.attention=varlen with trainer.backend=fsdp runs transformers' flash_attention_2, "
-                "which needs CUDA and the flash-attn package; use trainer.attention=sdpa"
-            )
-        return impl
-    return "flash_attention_2" if cuda and bf16 and _have_flash_attn() else "sdpa"
+        return ATTENTION[setting]
+    if cuda and bf16:
+        if _have_flash_attn():
+            return "flash_attention_2"
+        if HAVE_VARLEN:
+            return VARLEN
+    return "sdpa"
 
 
 def _have_flash_attn() -> bool:
@@ -101,7 +105,10 @@ class HeadedLM(nn.Module):
         self.head = HeadSpec.of(lm.config)
 
     def hidden(self, tokens: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        out = self.lm.base_model(input_ids=tokens, position_ids=segment_positions(segments), use_cache=False)
+        packed = packed_kwargs(segments) if self.lm.config._attn_implementation == VARLEN else {}
+        out = self.lm.base_model(
+            input_ids=tokens, position_ids=segment_positions(segments), use_cache=False, **packed
+        )
         return out.last_hidden_state
 
     def forward(
@@ -148,6 +155,16 @@ def load_lm(path: str, attn: str, fallback: bool = False) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hc = AutoConfig.from_pretrained(path)
+    if attn == VARLEN:
+        register()
+        if uses_window_or_softcap(hc):
+            if not fallback:
+                raise ValueError(
+                    f"{path}: {hc.model_type} has sliding-window or soft-capped attention, which "
+                    f"trainer.attention=varlen ({VARLEN}) does not cover; use trainer.attention=sdpa"
+                )
+            log.warning("%s: %s has sliding-window or soft-capped attention; using sdpa", path, hc.model_type)
+            attn = "sdpa"
     text = getattr(hc, "text_config", None)
     for cfg in (hc, text) if text is not None else (hc,):
         for k, v in list(vars(cfg).items()):

@@ -206,7 +206,7 @@ def resolve_attention(attention: str, te: bool, bf16: bool) -> str:
     "varlen" (one packed row, FlashAttention varlen, no mask: CUDA + bf16), "te" (transformer-engine's
     fused attention over the same packed row, as 'thd'), or the block-mask rows of "sdpa" / "unfused"
     (CPU, fp32, or a torch without varlen kernels)."""
-    from stages.trainer.attention import varlen_available
+    from stages.trainer.varlen import varlen_available
 
     if te:
         return "te"

