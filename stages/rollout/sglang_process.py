@@ -21,6 +21,7 @@ from stages.rollout.offload import KV_CACHE, MEMORY_SAVER, WEIGHTS, MemoryReleas
 log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log
 
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
+FLUSH = "/flush_cache"  # with ?timeout=S it answers once the scheduler is fully idle (SGLang >= 0.5.17)
 # SGLang's tags of each part (sglang.srt.constants): the CUDA graphs' memory goes and comes with the
 # KV cache, as slime wakes them (after the weights and their push)
 SGLANG_TAGS = {WEIGHTS: ("weights",), KV_CACHE: ("kv_cache", "cuda_graph")}
@@ -103,7 +104,16 @@ class SGLangMemory(MemoryRelease):
     def release_again(self) -> None:
         """A server relaunched while released starts with all its memory: release it again."""
         if self._released:
+            self._wait_idle(time.monotonic() + self.cfg.control_timeout_s)
             self._post(RELEASE, {"tags": [g for t in sorted(self._released) for g in SGLANG_TAGS[t]]})
+
+    def _wait_idle(self, deadline: float) -> None:
+        """Until the server's scheduler is fully idle. A release asserts that it is, and a failed assertion
+        kills the server; our count of outstanding requests reaches 0 earlier (the overlapped scheduler's
+        last decode step, a /health probe's one-token generation, an abort still on its way). SGLang's
+        deferred flush answers only once the scheduler is idle (slime flushes before a release too)."""
+        left = max(1.0, deadline - time.monotonic())
+        self._post(f"{FLUSH}?timeout={left:.1f}", {}, timeout=left + 10.0)
 
     def release_memory(self, tags: Sequence[str], timeout_s: float) -> float:
         t0 = time.perf_counter()
@@ -128,6 +138,12 @@ class SGLangMemory(MemoryRelease):
                 f"{self.outstanding} outstanding request(s); an evaluation or a long response holds the "
                 "server: raise cluster.offload.timeout_s or lower rollout.sampling.max_new_tokens"
             )
+        try:
+            self._wait_idle(deadline)
+        except Exception:
+            with self._gate:
+                self._requests_held = bool(self._released)
+            raise
         self._post(RELEASE, {"tags": [g for t in todo for g in SGLANG_TAGS[t]]}, timeout=timeout_s)
         self._released.update(todo)
         return time.perf_counter() - t0
@@ -168,12 +184,14 @@ def gpu_bytes_of_tree(pid: int) -> int | None:
 
         pynvml.nvmlInit()
         pids = {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
-        total = 0
+        total, seen = 0, False
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if p.pid in pids and p.usedGpuMemory:
-                    total += p.usedGpuMemory
-        return total
+                if p.pid in pids:
+                    seen = True
+                    total += p.usedGpuMemory or 0
+        # none of them on any GPU: in a container NVML may list the host's pids, so unknown, not 0
+        return total if seen else None
     except Exception:  # noqa: BLE001 - no NVML (a CPU machine, a container without it): unknown
         return None
