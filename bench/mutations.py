@@ -1142,6 +1142,30 @@ MUTATIONS = [
         "",
         ("tests/test_shutdown.py::test_save_at_end_off_leaves_no_final_checkpoint_and_on_saves_one",),
     ),
+    Mutation(
+        "ipc_server_device_ignored",
+        "cuda_ipc: a server on another GPU is handed memory of the trainer's GPU (it died copying it, 2 H200s)",
+        "stages/weights/cuda_ipc_sender.py",
+        '        return torch.device("cuda", gpus[url]) if gpus[url] != default.index else default\n',
+        "        return default\n",
+        ("tests/test_cuda_ipc_devices.py",),
+    ),
+    Mutation(
+        "lora_bf16_merge_unscaled",
+        "LoRA: a bf16 merged push adds B.A without alpha/r",
+        "stages/trainer/lora.py",
+        "            return torch.addmm(weight, b, adapter.A.detach().to(weight.dtype), alpha=adapter.scale)\n",
+        "            return torch.addmm(weight, b, adapter.A.detach().to(weight.dtype))\n",
+        ("tests/test_lora.py::test_a_bf16_merge_is_the_fp32_merge_rounded_once",),
+    ),
+    Mutation(
+        "release_without_waiting_for_idle",
+        "offload: SGLang memory released while its scheduler may still be busy (the release kills the server)",
+        "stages/rollout/sglang_process.py",
+        "            self._wait_idle(deadline)\n",
+        "            pass\n",
+        ("tests/test_offload.py",),
+    ),
 ]
 
 

@@ -249,6 +249,39 @@ def test_a_merged_push_sends_the_adapted_tensors_and_the_engine_samples_the_trai
         receiver.close(), sender.close(), engine.close(), base_engine.close(), trainer.close()
 
 
+def test_a_bf16_merge_is_the_fp32_merge_rounded_once(tmp_path):
+    """Lora.merged on bf16 weights (a GPU push) is one fused GEMM; it equals the fp32 merge rounded to
+    bf16 up to the adapters' own bf16 rounding, and it does change the weight."""
+    from trainer_setup import make_trainer
+
+    from pipeline.config import RunConfig
+    from stages.trainer.model import unwrap
+
+    cfg = RunConfig()
+    cfg.trainer.batch_groups, cfg.trainer.lr = 2, 5e-2
+    cfg.trainer.lora = LoraConfig(rank=4, target_modules=["q_proj", "o_proj", "up_proj"])
+    path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
+    trainer = make_trainer(
+        cfg, ListSource([make_batch(2, 4, seed=i) for i in range(2)]), path, str(tmp_path / "r")
+    )
+    try:
+        trainer.step(), trainer.step()
+        lora, params = trainer.policy.lora, dict(unwrap(trainer.policy.model).named_parameters())
+        keys = [k for k in params if lora.adapter_for(k) is not None and not lora.is_adapter_param(k)]
+        assert len(keys) >= 3
+        for key in keys:
+            w = params[key].detach().to(torch.bfloat16)
+            delta = lora.adapter_for(key).delta(key)
+            assert delta.abs().max() > 0  # trained: B is no longer zero
+            want = (w.float() + delta).to(torch.bfloat16)
+            got = lora.merged(key, w)
+            assert got.dtype == torch.bfloat16 and not torch.equal(got, w)
+            ulp = w.float().abs().max() * 2**-7  # one bf16 step at the largest weight
+            assert (got.float() - want.float()).abs().max() <= ulp + 0.02 * delta.abs().max()
+    finally:
+        trainer.close(save=False)
+
+
 def _engine_logprobs(engine, prompt: list[int], response: list[int]) -> torch.Tensor:
     """Logprobs of `response` after `prompt` under the engine's model (temperature 1)."""
     with torch.no_grad():

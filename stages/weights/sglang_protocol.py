@@ -32,6 +32,7 @@ JOIN_GROUP = "/init_weights_update_group"
 LEAVE_GROUP = "/destroy_weights_update_group"
 HEALTH = "/health"  # 200 once the server serves
 MODEL_INFO = "/model_info"  # {"weight_version": ...}: the version the server runs
+SERVER_INFO = "/server_info"  # the server's arguments (base_gpu_id: the GPU it runs on) and state
 # LoRA serving (trainer.lora.push=adapter): adapters loaded and unloaded by name, the base untouched
 LOAD_LORA = "/load_lora_adapter_from_tensors"
 UNLOAD_LORA = "/unload_lora_adapter"
