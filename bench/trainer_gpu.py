@@ -147,6 +147,7 @@ def parse() -> argparse.Namespace:
         choices=("megatron", "fsdp"),
         help="trainer.backend (fsdp: HF model under FSDP2 over every rank; --tp must be 1)",
     )
+    ap.add_argument("--fsdp-compile", action="store_true", help="trainer.fsdp_compile (with --backend fsdp)")
     ap.add_argument(
         "--baseline",
         default="",
@@ -299,7 +300,7 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto", lora_r
     tc.logits_chunk_tokens = a.logits_chunk_tokens
     tc.ep = a.ep  # as main's init_distributed made the groups (a dense model has no experts to split)
     tc.moe_experts, tc.distributed_optimizer = experts, a.distributed_optimizer
-    tc.backend = a.backend
+    tc.backend, tc.fsdp_compile = a.backend, a.fsdp_compile
     if lora_rank:
         from stages.trainer.config import LoraConfig
 
@@ -568,6 +569,7 @@ def main() -> None:
             row["ep"] = a.ep
         if a.backend != "megatron":
             row["backend"] = a.backend
+            row["fsdp_compile"] = a.fsdp_compile
         # variants: each trainer.old_logprobs mode, then (MoE) each further expert implementation
         experts = a.moe_experts.split(",") if is_moe(shape) else ["auto"]
         variants = [

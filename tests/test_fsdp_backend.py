@@ -107,6 +107,28 @@ def test_packed_varlen_rows_give_the_same_logprobs(runs, tmp_path):
     assert torch.allclose(got["varlen"], got["sdpa"], atol=1e-5), (got["varlen"] - got["sdpa"]).abs().max()
 
 
+def test_compiled_layers_give_the_same_logprobs(runs, tmp_path):
+    """trainer.fsdp_compile: each decoder layer under torch.compile (inductor) gives the uncompiled
+    logprobs; the megatron backend refuses the key."""
+    from stages.trainer.config import TrainerConfig, TrainerRun
+    from stages.trainer.fsdp_backend import FsdpBackend
+    from stages.trainer.packing import shard_samples, to_token_batch
+
+    tb = to_token_batch(make_batch(3, 4, seed=7, vocab=512))
+    run = TrainerRun(run_dir=str(tmp_path), temperature=0.8)
+    got = {}
+    for compiled in (False, True):
+        be = FsdpBackend(
+            TrainerConfig(backend="fsdp", micro_batch_tokens=256, fsdp_compile=compiled), run, runs[0]
+        )
+        got[compiled] = be.logprobs(tb, be.pack(tb, shard_samples(tb, 1)[0]))
+    layer = be.policy.model.lm.model.layers[0]
+    assert getattr(layer, "_compiled_call_impl", None) is not None  # nn.Module.compile took
+    assert torch.allclose(got[True], got[False], atol=1e-5), (got[True] - got[False]).abs().max()
+    with pytest.raises(ValueError, match="trainer.fsdp_compile is the fsdp backend's"):
+        TrainerConfig(fsdp_compile=True)
+
+
 @pytest.mark.parametrize(
     "key",
     [

@@ -189,6 +189,9 @@ class TrainerConfig(_Base):
     # fsdp backend: FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state in host memory,
     # the optimizer step on the CPU); less GPU memory, slower steps
     fsdp_cpu_offload: bool = False
+    # fsdp backend: torch.compile each decoder layer (torchtitan's per-block compile, before sharding):
+    # fuses the HF model's norms, rotary and activation kernels; the first steps pay the compilation
+    fsdp_compile: bool = False
     batch_groups: int = 8  # groups per optimizer step
     micro_batch_tokens: int = 4096  # token budget per packed micro-batch
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -397,8 +400,9 @@ class TrainerConfig(_Base):
 def check_fsdp(tc: TrainerConfig) -> None:
     """Refuse, by key, what trainer.backend=fsdp does not implement (it would otherwise be ignored)."""
     if tc.backend != "fsdp":
-        if tc.fsdp_cpu_offload:
-            raise ValueError("trainer.fsdp_cpu_offload is the fsdp backend's: set trainer.backend=fsdp")
+        for key in ("fsdp_cpu_offload", "fsdp_compile"):
+            if getattr(tc, key):
+                raise ValueError(f"trainer.{key} is the fsdp backend's: set trainer.backend=fsdp")
         return
     fixes = (
         ("trainer.tp=1", tc.tp > 1),

@@ -95,7 +95,11 @@ class FsdpBackend:
         if not train:
             model.eval().requires_grad_(False)
         return shard(
-            model, self.mesh, bf16=self.bf16 and self.device.type == "cuda", offload=self.tc.fsdp_cpu_offload
+            model,
+            self.mesh,
+            bf16=self.bf16 and self.device.type == "cuda",
+            offload=self.tc.fsdp_cpu_offload,
+            compile_layers=self.tc.fsdp_compile and train,
         )
 
     # -- the schedule ------------------------------------------------------------------------------

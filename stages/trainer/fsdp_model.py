@@ -187,10 +187,13 @@ def load_lm(path: str, attn: str, fallback: bool = False) -> nn.Module:
     return lm
 
 
-def shard(model: HeadedLM, mesh, *, bf16: bool, offload: bool, reshard: bool = True) -> HeadedLM:
+def shard(
+    model: HeadedLM, mesh, *, bf16: bool, offload: bool, reshard: bool = True, compile_layers: bool = False
+) -> HeadedLM:
     """FSDP2 over `mesh`: one unit per decoder layer (the classes the model lists in _no_split_modules,
     transformers' own wrap policy), the rest (embeddings, final norm, LM head: tied weights stay in
-    one unit) in the root. bf16: bf16 compute, fp32 gradient reduction and master weights."""
+    one unit) in the root. bf16: bf16 compute, fp32 gradient reduction and master weights.
+    compile_layers: torch.compile each decoder layer first (trainer.fsdp_compile)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kw: dict[str, Any] = {"mesh": mesh}
@@ -205,6 +208,8 @@ def shard(model: HeadedLM, mesh, *, bf16: bool, offload: bool, reshard: bool = T
             "backend shards one unit per layer and cannot find them"
         )
     for layer in layers:
+        if compile_layers:  # each block on its own (one graph reused by every layer), then sharded
+            layer.compile()
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     fully_shard(model, **kw)
     return model
