@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _results import record  # noqa: E402 - bench/ is on sys.path when a bench runs
 
 
-def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[str]) -> dict:
+def one_run(
+    overrides: list[str], kill_every_s: float, seed: int, stages: list[str], config: str | None = None
+) -> dict:
     import ray
 
     from buffer.segments import iter_log, recover_segments
@@ -46,7 +48,7 @@ def one_run(overrides: list[str], kill_every_s: float, seed: int, stages: list[s
     from stages.rollout.generator import DATA_POS_KEY
 
     run_dir = Path(tempfile.mkdtemp(prefix="slipstream-fault-"))
-    cfg = load_config(None, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])
+    cfg = load_config(config, [f"run.dir={run_dir}", "metrics.progress=false", *overrides])
     start_ray(cfg)
     metrics = MetricsWriter(run_dir, tensorboard=False)
     pipe = Pipeline(cfg, run_dir)
@@ -126,14 +128,20 @@ def main() -> None:
     ap.add_argument("--kill-every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", default="generator,buffer,trainer", help="comma list of stages to kill")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="a config file (default: the embedded CPU default); on GPUs e.g. configs/gpu-2x-disaggregated.yaml "
+        "model.name=DIR rollout.data.source=bench/data/basic_arithmetic.jsonl rollout.reward.fn=math",
+    )
     ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "fault_run.jsonl"))
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     over = [f"run.steps={a.steps}", "trainer.checkpoint_every=100", *a.overrides]
     stages = a.stages.split(",")
-    clean = one_run(over, 0.0, a.seed, stages)
+    clean = one_run(over, 0.0, a.seed, stages, a.config)
     print(f"unfaulted: {json.dumps(clean)}", flush=True)
-    faulted = one_run(over, a.kill_every_s, a.seed, stages)
+    faulted = one_run(over, a.kill_every_s, a.seed, stages, a.config)
     print(f"faulted:   {json.dumps(faulted)}", flush=True)
     out = {
         **{
@@ -158,6 +166,7 @@ def main() -> None:
         "unfaulted_completed": clean["completed"],
         "steps": a.steps,
         "kill_every_s": a.kill_every_s,
+        "config": a.config or "default",
         "wall_s": faulted["wall_s"],
         "unfaulted_wall_s": clean["wall_s"],
         "error": faulted["error"],
@@ -168,7 +177,10 @@ def main() -> None:
         and out["trained_twice"] == 0
         and abs(out["final_reward"] - out["unfaulted_final_reward"]) <= 0.05
     )
-    record(out, a.results)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    record(out, a.results, **({"device": f"{gpus}x {torch.cuda.get_device_name(0)}"} if gpus else {}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements that issues #37, #38, #40 and #42 still lack, on one 2-GPU machine in one
+# The GPU measurements that issues #37, #38, #39, #40 and #42 still lack, on one 2-GPU machine in one
 # 30-minute device session, in the background (setsid) so that 10-minute device calls can start, watch
 # and collect them. Phases run in priority order; whatever the session's time cuts off is simply not run.
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
@@ -10,7 +10,7 @@
 #   GPU 1: the 1.5B trainer, megatron then fsdp, plain and compiled, on the same tokens (#42) -> LoRA
 #          pushes at 7B, the merged push with the fused merge (#37)
 # Then both GPUs: 7B colocated with offload, 3 steps (#38) -> the 7B full fine-tune at TP=2 and the fsdp
-# backend over 2 ranks (#42) -> the agent prefix-cache bench (#40).
+# backend over 2 ranks (#42) -> the agent prefix-cache bench (#40) -> a stage killed every ~60 s (#39).
 # Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
 # on one GPU, 1.5B colocated with and without offload, NGRAM speculative decoding (git history has them).
 # Results: /tmp/s2/results/<bench>.jsonl (each row with device and date), logs /tmp/s2/*.out. Needs the
@@ -79,6 +79,10 @@ both() {
     "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
   OUT=$S run gpu_agent 900 0,1 bash bench/gpu_agent.sh 30
   stamp gpu_agent
+  # #39: the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s, beside an unfaulted run
+  run fault_run 1200 0,1 python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 120 \
+    --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
+    rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false
 }
 
 case "${1:-}" in

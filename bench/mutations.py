@@ -1174,6 +1174,22 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_fsdp_backend.py::test_compiled_layers_give_the_same_logprobs",),
     ),
+    Mutation(
+        "healed_sglang_generator_keeps_old_servers",
+        "a dead SGLang generator's servers are left running when its successor starts (GPU and ports held)",
+        "pipeline/orchestration/supervisors.py",
+        '            self._end_servers(i, [s["pid"] for s in old if s["pid"]])\n',
+        "            pass\n",
+        ("tests/test_sglang_heal.py",),
+    ),
+    Mutation(
+        "healed_sglang_generator_new_ports",
+        "a healed SGLang generator's servers start on new ports the trainer's sender does not know",
+        "pipeline/orchestration/supervisors.py",
+        '        self.actors[i] = self._launch(i, ports=[s["port"] for s in old] or None)\n',
+        "        self.actors[i] = self._launch(i)\n",
+        ("tests/test_sglang_heal.py",),
+    ),
 ]
 
 

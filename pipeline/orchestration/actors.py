@@ -143,9 +143,11 @@ class GeneratorActor(_Located):
         reachable: bool = False,
         curve: CurveKeys | None = None,
         joining: bool = False,
+        ports: list[int] | None = None,
     ):
         """`joining`: added to a run already going (elastic rollout): its admission counts from the
-        trainer's version (ElasticGenerator.join) when its run() begins."""
+        trainer's version (ElasticGenerator.join) when its run() begins. `ports`: its SGLang servers'
+        (a healed generator's take its predecessor's, at the URLs the trainer's sender pushes to)."""
         _threads(cpus)
         from buffer.client import BufferClient
         from pipeline.config import rollout_run
@@ -164,7 +166,12 @@ class GeneratorActor(_Located):
         # SGLang logs as <log_dir>/sglang-gen<index>-<engine>.log: one directory for every generator
         run = rollout_run(cfg)  # the run-wide values the stage takes (sync mode's staleness bound among them)
         self.engine = build_engine(
-            cfg.rollout, cfg.model, run, seed=cfg.run.seed * 1000 + index, name=f"sglang-gen{index}"
+            cfg.rollout,
+            cfg.model,
+            run,
+            seed=cfg.run.seed * 1000 + index,
+            name=f"sglang-gen{index}",
+            ports=ports,
         )
         # weights.transport cpu pushes through this receiver; with nccl / cuda_ipc the trainer updates the
         # SGLang servers directly, and there is no receiver here. SGLang generators start before the
@@ -218,6 +225,11 @@ class GeneratorActor(_Located):
     def engine_urls(self) -> list[str]:
         """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
         return list(getattr(self.engine, "urls", []))
+
+    def engine_servers(self) -> list[dict]:
+        """This generator's SGLang servers: URL, port and process group (empty for the torch engine)."""
+        servers = getattr(self.engine, "servers", None)
+        return servers() if servers is not None else []
 
     async def run(self) -> dict:
         if self.joining:

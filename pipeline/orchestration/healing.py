@@ -128,9 +128,10 @@ class Healer:
     def heal_trainer(self, error: str) -> int:
         """A trainer rank's process died: restart the whole group from the newest checkpoint in the run
         directory (or the base model). Returns the version it resumed at; the driver continues from
-        there. Rows newer than it are evicted by the buffer, never trained at negative staleness."""
-        if self.cfg.rollout.engine == "sglang":
-            raise StageFailed(f"{error} (a trainer with SGLang engines is not restarted yet)")
+        there. Rows newer than it are evicted by the buffer, never trained at negative staleness.
+        SGLang servers keep generating meanwhile; the new group pushes to the same URLs at once (a server
+        the dead one left paused mid-push takes that push whole and continues; NCCL pushes form a weight
+        group of a new name with them)."""
         self.count_death("trainer", error)
         log.warning("%s died; restarting the trainer from its newest checkpoint", error)
         version = self.trainer.restart()
@@ -178,15 +179,13 @@ class Healer:
             error = root_error(e)
         except ray.exceptions.RayTaskError as e:  # it raised: a restart would raise the same again
             raise self.calls.failed(name, e) from None
-        if self.cfg.rollout.engine == "sglang":
-            raise StageFailed(f"{name} died (SGLang generators are not restarted yet): {error}")
         self.count_death(name, error)
         log.warning(
             "%s died (%s); starting a new incarnation (%d in the window)", name, error, len(self.deaths[name])
         )
         # pushes stop waiting for the dead engine (its process is gone already: nothing can reconnect
         # under its id). A trainer that died too is restarted at the next step, with a sender that
-        # knows no engine.
+        # knows no engine. Its SGLang servers are ended and started again at the same URLs (restart).
         try:
             ray.get(
                 self.trainer.rank0.forget_engine.remote(self.generators.ids[i]),

@@ -203,6 +203,8 @@ class GeneratorStage:
         self.extra_pgs: dict[int, object] = {}  # placement groups of generators added beyond the run's
         self.actors: list = []
         self.ids: list[str] = []  # each generator's current incarnation id
+        # each generator's SGLang servers (url, port, pid): they outlive a generator that dies
+        self.servers: list[list[dict]] = []
         self.runs: dict = {}  # ObjectRef of each generator's run() -> its name
         self.weights_address: str | None = None
 
@@ -217,6 +219,7 @@ class GeneratorStage:
         (self.site.run_dir / "generators").mkdir(exist_ok=True)
         self.actors = [self._launch(i) for i in range(len(self.shares))]
         self.ids = [self.site.calls.wait(g.ident.remote(), self.name(i)) for i, g in enumerate(self.actors)]
+        self.servers = [self._servers_of(i) for i in range(len(self.actors))]
 
     def run(self) -> None:
         for i in range(len(self.actors)):
@@ -240,6 +243,7 @@ class GeneratorStage:
             self.extra_pgs[i] = pg
         self.actors.append(self._launch(i, joining=True))
         self.ids.append(self.site.calls.wait(self.actors[i].ident.remote(), self.name(i)))
+        self.servers.append(self._servers_of(i))
         self._run(i)
         return i
 
@@ -273,6 +277,8 @@ class GeneratorStage:
         if pg is not None:
             remove_placement_group(pg)
         del self.actors[i]
+        if i < len(self.servers):
+            self.servers.pop(i)
         return self.ids.pop(i), how
 
     def release_placements(self) -> None:
@@ -284,12 +290,39 @@ class GeneratorStage:
         self.extra_pgs.clear()
 
     def restart(self, i: int) -> None:
+        """A new incarnation in generator i's place. SGLang servers outlive the process that started
+        them (their own sessions): its predecessor's are ended first, on its node, and the new ones start
+        on the same ports, so the trainer's sender finds them at the URLs it pushes to, as it finds a
+        server the engine watch relaunched (and catches it up)."""
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
-        self.actors[i] = self._launch(i)
+        old = self.servers[i] if i < len(self.servers) else []
+        if old:
+            self._end_servers(i, [s["pid"] for s in old if s["pid"]])
+        self.actors[i] = self._launch(i, ports=[s["port"] for s in old] or None)
         self.ids[i] = self.site.calls.wait(self.actors[i].ident.remote(), self.name(i))
+        if i < len(self.servers):
+            self.servers[i] = self._servers_of(i)
         self._run(i)
+
+    def _servers_of(self, i: int) -> list[dict]:
+        return self.site.calls.wait(self.actors[i].engine_servers.remote(), self.name(i))
+
+    def _end_servers(self, i: int, groups: list[int], timeout_s: float = 30.0) -> None:
+        """End generator i's orphaned SGLang servers (process groups `groups`) on its node: their GPU
+        memory and ports go to its successor's."""
+        import ray
+
+        from stages.rollout.sglang_process import end_orphaned_groups
+
+        task = ray.remote(num_cpus=0)(end_orphaned_groups).options(**self._where(i))
+        left = self.site.calls.wait(task.remote(groups, timeout_s), f"{self.name(i)}'s SGLang servers")
+        if left:
+            raise StageFailed(
+                f"{self.name(i)} died and its SGLang servers (process groups {left}) still run after "
+                f"{timeout_s:.0f}s of SIGKILL: their GPUs are not free for a new incarnation"
+            )
 
     def engine_urls(self) -> list[str]:
         """The SGLang servers of every generator (the trainer's sender pushes to them)."""
@@ -300,21 +333,22 @@ class GeneratorStage:
     def _run(self, i: int) -> None:
         self.runs[self.actors[i].run.remote()] = self.name(i)
 
-    def _launch(self, i: int, joining: bool = False):
+    def _where(self, i: int) -> dict:
+        """Generator i's placement: its bundle of the run's group, or the group it was added on."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        pg = self.extra_pgs.get(i)
+        if pg is None:
+            return self.site.on(self.site.plan.generator_bundles[i])
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+
+    def _launch(self, i: int, joining: bool = False, ports: list[int] | None = None):
         from pipeline.orchestration.actors import GeneratorActor
 
         site = self.site
         # the generator's data position, kept across incarnations (see GeneratorActor)
         state = str(site.run_dir / "generators" / f"gen-{i}.json")
-        pg = self.extra_pgs.get(i)
-        where = (
-            site.on(site.plan.generator_bundles[i])
-            if pg is None
-            else {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
-        )
-        return GeneratorActor.options(num_gpus=site.plan.generator_gpus, **where).remote(
+        return GeneratorActor.options(num_gpus=site.plan.generator_gpus, **self._where(i)).remote(
             site.cfg,
             i,
             self.buffer.address,
@@ -324,6 +358,7 @@ class GeneratorStage:
             reachable=site.reachable,
             curve=site.curve,
             joining=joining,
+            ports=ports,
         )
 
 

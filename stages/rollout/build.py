@@ -20,12 +20,14 @@ def build_engine(
     version: int = 0,
     seed: int | None = None,
     name: str = "sglang",
+    ports: list[int] | None = None,
 ) -> Engine:
     """The inference engine that rollout.engine names, loaded with `model`'s weights.
 
     version: the policy version of the initial weights (0 for a fresh run; the checkpoint's step when
     resuming). seed: sampling seed (default run.seed). name: SGLang engines are named (and log as)
-    `name`-i.
+    `name`-i. ports: the SGLang servers' ports (a healed generator's engines take its predecessor's,
+    so the trainer's sender finds them at the same URLs).
     """
     r = rollout
     path = resolve_model(model)
@@ -62,6 +64,7 @@ def build_engine(
             name=name,
             record_routing=run.routing_replay,
             lora=run.lora_serving,
+            ports=ports,
         )
     raise ValueError(f"rollout.engine={r.engine!r}: expected torch or sglang")
 

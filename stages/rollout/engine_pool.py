@@ -50,12 +50,15 @@ class EnginePool(Engine):
         name: str = "sglang",
         record_routing: bool = False,
         lora: LoraServing | None = None,
+        ports: list[int] | None = None,
     ) -> EnginePool:
-        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports cfg.port + 10 i, or free),
-        named (and logged as) `name`-i: several generators' pools share one log directory."""
+        """Start `n` engines at once on GPUs base_gpu_id + i*tp_size (ports: `ports`, else cfg.port + 10 i,
+        else free), named (and logged as) `name`-i: several generators' pools share one log directory."""
+        if ports is not None and len(ports) != n:
+            raise ValueError(f"{n} SGLang engines but {len(ports)} ports: {ports}")
 
         def make(i: int) -> SGLangEngine:
-            port = cfg.port + 10 * i if cfg.port else None
+            port = ports[i] if ports else cfg.port + 10 * i if cfg.port else None
             gpu = cfg.base_gpu_id + i * cfg.tp_size
             return SGLangEngine(
                 model_path,
@@ -156,6 +159,11 @@ class EnginePool(Engine):
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    def servers(self) -> list[dict]:
+        """Each server's URL, port and process (group) id: what a healer needs to end them when this
+        process dies, and to start their successors at the same URLs."""
+        return [{"url": e.url, "port": e.port, "pid": e.pid} for e in self.engines]
 
     @property
     def tp_sizes(self) -> list[int]:

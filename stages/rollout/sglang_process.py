@@ -55,6 +55,34 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(5)
 
 
+def end_orphaned_groups(pgids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """SIGKILL the process groups of SGLang servers whose engine's process died (their sessions outlive
+    it), and wait until each group's processes are gone or zombies, which hold no GPU memory and no port.
+    Returns the groups with a process still running at the deadline."""
+    for g in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(g, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    left = list(pgids)
+    while left and time.monotonic() < deadline:
+        left = [g for g in left if _group_running(g)]
+        if left:
+            time.sleep(0.2)
+    return left
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (not a zombie), from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
 async def sse_events(resp):
     """Parse SGLang's server-sent events (`data: {json}` blocks, ending with `data: [DONE]`). Lines are
     split here rather than with readline(), which refuses lines above aiohttp's 128 KiB limit."""
