@@ -19,63 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+from gpu_runs import fresh as fresh_steps
+from gpu_runs import keep_logs, sglang_servers, steps  # tests/ is on sys.path
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if "reward/mean" in row:
-            rows.append(row)
-    return rows
-
-
-def _sglang_servers(pid: int) -> list:
-    """The SGLang servers the pipeline (process `pid`) started, found among its descendants (through
-    Ray's raylet and the generator actor), never by name alone."""
-    import psutil
-
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "sglang.launch_server" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def _keep_logs(tmp_path: Path, run_dir: Path) -> None:
-    """With SLIPSTREAM_TEST_ARTIFACTS set (bench/gpu_session.sh sets it), copy the run's log, metrics
-    and SGLang logs there: a device session keeps only what it collects."""
-    dest = os.environ.get("SLIPSTREAM_TEST_ARTIFACTS")
-    if not dest:
-        return
-    import shutil
-
-    out = Path(dest) / run_dir.parent.name
-    out.mkdir(parents=True, exist_ok=True)
-    for src in [
-        tmp_path / "pipeline.log",
-        run_dir / "metrics.jsonl",
-        *sorted((run_dir / "sglang").glob("*.log")),
-    ]:
-        if src.exists():
-            shutil.copy(src, out / src.name)
-
-
-def _fresh(rows: list[dict], killed_at: float) -> list[dict]:
-    """The steps after the kill whose batches hold tokens the relaunched server generated (the
-    generators' token count moved on since the first step after the kill)."""
-    after = [r for r in rows if r["time"] > killed_at]
-    return [r for r in after if r["generator/tokens"] > after[0]["generator/tokens"]]
 
 
 @pytest.mark.parametrize(
@@ -115,18 +63,18 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
         )
         try:
             deadline = time.monotonic() + 420
-            while len(_steps(run_dir)) < 3:
+            while len(steps(run_dir)) < 3:
                 assert proc.poll() is None, "the run ended before training: " + log_path.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no 3 training steps within 420 s"
                 time.sleep(2)
-            servers = _sglang_servers(proc.pid)
+            servers = sglang_servers(proc.pid)
             assert len(servers) == 1, f"expected {config}'s one SGLang server, found {servers}"
-            killed_at, steps_at_kill = time.time(), len(_steps(run_dir))
+            killed_at, steps_at_kill = time.time(), len(steps(run_dir))
             os.killpg(servers[0].pid, signal.SIGKILL)  # the server's own group (it starts a new session)
             # wait for two steps trained on the relaunched server's tokens, then stop the run as Ctrl-C
             # would (exit 130); a run that fails or ends first is reported with its log
             deadline = time.monotonic() + 480
-            while len(_fresh(_steps(run_dir), killed_at)) < 2 and proc.poll() is None:
+            while len(fresh_steps(steps(run_dir), killed_at)) < 2 and proc.poll() is None:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(2)
@@ -136,13 +84,13 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-            _keep_logs(tmp_path, run_dir)
+            keep_logs(tmp_path, run_dir)
     tail = log_path.read_text()[-4000:]
     assert rc in (0, 130), f"the run failed after its SGLang server was killed (rc {rc}):\n{tail}"
-    rows = _steps(run_dir)
+    rows = steps(run_dir)
     after = [r for r in rows if r["time"] > killed_at]
     restarts = max(r.get("generator/engine_restarts", 0) for r in rows)
-    fresh = _fresh(rows, killed_at)
+    fresh = fresh_steps(rows, killed_at)
     print(
         "METRIC "
         + json.dumps(
