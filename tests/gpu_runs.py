@@ -4,8 +4,11 @@ descendants, the logs a device session keeps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 
@@ -67,3 +70,57 @@ def descendants_running(pid: int, marker: str) -> list:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def pipeline_command(config: str, run_dir: Path, tmp_path: Path, *overrides: str) -> list[str]:
+    """`python -m pipeline` on a GPU config with the exported prompts and `math` reward (no
+    reasoning-gym on the GPU machine), SGLang without CUDA graphs (faster starts), run until stopped."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "--config",
+        config,
+        f"run.dir={run_dir}",
+        "run.steps=10000",
+        "run.time_limit_s=900",  # a cap: the test stops the run once it saw what it waits for
+        "metrics.tensorboard=false",
+        "rollout.data.source=bench/data/basic_arithmetic.jsonl",
+        "rollout.reward.fn=math",
+        "rollout.sglang.disable_cuda_graph=true",
+        f"rollout.sglang.log_dir={run_dir}/sglang",
+        f"buffer.dir={tmp_path}/buffer",
+        f"model.cache_dir={tmp_path}/models",
+        *overrides,
+    ]
+
+
+@contextlib.contextmanager
+def running_pipeline(cmd: list[str], repo: Path, tmp_path: Path, run_dir: Path):
+    """The run as a process group of its own, logging to tmp_path/pipeline.log; yields (process, log
+    path). On the way out a run still going is killed (its group) and the logs are kept."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}"}
+    log_path = tmp_path / "pipeline.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            yield proc, log_path
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            keep_logs(tmp_path, run_dir)
+
+
+def wait_for_steps(proc, run_dir: Path, log_path: Path, n: int, timeout_s: float = 420.0) -> None:
+    """Until the run has trained `n` steps; fails with the log's tail if it ends or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while len(steps(run_dir)) < n:
+        assert proc.poll() is None, "the run ended before training: " + log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {n} training steps within {timeout_s:.0f} s"
+        time.sleep(2)

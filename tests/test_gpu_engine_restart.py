@@ -13,14 +13,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from gpu_runs import fresh as fresh_steps
-from gpu_runs import keep_logs, sglang_servers, steps  # tests/ is on sys.path
+from gpu_runs import (  # tests/ is on sys.path
+    pipeline_command,
+    running_pipeline,
+    sglang_servers,
+    steps,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -37,54 +41,23 @@ def test_a_killed_sglang_server_is_relaunched_caught_up_and_the_run_finishes(tmp
     pytest.importorskip("sglang")
     pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "--config",
-        config,
-        f"run.dir={run_dir}",
-        "run.steps=10000",
-        "run.time_limit_s=900",  # a cap: the test stops the run once it went on after the relaunch
-        "metrics.tensorboard=false",
-        "rollout.data.source=bench/data/basic_arithmetic.jsonl",
-        "rollout.reward.fn=math",
-        "rollout.sglang.disable_cuda_graph=true",
-        "rollout.sglang.health_check_s=5",
-        f"rollout.sglang.log_dir={run_dir}/sglang",
-        f"buffer.dir={tmp_path}/buffer",
-        f"model.cache_dir={tmp_path}/models",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    log_path = tmp_path / "pipeline.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 420
-            while len(steps(run_dir)) < 3:
-                assert proc.poll() is None, "the run ended before training: " + log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no 3 training steps within 420 s"
-                time.sleep(2)
-            servers = sglang_servers(proc.pid)
-            assert len(servers) == 1, f"expected {config}'s one SGLang server, found {servers}"
-            killed_at, steps_at_kill = time.time(), len(steps(run_dir))
-            os.killpg(servers[0].pid, signal.SIGKILL)  # the server's own group (it starts a new session)
-            # wait for two steps trained on the relaunched server's tokens, then stop the run as Ctrl-C
-            # would (exit 130); a run that fails or ends first is reported with its log
-            deadline = time.monotonic() + 480
-            while len(fresh_steps(steps(run_dir), killed_at)) < 2 and proc.poll() is None:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(2)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)
-            rc = proc.wait(timeout=180)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            keep_logs(tmp_path, run_dir)
+    cmd = pipeline_command(config, run_dir, tmp_path, "rollout.sglang.health_check_s=5")
+    with running_pipeline(cmd, REPO, tmp_path, run_dir) as (proc, log_path):
+        wait_for_steps(proc, run_dir, log_path, 3)
+        servers = sglang_servers(proc.pid)
+        assert len(servers) == 1, f"expected {config}'s one SGLang server, found {servers}"
+        killed_at, steps_at_kill = time.time(), len(steps(run_dir))
+        os.killpg(servers[0].pid, signal.SIGKILL)  # the server's own group (it starts a new session)
+        # wait for two steps trained on the relaunched server's tokens, then stop the run as Ctrl-C
+        # would (exit 130); a run that fails or ends first is reported with its log
+        deadline = time.monotonic() + 480
+        while len(fresh_steps(steps(run_dir), killed_at)) < 2 and proc.poll() is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=180)
     tail = log_path.read_text()[-4000:]
     assert rc in (0, 130), f"the run failed after its SGLang server was killed (rc {rc}):\n{tail}"
     rows = steps(run_dir)

@@ -14,13 +14,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from gpu_runs import descendants_running, keep_logs, sglang_servers, steps  # tests/ is on sys.path
+from gpu_runs import (  # tests/ is on sys.path
+    descendants_running,
+    pipeline_command,
+    running_pipeline,
+    sglang_servers,
+    steps,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -36,57 +41,32 @@ def test_a_killed_stage_of_an_sglang_run_heals_and_the_run_goes_on(tmp_path, sta
     pytest.importorskip("sglang")
     pytest.importorskip("psutil")
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "--config",
+    # the trainer resumes from a recent step; no final checkpoint
+    cmd = pipeline_command(
         "configs/gpu-2x-disaggregated.yaml",
-        f"run.dir={run_dir}",
-        "run.steps=10000",
-        "run.time_limit_s=900",
-        "metrics.tensorboard=false",
-        "rollout.data.source=bench/data/basic_arithmetic.jsonl",
-        "rollout.reward.fn=math",
-        "rollout.sglang.disable_cuda_graph=true",
-        "trainer.checkpoint_every=2",  # the trainer resumes from a recent step
+        run_dir,
+        tmp_path,
+        "trainer.checkpoint_every=2",
         "trainer.save_at_end=false",
-        f"rollout.sglang.log_dir={run_dir}/sglang",
-        f"buffer.dir={tmp_path}/buffer",
-        f"model.cache_dir={tmp_path}/models",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    log_path = tmp_path / "pipeline.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 420
-            while len(steps(run_dir)) < 4:
-                assert proc.poll() is None, "the run ended before training: " + log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no 4 training steps within 420 s"
-                time.sleep(2)
-            victims = descendants_running(proc.pid, ACTOR[stage])
-            assert victims, f"no {ACTOR[stage]} process under the pipeline"
-            servers_before = {p.pid for p in sglang_servers(proc.pid)}
-            killed_at, steps_at_kill = time.time(), len(steps(run_dir))
-            for p in victims:
-                os.kill(p.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 540
-            while proc.poll() is None and time.monotonic() < deadline:
-                after = [r for r in steps(run_dir) if r["time"] > killed_at]
-                if len(after) >= 3 and after[-1].get("run/restarts", 0) >= 1:
-                    break
-                time.sleep(2)
-            servers_after = {p.pid for p in sglang_servers(proc.pid)}
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)
-            rc = proc.wait(timeout=180)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            keep_logs(tmp_path, run_dir)
+    )
+    with running_pipeline(cmd, REPO, tmp_path, run_dir) as (proc, log_path):
+        wait_for_steps(proc, run_dir, log_path, 4)
+        victims = descendants_running(proc.pid, ACTOR[stage])
+        assert victims, f"no {ACTOR[stage]} process under the pipeline"
+        servers_before = {p.pid for p in sglang_servers(proc.pid)}
+        killed_at, steps_at_kill = time.time(), len(steps(run_dir))
+        for p in victims:
+            os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 540
+        while proc.poll() is None and time.monotonic() < deadline:
+            after = [r for r in steps(run_dir) if r["time"] > killed_at]
+            if len(after) >= 3 and after[-1].get("run/restarts", 0) >= 1:
+                break
+            time.sleep(2)
+        servers_after = {p.pid for p in sglang_servers(proc.pid)}
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=180)
     tail = log_path.read_text()[-4000:]
     rows = steps(run_dir)
     after = [r for r in rows if r["time"] > killed_at]

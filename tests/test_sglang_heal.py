@@ -22,6 +22,19 @@ def _server_group() -> subprocess.Popen:
     return subprocess.Popen(["bash", "-c", "sleep 120 & sleep 120"], start_new_session=True)
 
 
+def _site(tmp_path):
+    """What GeneratorStage takes from the run's Site: one generator, no placement group."""
+    return SimpleNamespace(
+        cfg=SimpleNamespace(
+            trainer=SimpleNamespace(batch_groups=2), rollout=SimpleNamespace(num_generators=1)
+        ),
+        calls=Calls(tmp_path, timeout_s=60),
+        on=lambda bundle: {},
+        plan=SimpleNamespace(generator_bundles=[0]),
+        run_dir=tmp_path,
+    )
+
+
 def _running(pgid: int) -> bool:
     from stages.rollout.sglang_process import _group_running
 
@@ -86,15 +99,7 @@ def test_a_healed_generator_ends_its_predecessors_servers_and_takes_their_ports(
         launched.append(ports)
         return Gen.remote([{"url": "http://127.0.0.1:31005", "port": 31005, "pid": 4242}])
 
-    site = SimpleNamespace(
-        cfg=SimpleNamespace(
-            trainer=SimpleNamespace(batch_groups=2), rollout=SimpleNamespace(num_generators=1)
-        ),
-        calls=Calls(tmp_path, timeout_s=60),
-        on=lambda bundle: {},
-        plan=SimpleNamespace(generator_bundles=[0]),
-        run_dir=tmp_path,
-    )
+    site = _site(tmp_path)
     stage = GeneratorStage(site, buffer=None)
     stage._launch = launch
     stage.actors = [Gen.remote([{"url": "http://127.0.0.1:31005", "port": 31005, "pid": old.pid}])]
@@ -112,15 +117,7 @@ def test_a_healed_generator_ends_its_predecessors_servers_and_takes_their_ports(
 def test_servers_that_will_not_end_stop_the_run_by_name(ray_session, tmp_path, monkeypatch):
     from pipeline.orchestration import supervisors
 
-    site = SimpleNamespace(
-        cfg=SimpleNamespace(
-            trainer=SimpleNamespace(batch_groups=2), rollout=SimpleNamespace(num_generators=1)
-        ),
-        calls=Calls(tmp_path, timeout_s=60),
-        on=lambda bundle: {},
-        plan=SimpleNamespace(generator_bundles=[0]),
-        run_dir=tmp_path,
-    )
+    site = _site(tmp_path)
     stage = supervisors.GeneratorStage(site, buffer=None)
     import stages.rollout.sglang_process as sp
 
