@@ -173,12 +173,27 @@ def _pinned(nbytes: int) -> torch.Tensor:
     rt = torch.cuda.cudart()
     err = int(rt.cudaHostRegister(t.data_ptr(), nbytes, 0))
     if err != 0:
+        _clear_cuda_error()
         log.warning(
             "cudaHostRegister(%d bytes) failed (error %d): torch's pinned allocator instead", nbytes, err
         )
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     weakref.finalize(t, rt.cudaHostUnregister, t.data_ptr())
     return t
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error, which a failed call leaves set and the next kernel launch's
+    check would report as its own. torch's cudart binding has no cudaGetLastError: call it in the
+    runtime library this process loaded (the same handle, so the same state). Best effort."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next(line.split()[-1] for line in f if "libcudart.so" in line)
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, StopIteration, AttributeError):
+        pass
 
 
 def device_holders(device: torch.device) -> str:

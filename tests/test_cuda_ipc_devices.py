@@ -62,3 +62,9 @@ def test_a_bucket_is_copied_only_to_a_device_it_is_not_on():
     moved = on_device(group, torch.device("meta"))
     assert [n for n, _ in moved] == ["a", "b"]
     assert all(t.device.type == "meta" and t.shape == g.shape for (_, t), (_, g) in zip(moved, group))
+
+
+def test_a_server_gone_when_asked_is_left_out_of_the_push_like_any_unreachable_one():
+    with pytest.raises(WeightPushError) as e:
+        _sender()._server_device("http://127.0.0.1:1", torch.device("cuda", 0))  # nothing listens on port 1
+    assert e.value.unreachable and e.value.url == "http://127.0.0.1:1"

@@ -150,6 +150,30 @@ def test_an_unreachable_server_is_left_out_while_it_may_be_restarting(server_fac
     strict.close()
 
 
+def test_a_server_that_does_not_answer_the_pause_is_left_out_as_a_restarting_one(server_factory):
+    """A server hung in a dead trainer's NCCL broadcast answers nothing: a new trainer's push leaves it
+    out within restart_grace_s (its engine watch relaunches it) instead of failing on the timeout."""
+    import socket
+
+    ok, ok_url = server_factory()
+    hung = socket.socket()  # accepts connections (the backlog) and never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    try:
+        sender = PostSender([ok_url, hung_url], timeout_s=0.5, restart_grace_s=30)
+        out = sender.push(1, _named()).result(timeout=20)
+        assert out["engines"] == 1 and out["engines_skipped"] == 1
+        assert [r for r, _ in ok.calls] == ["/pause_generation", "/load", "/continue_generation"]
+        sender.close()
+        strict = PostSender([ok_url, hung_url], timeout_s=0.5)  # no engine watch: the timeout fails it
+        with pytest.raises(WeightPushError, match="pause_generation unreachable: .*timed out"):
+            strict.push(2, _named()).result(timeout=20)
+        strict.close()
+    finally:
+        hung.close()
+
+
 def test_a_restarted_server_is_pushed_to_again(server_factory):
     """A server skipped while down is back in the next push once it answers (its outage clock resets)."""
     import time

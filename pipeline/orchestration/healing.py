@@ -125,6 +125,16 @@ class Healer:
         return ""
 
     # -- restarts ----------------------------------------------------------------------------------
+    def _refuse_sglang_with_offload(self, name: str, error: str) -> None:
+        """SGLang stages of a run with cluster.offload are not restarted: a new server or trainer would
+        come up beside the other side's whole state in the middle of a turn (out of memory, or a KV
+        cache sized from what that left), and the hand-over's turns would have to take it in."""
+        if self.cfg.rollout.engine == "sglang" and self.cfg.cluster.offload.on:
+            raise StageFailed(
+                f"{name} died: {error} (a run with SGLang engines and cluster.offload is not healed yet; "
+                "it resumes from its checkpoint when started again in its run directory)"
+            )
+
     def heal_trainer(self, error: str) -> int:
         """A trainer rank's process died: restart the whole group from the newest checkpoint in the run
         directory (or the base model). Returns the version it resumed at; the driver continues from
@@ -132,6 +142,7 @@ class Healer:
         SGLang servers keep generating meanwhile; the new group pushes to the same URLs at once (a server
         the dead one left paused mid-push takes that push whole and continues; NCCL pushes form a weight
         group of a new name with them)."""
+        self._refuse_sglang_with_offload("trainer", error)
         self.count_death("trainer", error)
         log.warning("%s died; restarting the trainer from its newest checkpoint", error)
         version = self.trainer.restart()
@@ -179,6 +190,7 @@ class Healer:
             error = root_error(e)
         except ray.exceptions.RayTaskError as e:  # it raised: a restart would raise the same again
             raise self.calls.failed(name, e) from None
+        self._refuse_sglang_with_offload(name, error)
         self.count_death(name, error)
         log.warning(
             "%s died (%s); starting a new incarnation (%d in the window)", name, error, len(self.deaths[name])

@@ -297,10 +297,10 @@ class GeneratorStage:
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
-        old = self.servers[i] if i < len(self.servers) else []
-        if old:
-            self._end_servers(i, [s["pid"] for s in old if s["pid"]])
-        self.actors[i] = self._launch(i, ports=[s["port"] for s in old] or None)
+        ports = [s["port"] for s in (self.servers[i] if i < len(self.servers) else [])]
+        if ports:
+            self._end_servers(i, ports)
+        self.actors[i] = self._launch(i, ports=ports or None)
         self.ids[i] = self.site.calls.wait(self.actors[i].ident.remote(), self.name(i))
         if i < len(self.servers):
             self.servers[i] = self._servers_of(i)
@@ -309,18 +309,18 @@ class GeneratorStage:
     def _servers_of(self, i: int) -> list[dict]:
         return self.site.calls.wait(self.actors[i].engine_servers.remote(), self.name(i))
 
-    def _end_servers(self, i: int, groups: list[int], timeout_s: float = 30.0) -> None:
-        """End generator i's orphaned SGLang servers (process groups `groups`) on its node: their GPU
+    def _end_servers(self, i: int, ports: list[int], timeout_s: float = 120.0) -> None:
+        """End generator i's orphaned SGLang servers (those listening on `ports`) on its node: their GPU
         memory and ports go to its successor's."""
         import ray
 
-        from stages.rollout.sglang_process import end_orphaned_groups
+        from stages.rollout.sglang_process import end_orphaned_servers
 
-        task = ray.remote(num_cpus=0)(end_orphaned_groups).options(**self._where(i))
-        left = self.site.calls.wait(task.remote(groups, timeout_s), f"{self.name(i)}'s SGLang servers")
-        if left:
+        task = ray.remote(num_cpus=0)(end_orphaned_servers).options(**self._where(i))
+        held = self.site.calls.wait(task.remote(ports, timeout_s), f"{self.name(i)}'s SGLang servers")
+        if held:
             raise StageFailed(
-                f"{self.name(i)} died and its SGLang servers (process groups {left}) still run after "
+                f"{self.name(i)} died and its SGLang servers on ports {held} still run after "
                 f"{timeout_s:.0f}s of SIGKILL: their GPUs are not free for a new incarnation"
             )
 

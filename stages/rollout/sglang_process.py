@@ -55,20 +55,58 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(5)
 
 
-def end_orphaned_groups(pgids: list[int], timeout_s: float = 30.0) -> list[int]:
-    """SIGKILL the process groups of SGLang servers whose engine's process died (their sessions outlive
-    it), and wait until each group's processes are gone or zombies, which hold no GPU memory and no port.
-    Returns the groups with a process still running at the deadline."""
-    for g in pgids:
+def end_orphaned_servers(ports: list[int], timeout_s: float = 120.0) -> list[int]:
+    """End the SGLang servers listening on `ports` whose engine's process died (their sessions outlive
+    it): SIGKILL each one's process group, then wait until no process of it runs (zombies hold no GPU
+    memory) and the port is free. Found by port, not by a pid recorded earlier: an engine watch
+    relaunches a server under a new pid on the same port. Only a listener whose command line names
+    sglang is ended. Returns the ports still held at the deadline."""
+    groups = {}
+    for port, pid in _listeners(ports).items():
+        if "sglang" in _cmdline(pid):
+            groups[port] = _pgid(pid)
+    for g in set(groups.values()) - {None}:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(g, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
-    left = list(pgids)
-    while left and time.monotonic() < deadline:
-        left = [g for g in left if _group_running(g)]
-        if left:
-            time.sleep(0.2)
-    return left
+    while True:
+        held = sorted(set(_listeners(ports)) | {p for p, g in groups.items() if g and _group_running(g)})
+        if not held or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.2)
+
+
+def _listeners(ports: list[int]) -> dict[int, int]:
+    """port -> pid of the process listening on it (TCP, IPv4 or IPv6), from /proc."""
+    inodes = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                port = int(f[1].rsplit(":", 1)[1], 16)
+                if f[3] == "0A" and port in ports:  # 0A: LISTEN
+                    inodes[f"socket:[{f[9]}]"] = port
+    found = {}
+    for fd in Path("/proc").glob("[0-9]*/fd/*") if inodes else ():
+        with contextlib.suppress(OSError):
+            port = inodes.get(os.readlink(fd))
+            if port is not None:
+                found[port] = int(fd.parts[2])
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _group_running(pgid: int) -> bool:

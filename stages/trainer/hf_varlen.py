@@ -72,12 +72,15 @@ def packed_kwargs(segments: torch.Tensor) -> dict:
 
 
 def uses_window_or_softcap(config) -> bool:
-    """Whether an HF config's attention has a sliding window or logit soft-capping in any layer."""
+    """Whether an HF config's attention is anything but plain causal attention in some layer: a sliding
+    window, chunked attention, another layer type, or logit soft-capping."""
     cfgs = [config] + ([config.text_config] if getattr(config, "text_config", None) is not None else [])
     for c in cfgs:
         if getattr(c, "attn_logit_softcapping", None):
             return True
-        if "sliding_attention" in (getattr(c, "layer_types", None) or ()):
+        if any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
+            return True  # sliding, chunked or linear attention layers: plain causal is not theirs
+        if getattr(c, "attention_chunk_size", None):
             return True
         if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
             return True

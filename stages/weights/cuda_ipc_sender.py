@@ -40,13 +40,17 @@ class CudaIpcSGLangSender(_SGLangSender):
         # buffer is refilled by the next bucket once the server answered: SGLang copies the weights out
         # of the mapped memory in its load, before it answers
         tensors = on_device(group, dev)
+        copied = False
         for url in urls:
             # a server on another GPU (colocated with another trainer rank) gets a copy on its own GPU
             there = self._server_device(url, dev)
             mine = tensors if there == dev else on_device(tensors, there)
+            copied |= there != dev
             body, flat = proto.ipc_bucket_body(mine, self.tp_of[url], there)  # alive until answered
             self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat, mine
+        if copied:  # the copies' blocks back to that GPU: its other trainer rank and server need them
+            torch.cuda.empty_cache()
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
 
     def _server_device(self, url: str, default: torch.device) -> torch.device:
@@ -62,5 +66,8 @@ class CudaIpcSGLangSender(_SGLangSender):
                 info = requests.get(url + proto.SERVER_INFO, timeout=self.timeout_s).json()
                 gpus[url] = int(info["base_gpu_id"])
             except (requests.RequestException, ValueError, KeyError, TypeError) as e:
-                raise WeightPushError(f"SGLang server {url}{proto.SERVER_INFO}: no base_gpu_id ({e})") from e
+                err = WeightPushError(f"SGLang server {url}{proto.SERVER_INFO}: no base_gpu_id ({e})")
+                # a server gone meanwhile is left out of the push as any unreachable one is
+                err.unreachable, err.url = isinstance(e, requests.ConnectionError), url
+                raise err from e
         return torch.device("cuda", gpus[url]) if gpus[url] != default.index else default

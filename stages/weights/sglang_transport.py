@@ -102,7 +102,17 @@ class _SGLangSender(WeightSender):
         return session
 
     def _pause(self, url: str) -> None:
-        self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
+        import requests
+
+        try:
+            self._post(url, proto.PAUSE, proto.pause_body(self.pause_mode), self.timeout_s, retry=True)
+        except WeightPushError as e:
+            # no answer to a pause: the server is hung (e.g. its scheduler blocked in the NCCL broadcast of
+            # a trainer that died mid-push); its engine watch relaunches it within restart_grace_s, so it
+            # counts as down, as a refused connection does
+            if isinstance(e.__cause__, requests.Timeout):
+                e.unreachable, e.url = True, url
+            raise
 
     def _resume(self, url: str) -> None:
         self._post(url, proto.CONTINUE, {}, self.timeout_s, retry=True)
