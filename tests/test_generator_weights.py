@@ -52,6 +52,7 @@ def test_a_generator_whose_version_0_is_elsewhere_generates_nothing_before_the_f
     buffer = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: a group that got this far would wait there
     actor = GeneratorActor.options(num_cpus=1).remote(cfg, 0, buffer, sender.address, 4)
     try:
+        ray.get(actor.ident.remote(), timeout=120)  # built (engine loaded): run() starts at once now
         actor.run.remote()  # ended with the actor below
         time.sleep(3.0)
         assert ray.get(actor.stats.remote(), timeout=60)["groups_started"] == 0
