@@ -1208,6 +1208,14 @@ MUTATIONS = [
         "        if False:\n",
         ("tests/test_sglang_heal.py",),
     ),
+    Mutation(
+        "elastic_refuses_sglang_with_receivers",
+        "SGLang generators that take pushes through receivers (weights.transport=cpu) cannot be scaled",
+        "pipeline/orchestration/elastic.py",
+        '        if cfg.rollout.engine == "sglang" and cfg.weights.transport != "cpu":\n',
+        '        if cfg.rollout.engine == "sglang":\n',
+        ("tests/test_elastic.py",),
+    ),
 ]
 
 

@@ -52,7 +52,9 @@ def test_a_request_is_taken_once_and_a_malformed_one_is_kept_aside_with_the_fix(
         ([], 5, "ask for 1 to 4 generators"),
         ([], 0, "ask for 1 to 4 generators"),
         (["run.mode=sync", "cluster.offload.train=true"], 2, "cluster.offload is on"),
-        (["rollout.engine=sglang"], 2, "rollout.engine=sglang"),
+        (["rollout.engine=sglang"], 2, "weights.transport=auto"),
+        (["rollout.engine=sglang", "weights.transport=nccl"], 2, "with weights.transport=cpu each generator"),
+        (["rollout.engine=sglang", "weights.transport=cpu"], 2, ""),  # receivers: generators come and go
         ([], 4, ""),
     ],
 )
@@ -60,7 +62,7 @@ def test_impossible_counts_and_setups_are_refused_naming_the_fix(tmp_path, overr
     scaler = Scaler(small_run(tmp_path, *overrides), None, None, None, None, None)
     why = scaler.refusal(n)
     assert (says in why) if says else why == ""
-    if "offload" in says or "sglang" in says:  # a way on: start again with the count
+    if "offload" in says or "transport" in says:  # a way on: start again with the count
         assert f"rollout.num_generators={n}" in why
 
 

@@ -166,11 +166,12 @@ class Scaler:
                 "engines in turns (handover.py), and a generator joining or leaving between those turns "
                 f"would hold memory the trainer's turn needs; {restart}"
             )
-        if cfg.rollout.engine == "sglang":
+        if cfg.rollout.engine == "sglang" and cfg.weights.transport != "cpu":
             return (
-                "rollout.engine=sglang: the trainer's weight sender forms its group with the SGLang servers "
-                "once, at its start, so a server added later would never get weights and pushes to a removed "
-                f"one would fail; {restart}"
+                f"rollout.engine=sglang with weights.transport={cfg.weights.transport}: the trainer pushes into "
+                "the SGLang servers it was started with, so a server added later would never get weights "
+                "and pushes to a removed one would fail; with weights.transport=cpu each generator takes the "
+                f"pushes itself and generators come and go; or {restart}"
             )
         if cfg.cluster.colocate:
             return (
