@@ -1129,9 +1129,9 @@ MUTATIONS = [
     Mutation(
         "fsdp_varlen_one_sequence_per_row",
         "fsdp backend, trainer.attention=varlen: a packed row is attended as one sequence (no boundaries)",
-        "stages/trainer/hf_varlen.py",
-        "    cu = torch.cat([edge[:1], starts, edge[1:]]).to(torch.int32)\n",
-        "    cu = edge.to(torch.int32)\n",
+        "stages/trainer/fsdp_backend.py",
+        '        return {"cu_seqlens": mb.cu_seqlens.to(self.device), "max_segment_len": mb.max_segment_len}\n',
+        '        return {"cu_seqlens": mb.cu_seqlens[[0, -1]].to(self.device), "max_segment_len": mb.tokens.numel()}\n',
         ("tests/test_fsdp_backend.py::test_packed_varlen_rows_give_the_same_logprobs",),
     ),
     Mutation(

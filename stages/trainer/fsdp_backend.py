@@ -124,7 +124,12 @@ class FsdpBackend:
             entropy_grad=entropy_grad,
             chunk=self.tc.logits_chunk_tokens,
             fp32_logits=self.run.fp32_lm_head,
+            **self._bounds(mb),
         )
+
+    def _bounds(self, mb: MicroBatch) -> dict:
+        """The micro-batch's segment boundaries, for a packed row's varlen attention."""
+        return {"cu_seqlens": mb.cu_seqlens.to(self.device), "max_segment_len": mb.max_segment_len}
 
     def run_schedule(self, model: Any, mbs: list[MicroBatch], loss_fn, forward_only: bool):
         """ScheduleRunner: `loss_fn(mb, hidden [b, s, h])` per micro-batch, its loss numerator backward
@@ -134,7 +139,7 @@ class FsdpBackend:
             if not forward_only:
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
             with torch.set_grad_enabled(not forward_only):
-                hidden = model(mb.tokens.to(self.device), mb.segments.to(self.device))
+                hidden = model(mb.tokens.to(self.device), mb.segments.to(self.device), **self._bounds(mb))
                 num, den, _ = loss_fn(mb, hidden)
             if not forward_only:
                 num.backward()

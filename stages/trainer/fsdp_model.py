@@ -104,8 +104,15 @@ class HeadedLM(nn.Module):
         self.lm = lm
         self.head = HeadSpec.of(lm.config)
 
-    def hidden(self, tokens: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        packed = packed_kwargs(segments) if self.lm.config._attn_implementation == VARLEN else {}
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        segments: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_segment_len: int = 0,
+    ) -> torch.Tensor:
+        varlen = self.lm.config._attn_implementation == VARLEN
+        packed = packed_kwargs(cu_seqlens, max_segment_len) if varlen else {}
         out = self.lm.base_model(
             input_ids=tokens, position_ids=segment_positions(segments), use_cache=False, **packed
         )
@@ -123,10 +130,13 @@ class HeadedLM(nn.Module):
         entropy_grad: bool = False,
         chunk: int = 2048,
         fp32_logits: bool = True,
+        cu_seqlens: torch.Tensor | None = None,
+        max_segment_len: int = 0,
     ):
         """Final hidden states [b, s, h] (`pick` None), or (logp [t], entropy [t] or None) of `targets`
-        predicted at the flat positions `pick` of the b*s ones."""
-        hidden = self.hidden(tokens, segments)
+        predicted at the flat positions `pick` of the b*s ones. `cu_seqlens`, `max_segment_len`: the
+        micro-batch's segment boundaries, which a packed row's varlen attention needs."""
+        hidden = self.hidden(tokens, segments, cu_seqlens, max_segment_len)
         if pick is None:
             return hidden
         h = hidden.reshape(-1, hidden.shape[-1])[pick]

@@ -60,15 +60,20 @@ def register() -> str:
     return VARLEN
 
 
-def packed_kwargs(segments: torch.Tensor) -> dict:
-    """cu_seq_lens_q/k and max_length_q/k of one packed row's segment ids [1, t] (the padding tail is a
-    segment of its own)."""
-    seg = segments[0]
-    starts = torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1
-    edge = torch.tensor([0, seg.numel()], device=seg.device)
-    cu = torch.cat([edge[:1], starts, edge[1:]]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())  # one host sync per forward: the kernel takes it as an int
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+def packed_kwargs(cu_seqlens: torch.Tensor | None, max_segment_len: int) -> dict:
+    """The keyword arguments that carry one packed row's boundaries to `_attention`: the micro-batch's
+    own (packing.MicroBatch.cu_seqlens and max_segment_len, the padding tail a segment of its own), as
+    megatron's varlen attention takes them."""
+    if cu_seqlens is None:
+        raise ValueError(
+            f"{VARLEN} attends one packed row by its boundaries: pass the micro-batch's cu_seqlens"
+        )
+    return {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_segment_len,
+        "max_length_k": max_segment_len,
+    }
 
 
 def uses_window_or_softcap(config) -> bool:
