@@ -83,7 +83,7 @@ def test_engines_start_on_the_ports_given_and_refuse_a_count_that_does_not_match
     cfg = SimpleNamespace(port=0, base_gpu_id=0, tp_size=1)
     pool = ep.EnginePool.launch("/m", cfg, 2, ports=[31001, 31002])
     assert sorted(made) == [31001, 31002]
-    assert [s["port"] for s in pool.servers()] == [31001, 31002]
+    assert sorted(pool.urls) == ["http://127.0.0.1:31001", "http://127.0.0.1:31002"]
     with pytest.raises(ValueError, match="2 SGLang engines but 1 ports"):
         ep.EnginePool.launch("/m", cfg, 2, ports=[31001])
 
@@ -95,14 +95,14 @@ def test_a_healed_generator_ends_its_predecessors_servers_and_takes_their_ports(
 
     @ray.remote(num_cpus=0)
     class Gen:
-        def __init__(self, servers):
-            self.s = servers
+        def __init__(self, port):
+            self.port = port
 
         def ident(self):
             return "gen-0.x"
 
-        def engine_servers(self):
-            return self.s
+        def engine_urls(self):
+            return [f"http://127.0.0.1:{self.port}"]
 
         def run(self):
             return {}
@@ -112,19 +112,19 @@ def test_a_healed_generator_ends_its_predecessors_servers_and_takes_their_ports(
 
     def launch(i, joining=False, ports=None):
         launched.append(ports)
-        return Gen.remote([{"url": f"http://127.0.0.1:{port}", "port": port, "pid": 4242}])
+        return Gen.remote(31099)  # what the successor reports is what a later heal ends
 
     stage = GeneratorStage(_site(tmp_path), buffer=None)
     stage._launch = launch
-    # the pid recorded at start is stale (an engine watch relaunch): the port finds the server
-    stage.actors = [Gen.remote([{"url": f"http://127.0.0.1:{port}", "port": port, "pid": 1}])]
-    stage.ids, stage.servers = ["gen-0.a"], [stage._servers_of(0)]
+    # no pid is recorded (an engine watch relaunch would make it stale): the port finds the server
+    stage.actors = [Gen.remote(port)]
+    stage.ids, stage.ports = ["gen-0.a"], [stage._ports_of(0)]
     try:
         stage.restart(0)
         old.wait(10)  # ended by the healer's task
         assert _listeners([port]) == {}
         assert launched == [[port]]  # the new incarnation's servers at the URL the sender pushes to
-        assert stage.servers[0][0]["pid"] == 4242  # its own servers are what a later heal ends
+        assert stage.ports == [[31099]]  # its own servers are what a later heal ends
     finally:
         if old.poll() is None:
             old.kill()

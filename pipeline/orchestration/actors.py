@@ -226,11 +226,6 @@ class GeneratorActor(_Located):
         """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
         return list(getattr(self.engine, "urls", []))
 
-    def engine_servers(self) -> list[dict]:
-        """This generator's SGLang servers: URL, port and process group (empty for the torch engine)."""
-        servers = getattr(self.engine, "servers", None)
-        return servers() if servers is not None else []
-
     async def run(self) -> dict:
         if self.joining:
             await self.gen.join()

@@ -203,8 +203,9 @@ class GeneratorStage:
         self.extra_pgs: dict[int, object] = {}  # placement groups of generators added beyond the run's
         self.actors: list = []
         self.ids: list[str] = []  # each generator's current incarnation id
-        # each generator's SGLang servers (url, port, pid): they outlive a generator that dies
-        self.servers: list[list[dict]] = []
+        # each generator's SGLang servers' ports: the servers outlive a generator that dies, and an engine
+        # watch relaunches one on its port (under a new pid)
+        self.ports: list[list[int]] = []
         self.runs: dict = {}  # ObjectRef of each generator's run() -> its name
         self.weights_address: str | None = None
 
@@ -219,7 +220,7 @@ class GeneratorStage:
         (self.site.run_dir / "generators").mkdir(exist_ok=True)
         self.actors = [self._launch(i) for i in range(len(self.shares))]
         self.ids = [self.site.calls.wait(g.ident.remote(), self.name(i)) for i, g in enumerate(self.actors)]
-        self.servers = [self._servers_of(i) for i in range(len(self.actors))]
+        self.ports = [self._ports_of(i) for i in range(len(self.actors))]
 
     def run(self) -> None:
         for i in range(len(self.actors)):
@@ -243,7 +244,7 @@ class GeneratorStage:
             self.extra_pgs[i] = pg
         self.actors.append(self._launch(i, joining=True))
         self.ids.append(self.site.calls.wait(self.actors[i].ident.remote(), self.name(i)))
-        self.servers.append(self._servers_of(i))
+        self.ports.append(self._ports_of(i))
         self._run(i)
         return i
 
@@ -277,8 +278,8 @@ class GeneratorStage:
         if pg is not None:
             remove_placement_group(pg)
         del self.actors[i]
-        if i < len(self.servers):
-            self.servers.pop(i)
+        if i < len(self.ports):
+            self.ports.pop(i)
         return self.ids.pop(i), how
 
     def release_placements(self) -> None:
@@ -297,17 +298,20 @@ class GeneratorStage:
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
-        ports = [s["port"] for s in (self.servers[i] if i < len(self.servers) else [])]
+        ports = self.ports[i] if i < len(self.ports) else []
         if ports:
             self._end_servers(i, ports)
         self.actors[i] = self._launch(i, ports=ports or None)
         self.ids[i] = self.site.calls.wait(self.actors[i].ident.remote(), self.name(i))
-        if i < len(self.servers):
-            self.servers[i] = self._servers_of(i)
+        if i < len(self.ports):
+            self.ports[i] = self._ports_of(i)
         self._run(i)
 
-    def _servers_of(self, i: int) -> list[dict]:
-        return self.site.calls.wait(self.actors[i].engine_servers.remote(), self.name(i))
+    def _ports_of(self, i: int) -> list[int]:
+        from urllib.parse import urlsplit
+
+        urls = self.site.calls.wait(self.actors[i].engine_urls.remote(), self.name(i))
+        return [urlsplit(u).port for u in urls]
 
     def _end_servers(self, i: int, ports: list[int], timeout_s: float = 120.0) -> None:
         """End generator i's orphaned SGLang servers (those listening on `ports`) on its node: their GPU

@@ -160,11 +160,6 @@ class EnginePool(Engine):
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
-    def servers(self) -> list[dict]:
-        """Each server's URL, port and process (group) id: what a healer needs to end them when this
-        process dies, and to start their successors at the same URLs."""
-        return [{"url": e.url, "port": e.port, "pid": e.pid} for e in self.engines]
-
     @property
     def tp_sizes(self) -> list[int]:
         return [e.cfg.tp_size for e in self.engines]
