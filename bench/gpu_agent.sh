@@ -4,6 +4,8 @@
 # by weight version, rollout.sglang.radix_cache) against the same run with it off, one after the other,
 # both pushing through the generator (weights.transport=cpu: the key moves before each update):
 #   bash bench/gpu_agent.sh [STEPS]
+# OVERRIDES: more a.b=c overrides for both runs, e.g. the 135M trainer beside its engine on one GPU:
+#   OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4"
 # One JSON row: prompt tokens the engine prefilled per episode in each run (generator/engine_prefill_tokens
 # over the samples made), episodes/s, and the engine-vs-trainer gap on tokens of the trainer's own version
 # (logp/abs_diff_same_version, median over the run): `prefill_ratio` = off / on (goal >= 2), and the gap
@@ -17,9 +19,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 for cache in off on; do
   flag=$([ $cache = on ] && echo true || echo false)
   bash bench/gpu_pipeline.sh --out "$out" configs/tool-calc-gpu.yaml "agent-cache-$cache" 1200 \
-    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu trainer.save_at_end=false eval.every_steps=0 >"$out/agent-cache-$cache.out" 2>&1
+    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu trainer.save_at_end=false eval.every_steps=0 ${OVERRIDES:-} >"$out/agent-cache-$cache.out" 2>&1
 done
-python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" <<'PY'
+python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" "${OVERRIDES:-}" <<'PY'
 import datetime, json, statistics, sys
 from pathlib import Path
 
@@ -37,9 +39,9 @@ def figures(run):
     }
 
 off, on = figures(sys.argv[1]), figures(sys.argv[2])
-row = {"bench": "gpu_agent", "config": "tool-calc-gpu", "cache_off": off, "cache_on": on}
+row = {"bench": "gpu_agent", "config": "tool-calc-gpu", "overrides": sys.argv[3], "cache_off": off, "cache_on": on}
 row["prefill_ratio"] = round(off["prefill_per_episode"] / on["prefill_per_episode"], 2) if on["prefill_per_episode"] else None
 import torch
-row.update(device=torch.cuda.get_device_name(0) + " x2", date=datetime.date.today().isoformat())
+row.update(device=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}", date=datetime.date.today().isoformat())
 print(json.dumps(row))
 PY
