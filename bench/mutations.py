@@ -1216,6 +1216,22 @@ MUTATIONS = [
         '        if cfg.rollout.engine == "sglang":\n',
         ("tests/test_elastic.py",),
     ),
+    Mutation(
+        "fsdp_one_rank_reshards_every_micro_batch",
+        "the fsdp backend on one rank re-gathers and re-casts every layer for each micro-batch's forward and backward",
+        "stages/trainer/fsdp_backend.py",
+        "        return self.dp == 1 and not self.tc.fsdp_cpu_offload\n",
+        "        return False\n",
+        ("tests/test_fsdp_unshards.py",),
+    ),
+    Mutation(
+        "fsdp_pass_leaves_layers_unsharded",
+        "after a one-rank fsdp pass the layers keep their unsharded copies (the optimizer and exports see them)",
+        "stages/trainer/fsdp_model.py",
+        "            m.reshard()\n",
+        "            pass\n",
+        ("tests/test_fsdp_unshards.py",),
+    ),
 ]
 
 

@@ -23,7 +23,15 @@ from stages.trainer.config import TrainerConfig, TrainerRun, check_fsdp
 from stages.trainer.export import save_hf
 from stages.trainer.fsdp_checkpoint import FsdpPart
 from stages.trainer.fsdp_export import FsdpExport, iter_full
-from stages.trainer.fsdp_model import HeadedLM, attention_impl, build_optimizer, load_lm, local, shard
+from stages.trainer.fsdp_model import (
+    HeadedLM,
+    attention_impl,
+    build_optimizer,
+    load_lm,
+    local,
+    reshard_all,
+    shard,
+)
 from stages.trainer.hf_varlen import VARLEN
 from stages.trainer.moe import empty_microbatch
 from stages.trainer.packing import ROW_ALIGN, MicroBatch, TokenBatch, pack
@@ -99,8 +107,18 @@ class FsdpBackend:
             self.mesh,
             bf16=self.bf16 and self.device.type == "cuda",
             offload=self.tc.fsdp_cpu_offload,
+            reshard=not self.keep_unsharded,
             compile_layers=self.tc.fsdp_compile and train,
         )
+
+    @property
+    def keep_unsharded(self) -> bool:
+        """One rank: its layers stay unsharded through a pass's micro-batches (reshard_all after it).
+        Resharding frees nothing there (a shard is the whole weight), while each unshard re-casts the
+        layer's fp32 weights to bf16: at 1.5B on an H200, 20k copy kernels a step left the backend
+        host-bound (bench/RESULTS.md, GPU session of 2026-11-28, 11:05). With more ranks each unshard is
+        an all-gather, and holding every layer gathered would cost the memory FSDP is there to save."""
+        return self.dp == 1 and not self.tc.fsdp_cpu_offload
 
     # -- the schedule ------------------------------------------------------------------------------
     def _equal_count(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -137,14 +155,22 @@ class FsdpBackend:
         count = 0
         for i, mb in enumerate(mbs):
             if not forward_only:
-                model.set_requires_gradient_sync(i == len(mbs) - 1)
+                self._accumulating(model, last=i == len(mbs) - 1)
             with torch.set_grad_enabled(not forward_only):
                 hidden = model(mb.tokens.to(self.device), mb.segments.to(self.device), **self._bounds(mb))
                 num, den, _ = loss_fn(mb, hidden)
             if not forward_only:
                 num.backward()
             count += int(den)
+        reshard_all(model)
         return count
+
+    def _accumulating(self, model: Any, *, last: bool) -> None:
+        """Before a micro-batch's forward: gradients reduce-scattered after the last one only, and (one
+        rank) the layers kept unsharded until the last backward is done."""
+        model.set_requires_gradient_sync(last)
+        if self.keep_unsharded:
+            model.set_reshard_after_backward(last)
 
     def grads_finite(self, acc: dict, model: Any) -> bool:
         bad = torch.zeros((), device=self.device)
@@ -167,6 +193,7 @@ class FsdpBackend:
             lp, _ = self._head(model, mb)
             if mb.num_tokens:
                 out[mb.tok_index.to(self.device)] = lp.float()
+        reshard_all(model)
         model.train(was)
         return out
 
@@ -212,7 +239,7 @@ class FsdpBackend:
         den_total = torch.zeros((), dtype=torch.int64, device=dev)
         model.train()
         for i, mb in enumerate(mbs):
-            model.set_requires_gradient_sync(i == len(mbs) - 1)  # one reduce-scatter, after the last
+            self._accumulating(model, last=i == len(mbs) - 1)  # one reduce-scatter, after the last
             logp, ent = self._head(model, mb, entropy=True, entropy_grad=lc.entropy_coef > 0)
             if mb.num_tokens == 0:  # an empty micro-batch (_equal_count): its backward joins FSDP's
                 logp.sum().mul(0.0).backward()
@@ -220,6 +247,7 @@ class FsdpBackend:
             num, den = loss(mb, logp, ent)
             num.backward()
             den_total += den.round().long()  # megatron's per-token normalisation counts whole tokens
+        reshard_all(model)  # the optimizer and the clipping below work on the shards
         if self.dp > 1:
             dist.all_reduce(den_total)
         # FSDP averaged the reduce-scattered gradients over the ranks; megatron sums them and divides by

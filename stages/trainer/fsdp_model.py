@@ -203,7 +203,9 @@ def shard(
     """FSDP2 over `mesh`: one unit per decoder layer (the classes the model lists in _no_split_modules,
     transformers' own wrap policy), the rest (embeddings, final norm, LM head: tied weights stay in
     one unit) in the root. bf16: bf16 compute, fp32 gradient reduction and master weights.
-    compile_layers: torch.compile each decoder layer first (trainer.fsdp_compile)."""
+    compile_layers: torch.compile each decoder layer first (trainer.fsdp_compile).
+    reshard=False keeps each layer unsharded after its forward (for its backward and the next micro-batch)
+    until reshard_all: one all-gather and bf16 cast per layer a pass instead of two per micro-batch."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kw: dict[str, Any] = {"mesh": mesh}
@@ -223,6 +225,17 @@ def shard(
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def reshard_all(model: HeadedLM) -> None:
+    """Every FSDP unit of `model` back to its shards: the unsharded bf16 copies of a pass that kept them
+    (reshard=False) are let go, and the module's parameters are the sharded fp32 masters again, the ones
+    the optimizer, the exports and the checkpoints read."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def hf_named(model: HeadedLM) -> list[tuple[str, torch.Tensor]]:
