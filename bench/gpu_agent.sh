@@ -4,6 +4,10 @@
 # by weight version, rollout.sglang.radix_cache) against the same run with it off, one after the other,
 # both pushing through the generator (weights.transport=cpu: the key moves before each update):
 #   bash bench/gpu_agent.sh [STEPS]
+# MODE (run.mode, default sync): in sync mode every step trains on samples of its own version, so
+# logp/abs_diff_same_version is measured at every step, after every push (async measured it at step 1
+# only, before any push: bench/RESULTS.md, GPU session of 2026-11-28, 11:05). bench/gpu_cache_check.py
+# is the directed check that no KV crosses a push.
 # OVERRIDES: more a.b=c overrides for both runs, e.g. the 135M trainer beside its engine on one GPU:
 #   OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4"
 # One JSON row: prompt tokens the engine prefilled per episode in each run (generator/engine_prefill_tokens
@@ -19,9 +23,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 for cache in off on; do
   flag=$([ $cache = on ] && echo true || echo false)
   bash bench/gpu_pipeline.sh --out "$out" configs/tool-calc-gpu.yaml "agent-cache-$cache" 1200 \
-    run.steps="$steps" rollout.sglang.radix_cache="$flag" weights.transport=cpu trainer.save_at_end=false eval.every_steps=0 ${OVERRIDES:-} >"$out/agent-cache-$cache.out" 2>&1
+    run.steps="$steps" run.mode="${MODE:-sync}" rollout.sglang.radix_cache="$flag" weights.transport=cpu trainer.save_at_end=false eval.every_steps=0 ${OVERRIDES:-} >"$out/agent-cache-$cache.out" 2>&1
 done
-python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" "${OVERRIDES:-}" <<'PY'
+python - "$out/agent-cache-off/run" "$out/agent-cache-on/run" "${OVERRIDES:-}" "${MODE:-sync}" <<'PY'
 import datetime, json, statistics, sys
 from pathlib import Path
 
@@ -39,7 +43,7 @@ def figures(run):
     }
 
 off, on = figures(sys.argv[1]), figures(sys.argv[2])
-row = {"bench": "gpu_agent", "config": "tool-calc-gpu", "overrides": sys.argv[3], "cache_off": off, "cache_on": on}
+row = {"bench": "gpu_agent", "config": "tool-calc-gpu", "mode": sys.argv[4], "overrides": sys.argv[3], "cache_off": off, "cache_on": on}
 row["prefill_ratio"] = round(off["prefill_per_episode"] / on["prefill_per_episode"], 2) if on["prefill_per_episode"] else None
 import torch
 row.update(device=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}", date=datetime.date.today().isoformat())

@@ -7,6 +7,10 @@
 #   bash bench/gpu_offload.sh 7b [STEPS]     # two GPUs: random Qwen2.5-7B, trainer TP=2 and an engine on
 #                                            # each of its GPUs (configs/gpu-2x-colocated-offload-7b.yaml):
 #                                            # the step split and `handover_share` (goal <= 0.10)
+#   bash bench/gpu_offload.sh 7b-lora [STEPS] # ONE GPU: the same 7B with LoRA rank 64 on every linear
+#                                            # (16k-token micro-batches, recompute) colocated with SGLang
+#                                            # and offload (configs/gpu-1x-colocated-offload.yaml), the
+#                                            # 7B batch: what LoRA and offload together make fit one card
 # Each row: bench/offload_summary.py's figures with `shape`, `offload`, the device and the date; rows are
 # appended to bench/results/gpu_offload.jsonl by whoever brings them back (OUT, default gpu-out/, keeps
 # them with the logs). Needs sglang==0.5.17 and megatron-core (docs/gpu.md's appendix), and
@@ -15,10 +19,10 @@
 # default 2), OVERRIDES (more a.b=c overrides, e.g. rollout.sampling.max_new_tokens=512).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-shape=${1:?shape: 1.5b or 7b}; steps=${2:-10}
+shape=${1:?shape: 1.5b, 7b or 7b-lora}; steps=${2:-10}
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-model=$(python bench/random_model.py "$shape" /tmp/offload-models 2>"$out/build-$shape.err" | tail -n 1)
+model=$(python bench/random_model.py "${shape%-lora}" /tmp/offload-models 2>"$out/build-$shape.err" | tail -n 1)
 [ -d "$model" ] || { echo "$shape build failed: $(tail -3 "$out/build-$shape.err")"; exit 1; }
 device=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
 
@@ -41,6 +45,10 @@ PY
 
 if [ "$shape" = 7b ]; then
   one offload7b configs/gpu-2x-colocated-offload-7b.yaml 1
+elif [ "$shape" = 7b-lora ]; then
+  one offload7blora configs/gpu-1x-colocated-offload.yaml 1 trainer.lora.rank=64 trainer.recompute=true \
+    trainer.micro_batch_tokens=16384 trainer.batch_groups=64 rollout.max_inflight_groups=64 \
+    rollout.sampling.max_new_tokens=1024 rollout.sglang.disable_cuda_graph=true
 else
   one offload15 configs/gpu-1x-colocated-offload.yaml 1 trainer.batch_groups=64 rollout.max_inflight_groups=64
   one static15 configs/gpu-1x-colocated.yaml 0 trainer.batch_groups=64 rollout.max_inflight_groups=64

@@ -37,8 +37,11 @@ def test_one_rank_unshards_each_layer_once_per_pass(tmp_path, unshards):
 
     path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
     tb = to_token_batch(make_batch(3, 4, seed=7, vocab=512))
-    be = FsdpBackend(TrainerConfig(backend="fsdp", micro_batch_tokens=64, attention="sdpa"), TrainerRun(
-        run_dir=str(tmp_path), temperature=0.8), path)
+    be = FsdpBackend(
+        TrainerConfig(backend="fsdp", micro_batch_tokens=64, attention="sdpa"),
+        TrainerRun(run_dir=str(tmp_path), temperature=0.8),
+        path,
+    )
     mbs = be.pack(tb, shard_samples(tb, 1)[0])
     assert len(mbs) >= 3  # several micro-batches: the case resharding between them costs
     groups = sum(1 for m in be.policy.model.modules() if hasattr(m, "_get_fsdp_state")) or 1
