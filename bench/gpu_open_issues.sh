@@ -5,14 +5,14 @@
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
-# Order (its second session, 2026-11-28 afternoon): first both GPUs for the 7B colocated offload run (#38,
-# 3 steps; it failed at its first hand-over in the first session), then two one-GPU lanes side by side:
-#   GPU 0: LoRA adapter pushes into SGLang at 135M, with their phases (#37) -> the agent prefix-cache
-#          bench (#40) colocated on this one GPU (SmolLM2-135M: trainer and engine share it)
-#   GPU 1: LoRA pushes at 7B, the merged push with the fused merge (#37) -> the 1.5B trainer, megatron
-#          then fsdp compiled, on the same tokens, each with a kernel table (#42)
-# then both GPUs again: the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42) -> a stage
-# killed every ~60 s (#39).
+# Order (its third session): two one-GPU lanes side by side,
+#   GPU 0: the directed radix-cache check (#40) -> the agent prefix-cache bench, sync, on this one GPU
+#   GPU 1: the 7B with LoRA colocated with SGLang and offload on ONE GPU, 3 steps (#38)
+# then both GPUs: the GPU stage-restart tests (#39) -> the 1.5B trainer, megatron then fsdp (compiled and
+# not), alone on the host (#42) -> the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
+# -> a stage killed every ~60 s (#39).
+# Its second session (2026-11-28, 11:05) ran the 7B colocated offload on two GPUs, LoRA pushes at 135M
+# and 7B, the agent bench (async) and the 1.5B trainers beside it (bench/RESULTS.md).
 # Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
 # on one GPU, 1.5B colocated with and without offload, NGRAM speculative decoding (git history has them).
 # Results: /tmp/s2/results/<bench>.jsonl (each row with device and date), logs /tmp/s2/*.out. Needs the
@@ -51,37 +51,35 @@ PY
 }
 
 lane0() {
-  run lora-push-135m 360 0 python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
+  run cache-check 300 0 python bench/gpu_cache_check.py --results $R/gpu_cache_check.jsonl
   # the agent bench on one GPU: the 135M trainer beside its engine (cluster.colocate, a static split)
   OUT=$S OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4" \
-    run gpu_agent 900 0 bash bench/gpu_agent.sh 30
+    run gpu_agent 900 0 bash bench/gpu_agent.sh 20
   stamp gpu_agent
 }
 
 lane1() {
-  local t=(python bench/trainer_gpu.py --shapes 1.5b --no-hf --old-logprobs separate_pass --steps 3 --warmup 1
-    --micro-batch-tokens 1.5b=8192 --workdir /tmp/tg)
-  # the offload phase built this 7B folder already (random_model.py reuses it)
-  run lora-push-7b 600 1 bash -c "python bench/random_model.py 7b /tmp/offload-models >$S/m7.path 2>$S/m7.err &&
-    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
-  run trainer-1.5b-megatron 300 1 "${t[@]}" --profile $S/profile-1.5b-megatron.txt --results $S/megatron-1.5b.jsonl
-  cat $S/megatron-1.5b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
-  run trainer-1.5b-fsdp-compiled 480 1 "${t[@]}" --backend fsdp --fsdp-compile --baseline $S/megatron-1.5b.jsonl \
-    --profile $S/profile-1.5b-fsdp-compiled.txt --results $R/trainer_gpu.jsonl
-  run trainer-1.5b-fsdp 360 1 "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl \
-    --profile $S/profile-1.5b-fsdp.txt --results $R/trainer_gpu.jsonl
+  # 3 steps of the 7B batch; the run's own limit leaves the phase time for its summary
+  LIMIT_S=540 SKIP=1 OUT=$S run offload-7b-lora 840 1 bash bench/gpu_offload.sh 7b-lora 3
+  if ! grep -q '^{' $S/offload-7b-lora.out; then  # cut off before its summary: the steps it made
+    python bench/offload_summary.py $S/offload7blora/run --skip 1 >>$S/offload-7b-lora.out 2>&1
+  fi
+  grep -h '^{' $S/offload-7b-lora.out | tail -n 1 >>$R/gpu_offload.jsonl
 }
 
-offload_7b() {
-  # 3 steps of the full 7B-sized batch (64 groups of 8, 1024 new tokens: random weights never stop early)
-  LIMIT_S=420 SKIP=1 OUT=$S run offload-7b 660 0,1 bash bench/gpu_offload.sh 7b 3
-  if ! grep -q '^{' $S/offload-7b.out; then  # cut off before its summary: the steps it made
-    python bench/offload_summary.py $S/offload7b/run --skip 1 >>$S/offload-7b.out 2>&1
-  fi
-  grep -h '^{' $S/offload-7b.out | tail -n 1 >>$R/gpu_offload.jsonl
+trainers_15b() {  # alone on the host: the fsdp backend is host-bound (bench/RESULTS.md)
+  local t=(python bench/trainer_gpu.py --shapes 1.5b --no-hf --old-logprobs separate_pass --steps 3 --warmup 1
+    --micro-batch-tokens 1.5b=8192 --workdir /tmp/tg)
+  run trainer-1.5b-megatron 300 0 "${t[@]}" --results $S/megatron-1.5b.jsonl
+  cat $S/megatron-1.5b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
+  run trainer-1.5b-fsdp-compiled 480 0 "${t[@]}" --backend fsdp --fsdp-compile --baseline $S/megatron-1.5b.jsonl \
+    --profile $S/profile-1.5b-fsdp-compiled.txt --results $R/trainer_gpu.jsonl
+  run trainer-1.5b-fsdp 360 0 "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl --results $R/trainer_gpu.jsonl
 }
 
 both() {
+  run gpu-restarts 1080 0,1 python -m pytest -q -m gpu -s tests/test_gpu_stage_restarts.py
+  trainers_15b
   local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg)
   run trainer-7b-megatron-tp2 360 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
     "${t[@]}" --tp 2 --micro-batch-tokens 7b=8192 --results $S/megatron-7b.jsonl
@@ -102,7 +100,6 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)
-  offload_7b
   lane0 >$S/lane0.log 2>&1 &
   lane1 >$S/lane1.log 2>&1 &
   wait
