@@ -1232,6 +1232,14 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_fsdp_unshards.py",),
     ),
+    Mutation(
+        "adapter_folder_left_in_shm",
+        "each adapter push to SGLang leaves its PEFT folder in /dev/shm (a run fills shared memory)",
+        "stages/rollout/sglang_updates.py",
+        "                shutil.rmtree(folder, ignore_errors=True)\n",
+        "                pass\n",
+        ("tests/test_sglang_lora.py",),
+    ),
 ]
 
 

@@ -1,12 +1,13 @@
 """Adapter pushes into SGLang's LoRA serving (trainer.lora.push=adapter with rollout.engine=sglang, issue
 #37; stages/rollout/sglang_lora.py). The SGLang server is the streaming stub of the sampling-knob tests,
-and the adapter load's CUDA IPC body (GPU-only) is replaced by a recorder: what is checked is what the
-client sends and keeps: the launch flags, each push's adapter name, config and tensors, the adapter and
-the version of every request, and which adapters are unloaded when."""
+and each adapter load's PEFT folder is read as the server would when it is posted: what is checked is what
+the client sends and keeps: the launch flags, each push's adapter name, config and tensors, the adapter
+and the version of every request, and which adapters are unloaded when."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,20 +24,34 @@ ADAPTERS = {
 }
 
 
-@pytest.fixture
-def served(stub_engine, monkeypatch):  # noqa: F811 - the fixture
-    """The stub engine with LoRA serving of rank 4; its control calls and adapter loads recorded."""
-    import stages.weights.sglang_protocol as proto
+def read_adapter_folder(folder: str) -> dict:
+    """What SGLang's /load_lora_adapter reads of a PEFT folder: its config and its tensors."""
+    import json
+    from pathlib import Path
 
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    return {"config_dict": config, "tensors": tensors, "dtype": dtypes.pop() if len(dtypes) == 1 else dtypes}
+
+
+@pytest.fixture
+def served(stub_engine):  # noqa: F811 - the fixture
+    """The stub engine with LoRA serving of rank 4; its control calls recorded, and of each adapter load
+    the folder's contents as the server found them when the load was posted."""
     eng = stub_engine
     eng.lora = LoraServing(4, ("q_proj", "down_proj"))
     eng.posted = []
-    eng._post = lambda path, body=None, **kw: eng.posted.append((path, body)) or {}
 
-    def load_body(name, config, tensors, tp_size, device, dtype):
-        return {"lora_name": name, "config_dict": config, "tensors": dict(tensors), "dtype": dtype}, None
+    def post(path, body=None, **kw):
+        if path == "/load_lora_adapter":
+            body = dict(body, **read_adapter_folder(body["lora_path"]))
+        eng.posted.append((path, body))
+        return {}
 
-    monkeypatch.setattr(proto, "lora_load_body", load_body)
+    eng._post = post
     _StreamingStub.tokens = list(b"abcd")
     return eng
 
@@ -65,7 +80,7 @@ def test_an_adapter_push_loads_a_new_adapter_and_new_requests_are_served_by_it_a
     body, r = _generate(served)
     assert "lora_path" not in body and r.versions == [0] * 4  # before any push: the base model
     served.update_weights(list(ADAPTERS.items()), 3)
-    (load,) = _paths(served, "/load_lora_adapter_from_tensors")
+    (load,) = _paths(served, "/load_lora_adapter")
     assert load["lora_name"] == "slipstream-v3.r0" and load["dtype"] == served.dtype
     assert load["config_dict"] == {
         "peft_type": "LORA",
@@ -76,7 +91,8 @@ def test_an_adapter_push_loads_a_new_adapter_and_new_requests_are_served_by_it_a
     }
     assert load["tensors"].keys() == {"base_model.model." + n for n in ADAPTERS}
     for n, t in ADAPTERS.items():
-        assert torch.equal(load["tensors"]["base_model.model." + n], t)
+        assert torch.equal(load["tensors"]["base_model.model." + n].float(), t)
+    assert not Path(load["lora_path"]).exists()  # loaded: the folder is gone from shared memory
     assert _paths(served, "/update_weight_version")[-1]["new_version"] == "3"
     assert not _paths(served, "/pause_generation")  # generation goes on around an adapter load
     body, r = _generate(served)
@@ -108,14 +124,14 @@ def test_a_relaunched_server_serves_the_base_until_the_catch_up_push_loads_under
     body, r = _generate(served)
     assert "lora_path" not in body and r.versions == [0] * 4  # the relaunch holds no adapter
     served.update_weights(list(ADAPTERS.items()), 2)  # the transport's catch-up
-    assert _paths(served, "/load_lora_adapter_from_tensors")[-1]["lora_name"] == "slipstream-v2.r1"
+    assert _paths(served, "/load_lora_adapter")[-1]["lora_name"] == "slipstream-v2.r1"
     assert _generate(served)[0]["lora_path"] == "slipstream-v2.r1"
 
 
 def test_an_adapter_push_that_carries_a_whole_module_is_refused_naming_the_key(served):
     with pytest.raises(ValueError, match="modules_to_save"):
         served.update_weights([*ADAPTERS.items(), ("model.embed_tokens.weight", torch.ones(3, 8))], 1)
-    assert not _paths(served, "/load_lora_adapter_from_tensors") and served.version == 0
+    assert not _paths(served, "/load_lora_adapter") and served.version == 0
 
 
 def test_the_cpu_transport_delivers_an_adapter_push_to_a_server_with_lora_serving(served):
@@ -126,7 +142,7 @@ def test_the_cpu_transport_delivers_an_adapter_push_to_a_server_with_lora_servin
     try:
         sender.push(5, list(ADAPTERS.items())).result()
         assert receiver.applied == [5] and served.version == 5
-        assert _paths(served, "/load_lora_adapter_from_tensors")[-1]["lora_name"] == "slipstream-v5.r0"
+        assert _paths(served, "/load_lora_adapter")[-1]["lora_name"] == "slipstream-v5.r0"
     finally:
         receiver.close()
         sender.close()
@@ -211,3 +227,23 @@ def test_lora_serving_is_refused_with_a_speculative_algorithm_sglang_cannot_comb
     load_config(None, [*args, "rollout.sglang.extra_args=[--speculative-algorithm=NGRAM]"])
     with pytest.raises(ConfigError, match="--max-lora-rank is set by slipstream"):
         load_config(None, [*args, "rollout.sglang.extra_args=[--max-lora-rank, 64]"])
+
+
+def test_a_failed_adapter_load_leaves_no_folder_behind(served):
+    """A load the server refuses is the push's error, and its folder in shared memory is removed all the
+    same (a run pushing every step would fill /dev/shm)."""
+    from stages.rollout.sglang_process import EngineError
+
+    folders = []
+
+    def refuse(path, body=None, **kw):
+        if path == "/load_lora_adapter":
+            folders.append(body["lora_path"])
+            assert Path(body["lora_path"], "adapter_model.safetensors").exists()
+            raise EngineError("POST /load_lora_adapter -> HTTP 400: LoRA is not enabled")
+        return {}
+
+    served._post = refuse
+    with pytest.raises(EngineError, match="LoRA is not enabled"):
+        served.update_weights(list(ADAPTERS.items()), 1)
+    assert folders and not Path(folders[0]).exists()

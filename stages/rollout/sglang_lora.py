@@ -8,9 +8,13 @@ were sent with, and every token of a request comes from one version (the request
 adapter's: exact, with no pause of generation and no relabelled chunk). An adapter is unloaded once no
 request of ours uses it any more (at the next push: unloading waits for the server's requests under it).
 
-The server is launched with LoRA serving on (`LoraServing.launch_args`) and the load goes through
-/load_lora_adapter_from_tensors (stages/weights/sglang_protocol.lora_load_body): the tensors by CUDA IPC,
-as a weight push's. The adapter tensors arrive as the trainer sends them (lora_peft.adapter_push_state):
+The server is launched with LoRA serving on (`LoraServing.launch_args`) and each push is written as a PEFT
+folder in shared memory (/dev/shm, `write_adapter_folder`) that /load_lora_adapter reads. SGLang keeps
+loaded adapters in host memory until a batch uses them, and an adapter push reaches the generator in host
+memory (weights.transport=cpu): loading the tensors by CUDA IPC instead copied each of them to the GPU
+here and back to the host there, a blocking copy per tensor on each side (392 tensors at 7B), and took
+4.6-5.0 s a push on an idle H200 server (bench/RESULTS.md, GPU session of 2026-11-28, 11:05); from a
+folder the load makes no CUDA call. The adapter tensors arrive as the trainer sends them (lora_peft.adapter_push_state):
 `<HF module>.lora_A.weight` / `.lora_B.weight` with alpha/r folded into B, so the adapter is announced with
 lora_alpha = r (SGLang's scaling alpha/r is then 1).
 """
@@ -18,8 +22,10 @@ lora_alpha = r (SGLang's scaling alpha/r is then 1).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stages.rollout.engine import LORA_A, is_adapter
@@ -76,6 +82,33 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int) -> dict:
     (alpha/r is folded into B already)."""
     modules = sorted({n[: -len(LORA_A)].rsplit(".", 1)[-1] for n in tensors if n.endswith(LORA_A)})
     return {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": modules, "bias": "none"}
+
+
+def adapter_folder_root() -> str:
+    """Where adapter folders are written: shared memory (the servers run on the generator's host), else
+    the temporary directory."""
+    import tempfile
+
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def write_adapter_folder(
+    tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype, root: str | None = None
+) -> str:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in `dtype`) of `tensors`
+    under `root`; the caller removes it once the server has loaded it."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    folder = tempfile.mkdtemp(prefix="slipstream-adapter-", dir=root or adapter_folder_root())
+    host = {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
+    save_file(host, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
 
 
 class ServedAdapters:

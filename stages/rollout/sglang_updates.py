@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import stages.weights.sglang_protocol as proto
-from stages.rollout.sglang_lora import adapter_config, adapter_name, split_adapter_push
+from stages.rollout.sglang_lora import adapter_config, adapter_name, split_adapter_push, write_adapter_folder
 from stages.rollout.sglang_process import EngineError
 from stages.rollout.sglang_wire import cache_namespace
 
@@ -126,9 +126,12 @@ class SGLangWeightUpdates:
             t0 = time.perf_counter()
             name = adapter_name(version, self.restarts)
             config = adapter_config(adapters, self.lora.rank)
-            dev = torch.device("cuda", self.gpu_id)
-            body, _keep = proto.lora_load_body(name, config, adapters, self.cfg.tp_size, dev, self.dtype)
-            self._post(proto.LOAD_LORA, body)
+            folder = write_adapter_folder(adapters, config, getattr(torch, self.dtype))
+            t["write_s"] = time.perf_counter() - t0
+            try:  # the server has the adapter in its host memory once it answers: the folder can go
+                self._post(proto.LOAD_LORA, proto.lora_load_body(name, folder))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
             t["load_s"] = time.perf_counter() - t0
             self.cache_namespace = cache_namespace(version, self.restarts)
             self.served.switch(version, name)

@@ -34,7 +34,7 @@ HEALTH = "/health"  # 200 once the server serves
 MODEL_INFO = "/model_info"  # {"weight_version": ...}: the version the server runs
 SERVER_INFO = "/server_info"  # the server's arguments (base_gpu_id: the GPU it runs on) and state
 # LoRA serving (trainer.lora.push=adapter): adapters loaded and unloaded by name, the base untouched
-LOAD_LORA = "/load_lora_adapter_from_tensors"
+LOAD_LORA = "/load_lora_adapter"  # from a PEFT folder the server reads on its CPU (sglang_lora.py says why)
 UNLOAD_LORA = "/unload_lora_adapter"
 
 
@@ -156,14 +156,7 @@ def ipc_bucket_body(
     return body, data["flattened_tensor"]
 
 
-def lora_load_body(
-    name: str, config: dict, tensors: dict[str, torch.Tensor], tp_size: int, device, dtype: str
-) -> tuple[dict, torch.Tensor]:
-    """The /load_lora_adapter_from_tensors body for adapter `name` (PEFT-named tensors, copied to `device`
-    in the server's `dtype`, and their PEFT `config`), and the flat tensor the server maps by CUDA IPC
-    (kept alive by the caller until the server answered). The same flattened bucket as a weight push;
-    every TP rank takes the whole adapter and slices its own part."""
-    bucket = [(n, t.to(device, getattr(torch, dtype))) for n, t in tensors.items()]
-    body, flat = ipc_bucket_body(bucket, tp_size, device)
-    del body["flush_cache"]  # a weight push's field; an adapter load touches no KV
-    return {"lora_name": name, "config_dict": config, **body}, flat
+def lora_load_body(name: str, folder: str) -> dict:
+    """The /load_lora_adapter body: adapter `name` from the PEFT folder `folder` (adapter_config.json and
+    adapter_model.safetensors), which the server reads into its host memory before it answers."""
+    return {"lora_name": name, "lora_path": folder}
