@@ -247,3 +247,34 @@ def test_a_failed_adapter_load_leaves_no_folder_behind(served):
     with pytest.raises(EngineError, match="LoRA is not enabled"):
         served.update_weights(list(ADAPTERS.items()), 1)
     assert folders and not Path(folders[0]).exists()
+
+
+def test_adapter_folders_go_to_shared_memory_only_where_it_has_room(monkeypatch, tmp_path):
+    """A container's /dev/shm is often 64 MB: a 7B adapter push (308 MB) goes to the temporary directory
+    then, and a write that fails anyway removes its folder and names the size and the fix."""
+    import collections
+    import errno
+    import os
+    import shutil
+
+    import stages.rollout.sglang_lora as sl
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(sl, "SHM", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20))
+    assert sl.adapter_folder_root(308 << 20) == str(tmp_path / "tmp")
+    assert sl.adapter_folder_root(30 << 20) == str(tmp_path / "shm")
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(OSError, match=r"adapter push \(0 MB\) could not be written .*No space left.*TMPDIR"):
+        sl.write_adapter_folder(dict(ADAPTERS), {"r": 4}, torch.bfloat16)
+    assert os.listdir(tmp_path / "shm") == [] and os.listdir(tmp_path / "tmp") == []

@@ -25,7 +25,6 @@ import collections
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stages.rollout.engine import LORA_A, is_adapter
@@ -84,30 +83,48 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int) -> dict:
     return {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": modules, "bias": "none"}
 
 
-def adapter_folder_root() -> str:
-    """Where adapter folders are written: shared memory (the servers run on the generator's host), else
-    the temporary directory."""
+SHM = "/dev/shm"
+
+
+def adapter_folder_root(nbytes: int) -> str:
+    """Where an adapter folder of `nbytes` is written: shared memory (the servers run on the generator's
+    host) when it has room for twice that (a container's /dev/shm is often 64 MB, and Ray's object store
+    lives there too), else the temporary directory."""
+    import shutil
     import tempfile
 
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free >= 2 * nbytes:
+        return SHM
+    return tempfile.gettempdir()
 
 
 def write_adapter_folder(
     tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype, root: str | None = None
 ) -> str:
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in `dtype`) of `tensors`
-    under `root`; the caller removes it once the server has loaded it."""
+    under `root` (default: adapter_folder_root); the caller removes it once the server has loaded it.
+    A write that fails leaves nothing behind and says how large the push was and where it went."""
     import json
+    import shutil
     import tempfile
 
     from safetensors.torch import save_file
 
-    folder = tempfile.mkdtemp(prefix="slipstream-adapter-", dir=root or adapter_folder_root())
     host = {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
-    save_file(host, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
+    nbytes = sum(t.numel() * t.element_size() for t in host.values())
+    folder = tempfile.mkdtemp(prefix="slipstream-adapter-", dir=root or adapter_folder_root(nbytes))
+    try:
+        save_file(host, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise OSError(
+            e.errno,
+            f"an adapter push ({nbytes / 2**20:.0f} MB) could not be written to {folder} for the SGLang "
+            f"server to load ({e.strerror or e}): free space there, or point TMPDIR at a disk with room "
+            f"({SHM} is used when it has twice the push free)",
+        ) from e
     return folder
 
 
