@@ -51,7 +51,8 @@ PY
 }
 
 lane0() {
-  run cache-check 300 0 python bench/gpu_cache_check.py --results $R/gpu_cache_check.jsonl
+  run cache-check 300 0 python bench/gpu_cache_check.py --log-dir $S/cache-check-sglang \
+    --results $R/gpu_cache_check.jsonl
   # the agent bench on one GPU: the 135M trainer beside its engine (cluster.colocate, a static split)
   OUT=$S OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4" \
     run gpu_agent 900 0 bash bench/gpu_agent.sh 20
@@ -78,7 +79,8 @@ trainers_15b() {  # alone on the host: the fsdp backend is host-bound (bench/RES
 }
 
 both() {
-  run gpu-restarts 1080 0,1 python -m pytest -q -m gpu -s tests/test_gpu_stage_restarts.py
+  # -o timeout: pyproject's 600 s per test (where pytest-timeout is installed) is less than a case may take
+  run gpu-restarts 1080 0,1 python -m pytest -q -m gpu -s -o timeout=1060 tests/test_gpu_stage_restarts.py
   trainers_15b
   local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg)
   run trainer-7b-megatron-tp2 360 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \

@@ -793,10 +793,10 @@ MUTATIONS = [
         "offload_push_before_wake",
         "the hand-over pushes into engines whose weights are still released",
         "pipeline/orchestration/handover.py",
-        '        woke = self._on_generators("resume_memory", [WEIGHTS] if self.offload.rollout else [])\n'
+        '        woke = self._on_generators("resume_memory", [t for t in self.tags if t == WEIGHTS])\n'
         '        m = self.healer.on_ranks(step, "push_turn")\n',
         '        m = self.healer.on_ranks(step, "push_turn")\n'
-        '        woke = self._on_generators("resume_memory", [WEIGHTS] if self.offload.rollout else [])\n',
+        '        woke = self._on_generators("resume_memory", [t for t in self.tags if t == WEIGHTS])\n',
         ("tests/test_offload_pipeline.py::test_sync_run_with_offload_trains_as_the_run_without",),
     ),
     Mutation(
@@ -1239,6 +1239,14 @@ MUTATIONS = [
         "                shutil.rmtree(folder, ignore_errors=True)\n",
         "                pass\n",
         ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "sglang_lora_offload_releases_weights",
+        "colocated offload with LoRA releases SGLang's weights, which come back empty and are never all pushed again",
+        "pipeline/orchestration/handover.py",
+        '    if cfg.rollout.engine == "sglang" and cfg.trainer.lora.rank:\n',
+        "    if False:\n",
+        ("tests/test_handover_tags.py",),
     ),
 ]
 

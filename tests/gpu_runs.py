@@ -113,7 +113,13 @@ def running_pipeline(cmd: list[str], repo: Path, tmp_path: Path, run_dir: Path):
             yield proc, log_path
         finally:
             if proc.poll() is None:
+                # SGLang servers run in sessions of their own: their groups too, found before the
+                # pipeline's end orphans them, so that the next test starts on free GPUs
+                servers = sglang_servers(proc.pid)
                 os.killpg(proc.pid, signal.SIGKILL)
+                for server in servers:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(server.pid, signal.SIGKILL)
             keep_logs(tmp_path, run_dir)
 
 

@@ -17,7 +17,8 @@ train, onload rollout weights, update weights, onload rollout KV cache):
 So at no moment does a GPU hold both sides' full state: at the push it holds the trainer's weights
 (its gradients and optimizer state gone) and the engines' weights, without their KV cache. Start-up
 and a restarted trainer take the same path: the engines release before the trainer's state is built,
-and hand-over 2 gives them their first weights (SGLang's released weights hold nothing until pushed).
+and hand-over 2 gives them their first weights (SGLang's released weights hold nothing until pushed;
+with LoRA, whose pushes leave the unadapted weights out, SGLang keeps its weights: `engine_tags`).
 
 Every wait is bounded: the calls by run.timeout_s (longer where cluster.offload.timeout_s is), and
 inside them a release waits cluster.offload.timeout_s for the requests in flight, naming them when it
@@ -39,6 +40,18 @@ if TYPE_CHECKING:
     from pipeline.orchestration.supervisors import GeneratorStage
 
 
+def engine_tags(cfg: RunConfig) -> list[str]:
+    """What the engines hand back while the trainer steps. SGLang with LoRA keeps its weights and releases
+    only its KV cache: a released weight comes back empty (SGLang 0.5.17 keeps no copy), and LoRA pushes
+    send only the adapted tensors, so the embeddings, norms and LM head would never be written again (the
+    torch engine's release keeps a host copy, so it releases both)."""
+    if not cfg.cluster.offload.rollout:
+        return []
+    if cfg.rollout.engine == "sglang" and cfg.trainer.lora.rank:
+        return [KV_CACHE]
+    return list(TAGS)
+
+
 class Handover:
     """The driver's side: each step's turns (`step`), and the engines' release before a trainer's state
     is built (`release_engines`, at start-up and before a restarted trainer) with the hand-over that
@@ -46,6 +59,7 @@ class Handover:
 
     def __init__(self, cfg: RunConfig, calls: Calls, healer: Healer, generators: GeneratorStage):
         self.offload = cfg.cluster.offload
+        self.tags = engine_tags(cfg)
         self.calls, self.healer, self.generators = calls, healer, generators
         # a call waits for its own bounded waits inside, and a little more
         self.wait_s = max(cfg.run.timeout_s, self.offload.timeout_s + 60.0)
@@ -62,13 +76,13 @@ class Handover:
         return m
 
     def release_engines(self) -> list[Turn]:
-        return self._on_generators("release_memory", list(TAGS) if self.offload.rollout else [])
+        return self._on_generators("release_memory", self.tags)
 
     def to_generate(self, step: int) -> dict:
         """Hand-over 2: the engines' weights, the push, the trainer's weights out, the engines' KV cache."""
-        woke = self._on_generators("resume_memory", [WEIGHTS] if self.offload.rollout else [])
+        woke = self._on_generators("resume_memory", [t for t in self.tags if t == WEIGHTS])
         m = self.healer.on_ranks(step, "push_turn")
-        woke2 = self._on_generators("resume_memory", [KV_CACHE] if self.offload.rollout else [])
+        woke2 = self._on_generators("resume_memory", [t for t in self.tags if t == KV_CACHE])
         m["onload/rollout_s"] = max(a.seconds + b.seconds for a, b in zip(woke, woke2))
         return m
 
