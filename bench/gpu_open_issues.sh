@@ -7,7 +7,9 @@
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
 # Order (its third session): two one-GPU lanes side by side,
 #   GPU 0: the directed radix-cache check (#40) -> the agent prefix-cache bench, sync, on this one GPU
-#   GPU 1: the 7B with LoRA colocated with SGLang and offload on ONE GPU, 3 steps (#38)
+#          -> LoRA pushes at 135M, the adapter push through its PEFT folder (#37)
+#   GPU 1: the 7B with LoRA colocated with SGLang and offload on ONE GPU, 3 steps (#38) -> LoRA pushes
+#          at 7B (#37)
 # then both GPUs: the GPU stage-restart tests (#39) -> the 1.5B trainer, megatron then fsdp (compiled and
 # not), alone on the host (#42) -> the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
 # -> a stage killed every ~60 s (#39).
@@ -57,6 +59,8 @@ lane0() {
   OUT=$S OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4" \
     run gpu_agent 900 0 bash bench/gpu_agent.sh 20
   stamp gpu_agent
+  # adapter pushes now go as a PEFT folder the server reads on its CPU (no CUDA copy per tensor)
+  run lora-push-135m 360 0 python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
 }
 
 lane1() {
@@ -66,6 +70,8 @@ lane1() {
     python bench/offload_summary.py $S/offload7blora/run --skip 1 >>$S/offload-7b-lora.out 2>&1
   fi
   grep -h '^{' $S/offload-7b-lora.out | tail -n 1 >>$R/gpu_offload.jsonl
+  run lora-push-7b 600 1 bash -c "python bench/random_model.py 7b /tmp/offload-models >$S/m7.path 2>$S/m7.err &&
+    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
 }
 
 trainers_15b() {  # alone on the host: the fsdp backend is host-bound (bench/RESULTS.md)
