@@ -22,7 +22,10 @@ lora_alpha = r (SGLang's scaling alpha/r is then 1).
 from __future__ import annotations
 
 import collections
+import json
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -90,9 +93,6 @@ def adapter_folder_root(nbytes: int) -> str:
     """Where an adapter folder of `nbytes` is written: shared memory (the servers run on the generator's
     host) when it has room for twice that (a container's /dev/shm is often 64 MB, and Ray's object store
     lives there too), else the temporary directory."""
-    import shutil
-    import tempfile
-
     if os.path.isdir(SHM) and os.access(SHM, os.W_OK) and shutil.disk_usage(SHM).free >= 2 * nbytes:
         return SHM
     return tempfile.gettempdir()
@@ -104,10 +104,6 @@ def write_adapter_folder(
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in `dtype`) of `tensors`
     under `root` (default: adapter_folder_root); the caller removes it once the server has loaded it.
     A write that fails leaves nothing behind and says how large the push was and where it went."""
-    import json
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
     host = {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}

@@ -129,10 +129,9 @@ class SGLangWeightUpdates:
             folder = write_adapter_folder(adapters, config, getattr(torch, self.dtype))
             t["write_s"] = time.perf_counter() - t0
             try:  # the server has the adapter in its host memory once it answers: the folder can go
-                self._post(proto.LOAD_LORA, proto.lora_load_body(name, folder))
+                self._load(t, self._post, proto.LOAD_LORA, proto.lora_load_body(name, folder))
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            t["load_s"] = time.perf_counter() - t0
             self.cache_namespace = cache_namespace(version, self.restarts)
             self.served.switch(version, name)
             self._post(proto.SET_VERSION, proto.version_body(version))  # the label /model_info reports
