@@ -59,7 +59,11 @@ def summarise(path, *, root: str = ROOT, top: int = 25) -> dict:
     calls: dict[str, int] = defaultdict(int)
     for r in roots:
         inner = sorted(
-            (e for e in events if (e["pid"], e["tid"]) == (r["pid"], r["tid"]) and _inside(e, r) and e is not r),
+            (
+                e
+                for e in events
+                if (e["pid"], e["tid"]) == (r["pid"], r["tid"]) and _inside(e, r) and e is not r
+            ),
             key=lambda e: (e["ts"], -e["dur"]),
         )
         stack: list[dict] = []

@@ -36,7 +36,14 @@ from stages.rollout.config import SGLangConfig
 from stages.rollout.engine import Engine, GenRequest, GenResult, interrupted
 from stages.rollout.routing import RoutingRows
 from stages.rollout.sglang_lora import LoraServing, ServedAdapters
-from stages.rollout.sglang_process import EngineError, SGLangMemory, kill_group, log_tail, sse_events
+from stages.rollout.sglang_process import (
+    EngineError,
+    SGLangMemory,
+    dump_stacks,
+    kill_group,
+    log_tail,
+    sse_events,
+)
 from stages.rollout.sglang_updates import SGLangWeightUpdates
 from stages.rollout.sglang_wire import as_version, cache_namespace, finish_reason, generate_body
 from stages.rollout.stop_strings import StopStrings
@@ -257,6 +264,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             t0 = time.perf_counter()
             self.restarting = True  # the pool sends new requests elsewhere meanwhile
             try:
+                if self._proc is not None and self._proc.poll() is None:  # alive, so hung: say where
+                    dump_stacks(self._proc.pid, self.log_path)
                 self._stop()
                 path, version = self._resync_source()
                 # the older version from now on (a pool's version drops while this one is down), and

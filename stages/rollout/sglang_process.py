@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -53,6 +54,34 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+
+
+def dump_stacks(pgid: int, log_path: Path, timeout_s: float = 30.0) -> int:
+    """Append every process of the server's group's Python stacks (py-spy dump) to its log, before a hung
+    server is ended: its own log says nothing of where a scheduler stopped (SGLang's crash diagnostics
+    find no scheduler left once the group is ended). Where py-spy is not installed this writes one line
+    saying so. Returns how many processes were dumped."""
+    spy = shutil.which("py-spy")
+    with open(log_path, "a") as logf:
+        if spy is None:
+            logf.write("\n=== hung server: no py-spy on PATH, so its stacks are not dumped\n")
+            return 0
+        dumped = 0
+        for pid in _group_pids(pgid):
+            logf.write(f"\n=== hung server: py-spy dump of pid {pid} ({_cmdline(pid)[:200]})\n")
+            logf.flush()
+            try:
+                subprocess.run(
+                    [spy, "dump", "--pid", str(pid)],
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    check=False,
+                )
+                dumped += 1
+            except subprocess.TimeoutExpired:
+                logf.write(f"(py-spy gave no dump within {timeout_s:.0f}s)\n")
+    return dumped
 
 
 def end_orphaned_servers(ports: list[int], timeout_s: float = 120.0) -> list[int]:
@@ -109,16 +138,22 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (not a zombie), from /proc."""
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of group `pgid` that still run (not zombies), from /proc."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):  # gone meanwhile
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (not a zombie)."""
+    return bool(_group_pids(pgid))
 
 
 async def sse_events(resp):
