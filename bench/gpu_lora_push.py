@@ -132,6 +132,18 @@ def wait_gone(pgid: int | None, timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+def profiled_push(eng, adapter: dict, version: int, top: int = 15) -> list:
+    """One idle adapter push under cProfile: the `top` functions by cumulative time, [name, s, calls]."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(eng.update_weights, list(adapter.items()), version)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [[f"{Path(f).name}:{line}({name})", round(v[3], 4), v[1]] for (f, line, name), v in rows]
+
+
 def push_while_generating(eng, adapters: list[dict], first_version: int, max_new: int = 128) -> list[float]:
     """Each adapter push timed while 64 requests generate under the adapters loaded before it (the
     engine sends each request under its current adapter, so the pushes swap adapters in SGLang's pool)."""
@@ -218,11 +230,15 @@ def main() -> None:
         try:
             phases = [eng.update_weights(list(adapters[v].items()), v + 1) for v in range(args.pushes)]
             idle = [p["total_s"] for p in phases]
-            busy = push_while_generating(eng, adapters[: args.pushes], args.pushes + 1)
+            # where an idle push's write goes (3.9 s on a busy 4x H200 host, 40 ms on the CI box): the
+            # last adapter once more, profiled
+            idle_profile = profiled_push(eng, adapters[args.pushes - 1], args.pushes + 1)
+            busy = push_while_generating(eng, adapters[: args.pushes], args.pushes + 2)
             row.update(adapter_push_ms_idle=ms(idle), adapter_push_ms_generating=ms(busy))
             # where an idle push's time goes (2026-11-28 on an H200: 3.7 s idle against 90 ms generating)
             row["adapter_push_phases_ms_idle"] = {k: ms([p.get(k, 0.0) for p in phases]) for k in phases[0]}
             row["adapter_push_ms_idle_each"] = [round(x * 1e3, 1) for x in idle]
+            row["idle_push_profile"] = idle_profile
             row["goal_adapter_push_le_50ms"] = ms(busy) <= 50.0
             res = asyncio.run(eng.generate(reqs))
         finally:
