@@ -1248,6 +1248,22 @@ MUTATIONS = [
         "    if False:\n",
         ("tests/test_handover_tags.py",),
     ),
+    Mutation(
+        "hung_server_relaunched_silently",
+        "a hung SGLang server is relaunched without its stacks in its log (nothing says where it stopped)",
+        "stages/rollout/sglang_engine.py",
+        "                    dump_stacks(self._proc.pid, self.log_path)\n",
+        "                    pass\n",
+        ("tests/test_hung_server_stacks.py",),
+    ),
+    Mutation(
+        "hung_server_dump_skips_children",
+        "the stack dump of a hung server looks at no process of its group (SGLang's scheduler is a child)",
+        "stages/rollout/sglang_process.py",
+        "            pids.append(int(stat.parent.name))\n",
+        "            pass\n",
+        ("tests/test_hung_server_stacks.py", "tests/test_sglang_heal.py"),
+    ),
 ]
 
 

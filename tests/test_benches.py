@@ -341,3 +341,43 @@ def test_the_offload_summary_takes_the_handover_share_of_the_steps_wall_time():
     assert kv_cache_tokens(log) == 1234567 and kv_cache_tokens("no such line") is None
     with pytest.raises(ValueError, match="need more than"):
         summarise(rows[:2], skip=2)
+
+
+def test_the_push_profile_splits_each_loads_time_by_function_and_op(tmp_path):
+    """bench/sglang_profile.py reads SGLang's torch-profiler trace (Chrome trace events): the loads are
+    the outermost update_weights_from_distributed calls on their thread, and their time is split into self
+    time (not inside a nested event) and inclusive time per function or op, with call counts. Other
+    threads' events and events outside a load are not counted."""
+    import gzip
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from sglang_profile import summarise
+
+    def ev(name, ts, dur, cat="python_function", tid=1):
+        return {"ph": "X", "name": name, "ts": ts * 1000, "dur": dur * 1000, "cat": cat, "pid": 7, "tid": tid}
+
+    root = "sglang/srt/model_executor/weight_updater.py(222): update_weights_from_distributed"
+    events = [
+        ev("scheduler.py(10): wrapper", 0, 400),  # the call that holds the loads: not counted
+        ev(root, 0, 100),
+        ev("sglang/srt/models/qwen3_moe.py(1102): load_weights", 10, 80),
+        ev("fused_moe_triton/layer.py(899): weight_loader", 20, 10),
+        ev("aten::copy_", 25, 3, cat="cpu_op"),
+        ev("fused_moe_triton/layer.py(899): weight_loader", 40, 10),
+        ev(root, 200, 50),
+        ev("sglang/srt/models/qwen3_moe.py(1102): load_weights", 205, 40),
+        ev("aten::copy_", 150, 20, cat="cpu_op"),  # between the loads
+        ev("aten::copy_", 20, 30, cat="cpu_op", tid=2),  # another thread
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarise(path)
+    assert s["loads"] == 2 and s["total_ms"] == 150  # the events above in ms (the trace's are in us)
+    self_ms = {n: (ms, calls) for n, ms, calls in s["by_self_ms"]}
+    assert self_ms["qwen3_moe.py(1102): load_weights"] == (100, 2)  # 80 - 20 + 40
+    assert self_ms["layer.py(899): weight_loader"] == (17, 2)  # 10 - 3 + 10
+    assert self_ms["aten::copy_"] == (3, 1)
+    incl = {n: ms for n, ms, _ in s["by_inclusive_ms"]}
+    assert incl["qwen3_moe.py(1102): load_weights"] == 120 and incl["layer.py(899): weight_loader"] == 20
+    assert summarise(path, root="nothing_like_it")["error"].startswith("no call named")
