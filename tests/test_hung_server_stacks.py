@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
 from sglang_standin import command as standin_command  # tests/ is on sys.path
 
 from stages.rollout.config import SGLangConfig
@@ -23,16 +24,18 @@ def _engine(tmp_path, paused):
     return eng
 
 
-def _fake_py_spy(bin_dir):
+@pytest.fixture
+def fake_py_spy(tmp_path, monkeypatch):
+    """A py-spy on PATH that answers `py-spy dump --pid PID` with a line naming the pid."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     spy = bin_dir / "py-spy"
-    spy.write_text('#!/bin/sh\necho "Thread MainThread (idle) of pid $3"\n')  # py-spy dump --pid PID
+    spy.write_text('#!/bin/sh\necho "Thread MainThread (idle) of pid $3"\n')
     spy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_a_hung_server_is_relaunched_with_its_stacks_in_its_log(tmp_path, monkeypatch):
-    _fake_py_spy(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+def test_a_hung_server_is_relaunched_with_its_stacks_in_its_log(tmp_path, fake_py_spy):
     paused = tmp_path / "paused"
     eng = _engine(tmp_path, paused)
     try:
@@ -70,9 +73,7 @@ def test_without_py_spy_the_log_says_so_and_the_relaunch_goes_on(tmp_path, monke
         eng.close()
 
 
-def test_a_dead_server_is_relaunched_without_a_dump(tmp_path, monkeypatch):
-    _fake_py_spy(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+def test_a_dead_server_is_relaunched_without_a_dump(tmp_path, fake_py_spy):
     eng = _engine(tmp_path, tmp_path / "paused")
     try:
         eng.start()
