@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The GPU measurements that issues #34, #37, #38, #39, #40 and #42 still lack, in one 30-minute device
+# The GPU measurements that issues #34, #37, #39 and #42 still lack (and #38, #40 had), in one 30-minute device
 # session, in the background (setsid) so that 10-minute device calls can start, watch and collect them.
 # Phases run in priority order; whatever the session's time cuts off is simply not run.
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
-# On a 4-GPU machine (its fourth session) three lanes side by side:
-#   GPU 0: the directed radix-cache check (#40) -> the agent prefix-cache bench, sync, on this one GPU
-#   GPU 1: the 7B with LoRA colocated with SGLang and offload on ONE GPU, 3 steps (#38) -> LoRA pushes
-#          at 135M, the adapter push through its PEFT folder (#37)
-#   GPUs 2-3: the 7B colocated offload, 10 steps (#38)
-# then, while time is left, the MoE push into SGLang profiled on GPUs 0-1 (#34) and LoRA pushes at 7B.
-# On a 2-GPU machine (`run2`, its third session's order): GPU 0 as above, then the LoRA pushes at 135M;
-# GPU 1: the 7B LoRA, then LoRA pushes at 7B; then both GPUs: the GPU stage-restart tests (#39) -> the
-# 1.5B trainer, megatron then fsdp (compiled and not), alone on the host (#42) -> the 7B full fine-tune
-# at TP=2 and the fsdp backend over 2 ranks (#42) -> a stage killed every ~60 s (#39).
+# Its next order (fifth session), on four GPUs (`run`):
+#   GPUs 0-1: the MoE push into SGLang timed and profiled (#34) -> the GPU stage-restart tests (#39) ->
+#             a stage killed every ~60 s (#39)
+#   GPU 2: LoRA pushes at 135M, then 7B, an idle push profiled (#37)
+#   GPU 3: the 1.5B trainer, megatron then fsdp (compiled and not) (#42)
+#   then GPUs 2-3: the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
+# on two GPUs (`run2`): the MoE push on both; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
+# then both: the restart tests and the fault run, then the 7B trainers.
+# Its fourth session (2026-11-28, 13:27, 4x H200) ran the cache check and the sync agent bench (#40), the
+# 7B with LoRA colocated on one GPU and the 7B colocated offload for 9 steps (#38), LoRA pushes at 135M.
 # Its second session (2026-11-28, 11:05) ran the 7B colocated offload on two GPUs (3 steps), LoRA pushes
 # at 135M and 7B, the agent bench (async) and the 1.5B trainers beside it (bench/RESULTS.md).
 # Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
@@ -94,28 +94,30 @@ moe_push() {  # GPUs $1 (two): the MoE weights pushed into one SGLang server ove
       --bucket-mb 1024 4096 --profile $S/moe-profile --results $R/gpu_push.jsonl"
 }
 
-trainers_15b() {  # alone on the host: the fsdp backend is host-bound (bench/RESULTS.md)
+trainers_15b() {  # GPU $1; the fsdp backend is host-bound (bench/RESULTS.md): the host's load shows
   local t=(python bench/trainer_gpu.py --shapes 1.5b --no-hf --old-logprobs separate_pass --steps 3 --warmup 1
-    --micro-batch-tokens 1.5b=8192 --workdir /tmp/tg)
-  run trainer-1.5b-megatron 300 0 "${t[@]}" --results $S/megatron-1.5b.jsonl
+    --micro-batch-tokens 1.5b=8192 --workdir /tmp/tg15)
+  run trainer-1.5b-megatron 300 "$1" "${t[@]}" --results $S/megatron-1.5b.jsonl
   cat $S/megatron-1.5b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
-  run trainer-1.5b-fsdp-compiled 480 0 "${t[@]}" --backend fsdp --fsdp-compile --baseline $S/megatron-1.5b.jsonl \
+  run trainer-1.5b-fsdp-compiled 480 "$1" "${t[@]}" --backend fsdp --fsdp-compile --baseline $S/megatron-1.5b.jsonl \
     --profile $S/profile-1.5b-fsdp-compiled.txt --results $R/trainer_gpu.jsonl
-  run trainer-1.5b-fsdp 360 0 "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl --results $R/trainer_gpu.jsonl
+  run trainer-1.5b-fsdp 360 "$1" "${t[@]}" --backend fsdp --baseline $S/megatron-1.5b.jsonl --results $R/trainer_gpu.jsonl
 }
 
-both() {
-  # -o timeout: pyproject's 600 s per test (where pytest-timeout is installed) is less than a case may take
-  run gpu-restarts 1080 0,1 python -m pytest -q -m gpu -s -o timeout=1060 tests/test_gpu_stage_restarts.py
-  trainers_15b
-  local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg)
-  run trainer-7b-megatron-tp2 360 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+trainers_7b() {  # GPUs $1 (two)
+  local t=(--shapes 7b --no-hf --old-logprobs separate_pass --steps 2 --warmup 1 --workdir /tmp/tg7)
+  run trainer-7b-megatron-tp2 360 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
     "${t[@]}" --tp 2 --micro-batch-tokens 7b=8192 --results $S/megatron-7b.jsonl
   cat $S/megatron-7b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
-  run trainer-7b-fsdp 420 0,1 python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+  run trainer-7b-fsdp 420 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
     "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
-  # #39: the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s, beside an unfaulted run
-  run fault_run 1200 0,1 python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 120 \
+}
+
+restarts() {  # GPUs $1 (two), #39
+  # -o timeout: pyproject's 600 s per test (where pytest-timeout is installed) is less than a case may take
+  run gpu-restarts 1080 "$1" python -m pytest -q -m gpu -s -o timeout=1060 tests/test_gpu_stage_restarts.py
+  # the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s, beside an unfaulted run
+  run fault_run 1200 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 120 \
     --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
     rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false
 }
@@ -129,22 +131,25 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)  # four GPUs
-  agent_lane >$S/lane0.log 2>&1 &
-  (offload_7b_lora 1 && lora_push_135m 1) >$S/lane1.log 2>&1 &
-  offload_7b 2,3 >$S/lane2.log 2>&1 &
+  (moe_push 0,1 && restarts 0,1) >$S/lane0.log 2>&1 &
+  (lora_push_135m 2 && lora_push_7b 2) >$S/lane1.log 2>&1 &
+  lane1=$!
+  trainers_15b 3 >$S/lane2.log 2>&1 &
+  lane2=$!
+  wait $lane1 $lane2
+  trainers_7b 2,3
   wait
-  cat $S/lane0.log $S/lane1.log $S/lane2.log
-  moe_push 0,1 &
-  lora_push_7b 2
-  wait
+  cat $S/lane*.log
   echo "all done $(date -u +%T)"
   ;;
 run2)  # two GPUs
-  (agent_lane && lora_push_135m 0) >$S/lane0.log 2>&1 &
-  (offload_7b_lora 1 && lora_push_7b 1) >$S/lane1.log 2>&1 &
+  moe_push 0,1
+  (lora_push_135m 0 && lora_push_7b 0) >$S/lane0.log 2>&1 &
+  trainers_15b 1 >$S/lane1.log 2>&1 &
   wait
   cat $S/lane0.log $S/lane1.log
-  both
+  restarts 0,1
+  trainers_7b 0,1
   echo "all done $(date -u +%T)"
   ;;
 watch)
