@@ -14,7 +14,8 @@
 # on two GPUs (`run2`): the MoE push on both; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
 # then both: the restart tests and the fault run, then the 7B trainers.
 # Its fourth session (2026-11-28, 13:27, 4x H200) ran the cache check and the sync agent bench (#40), the
-# 7B with LoRA colocated on one GPU and the 7B colocated offload for 9 steps (#38), LoRA pushes at 135M.
+# 7B with LoRA colocated on one GPU and the 7B colocated offload for 9 steps (#38), LoRA pushes at 135M
+# (git history has those phases).
 # Its second session (2026-11-28, 11:05) ran the 7B colocated offload on two GPUs (3 steps), LoRA pushes
 # at 135M and 7B, the agent bench (async) and the 1.5B trainers beside it (bench/RESULTS.md).
 # Its first session (2026-11-28, 2x H200) also ran, and bench/RESULTS.md records: the 7B LoRA trainer
@@ -43,55 +44,20 @@ run() {  # NAME LIMIT_S GPUS CMD...: one phase with a time limit, its output in 
   echo "$name end $(date -u +%T) rc=$rc"
 }
 
-stamp() {  # BENCH: the last JSON line of $S/BENCH.out, with device and date, appended to $R/BENCH.jsonl
-  python - "$S/$1.out" "$R/$1.jsonl" <<'PY'
-import datetime, json, sys
-lines = [l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]
-if lines:
-    row = json.loads(lines[-1])
-    row.setdefault("date", datetime.date.today().isoformat())
-    open(sys.argv[2], "a").write(json.dumps(row) + "\n")
-PY
-}
-
-agent_lane() {  # GPU 0
-  run cache-check 300 0 python bench/gpu_cache_check.py --log-dir $S/cache-check-sglang \
-    --results $R/gpu_cache_check.jsonl
-  # the agent bench on one GPU: the 135M trainer beside its engine (cluster.colocate, a static split)
-  OUT=$S OVERRIDES="cluster.num_gpus=1 cluster.colocate=true rollout.sglang.mem_fraction_static=0.4" \
-    run gpu_agent 900 0 bash bench/gpu_agent.sh 20
-  stamp gpu_agent
-}
-
 lora_push_135m() {  # GPU $1: adapter pushes now go as a PEFT folder the server reads on its CPU
   run lora-push-135m 360 "$1" python bench/gpu_lora_push.py --results $R/gpu_lora_push.jsonl
 }
 
 lora_push_7b() {  # GPU $1
   run lora-push-7b 600 "$1" bash -c "python bench/random_model.py 7b /tmp/offload-models >$S/m7.path 2>$S/m7.err &&
-    python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
-}
-
-offload_7b_lora() {  # GPU $1: 3 steps of the 7B batch; the run's own limit leaves time for its summary
-  LIMIT_S=540 SKIP=1 OUT=$S run offload-7b-lora 840 "$1" bash bench/gpu_offload.sh 7b-lora 3
-  if ! grep -q '^{' $S/offload-7b-lora.out; then  # cut off before its summary: the steps it made
-    python bench/offload_summary.py $S/offload7blora/run --skip 1 >>$S/offload-7b-lora.out 2>&1
-  fi
-  grep -h '^{' $S/offload-7b-lora.out | tail -n 1 >>$R/gpu_offload.jsonl
-}
-
-offload_7b() {  # GPUs $1: the 7B colocated on two GPUs, 10 steps (~75 s each after a ~6 min start)
-  LIMIT_S=1080 SKIP=2 MODELS=/tmp/offload-models-7b OUT=$S run offload-7b 1260 "$1" bash bench/gpu_offload.sh 7b 10
-  if ! grep -q '^{' $S/offload-7b.out; then
-    python bench/offload_summary.py $S/offload7b/run --skip 2 >>$S/offload-7b.out 2>&1
-  fi
-  grep -h '^{' $S/offload-7b.out | tail -n 1 >>$R/gpu_offload.jsonl
+    exec python bench/gpu_lora_push.py --model \$(tail -n 1 $S/m7.path) --results $R/gpu_lora_push.jsonl"
 }
 
 moe_push() {  # GPUs $1 (two): the MoE weights pushed into one SGLang server over NCCL, timed and profiled
-  run moe-push 420 "$1" bash -c "python bench/random_model.py moe-small /tmp/moe-models >$S/moe.path 2>$S/moe.err &&
-    python bench/gpu_push.py --model \$(tail -n 1 $S/moe.path) --shape moe-small --nccl-only --pushes 5 \
-      --bucket-mb 1024 4096 --profile $S/moe-profile --results $R/gpu_push.jsonl"
+  # exec: the phase's SIGTERM reaches the bench (it records what it measured), not a shell around it
+  run moe-push 840 "$1" bash -c "python bench/random_model.py moe-small /tmp/moe-models >$S/moe.path 2>$S/moe.err &&
+    exec python bench/gpu_push.py --model \$(tail -n 1 $S/moe.path) --shape moe-small --nccl-only --pushes 5 \
+      --bucket-mb 1024 --profile $S/moe-profile --results $R/gpu_push.jsonl"
 }
 
 trainers_15b() {  # GPU $1; the fsdp backend is host-bound (bench/RESULTS.md): the host's load shows
@@ -131,8 +97,8 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)  # four GPUs
-  (moe_push 0,1 && restarts 0,1) >$S/lane0.log 2>&1 &
-  (lora_push_135m 2 && lora_push_7b 2) >$S/lane1.log 2>&1 &
+  (moe_push 0,1; restarts 0,1) >$S/lane0.log 2>&1 &
+  (lora_push_135m 2; lora_push_7b 2) >$S/lane1.log 2>&1 &
   lane1=$!
   trainers_15b 3 >$S/lane2.log 2>&1 &
   lane2=$!
@@ -144,7 +110,7 @@ run)  # four GPUs
   ;;
 run2)  # two GPUs
   moe_push 0,1
-  (lora_push_135m 0 && lora_push_7b 0) >$S/lane0.log 2>&1 &
+  (lora_push_135m 0; lora_push_7b 0) >$S/lane0.log 2>&1 &
   trainers_15b 1 >$S/lane1.log 2>&1 &
   wait
   cat $S/lane0.log $S/lane1.log

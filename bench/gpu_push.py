@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +78,10 @@ def server_load_s(url: str) -> float:
         re.M,
     )
     return max((float(x) for x in m), default=float("nan"))
+
+
+def _timed_out(signum, frame):
+    raise TimeoutError("SIGTERM (the phase's time limit): measuring stopped here")
 
 
 def warm_up(url: str) -> None:
@@ -262,12 +267,14 @@ def main() -> None:
     if len(engines) != len(gpus):
         raise SystemExit("an SGLang server did not start (see the errors above)")
     result["server_start_s"] = round(time.perf_counter() - t0, 1)
-    for e in engines.values():  # first kernels compiled (an MoE's Triton kernels take minutes) before timing
-        warm_up(e.url)
     result["by_bucket_mb"] = {}
+    # a phase's time limit (SIGTERM) ends the measuring, not the record of what was measured
+    signal.signal(signal.SIGTERM, _timed_out)
     try:
+        for e in engines.values():  # first kernels compiled (an MoE's Triton kernels take minutes)
+            warm_up(e.url)
         for i, mb in enumerate(dict.fromkeys(a.bucket_mb)):  # a group name per sender: servers keep theirs
-            row = {}
+            row = result["by_bucket_mb"][str(mb)] = {}  # filled as it goes: a failure keeps what came before
             for receive in a.nccl_receive:  # weights.nccl_receive
                 nccl = NcclSGLangSender(
                     [engines[1].url],
@@ -276,26 +283,27 @@ def main() -> None:
                     group_name=f"bench-{mb}-{receive}",
                     receive=receive,
                 )
-                version0 = 1 + 100 * i + 50 * len(row)
+                version0 = 1 + 100 * i + 50 * len([k for k in row if k.startswith("nccl")])
                 key = nccl_key(receive)
-                profile = None
-                if a.profile:  # first, so that a failure later does not lose it; its push is not timed
-                    profile = profiled(
-                        engines[1].url,
-                        lambda s=nccl, v=version0: s.push(v, named).result(),
-                        f"{a.profile}/{mb}-{receive}",
-                    )
-                    print(f"profile {mb} {receive}:", json.dumps(profile), flush=True)
-                row[key] = measure(nccl, engines[1], named, a.pushes, version0 + 1)
-                if profile is not None:
-                    row[key]["profile"] = profile
+                row[key] = {}
+                if a.profile:  # before the timed pushes, after one that sets up the NCCL group
+                    nccl.push(version0, named).result()
+                    try:
+                        row[key]["profile"] = profiled(
+                            engines[1].url,
+                            lambda s=nccl, v=version0 + 1: s.push(v, named).result(),
+                            f"{a.profile}/{mb}-{receive}",
+                        )
+                    except Exception as e:  # noqa: BLE001 - the timing below still counts
+                        row[key]["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"profile {mb} {receive}:", json.dumps(row[key]["profile"]), flush=True)
+                row[key].update(measure(nccl, engines[1], named, a.pushes, version0 + 2))
                 nccl.close()
             if not a.nccl_only:
                 ipc = CudaIpcSGLangSender([engines[0].url], timeout_s=120, bucket_mb=mb)
                 row["cuda_ipc"] = measure(ipc, engines[0], named, a.pushes, 1 + 100 * i)
                 ipc.close()
             row["buckets"] = math.ceil(result["bytes"] / (mb << 20))
-            result["by_bucket_mb"][str(mb)] = row
             print(f"bucket_mb {mb}:", row, flush=True)
     except Exception as e:  # noqa: BLE001 - record what was measured before it (minutes of GPU time)
         result["error"] = f"{type(e).__name__}: {e}"
@@ -309,10 +317,15 @@ def main() -> None:
         for row in result["by_bucket_mb"].values():
             for mode in ("idle", "generating"):
                 for key in [nccl_key(r) for r in a.nccl_receive if nccl_key(r) in row]:
-                    total = row[key][mode]["seconds_ms"] / 1e3
+                    got = row[key].get(mode)
+                    if (
+                        not got or "load_error" in got
+                    ):  # cut off, or pushes without the load they are judged under
+                        continue
+                    total = got["seconds_ms"] / 1e3
                     row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
                     row[f"{key}_{mode}_vs_raw_per_tensor"] = round(total / raw["raw_broadcast_s"], 2)
-                if "cuda_ipc" in row:
+                if mode in row.get("cuda_ipc", {}):
                     row[f"ipc_{mode}_vs_d2d"] = round(
                         row["cuda_ipc"][mode]["seconds_ms"] / 1e3 / raw["d2d_copy_s"], 2
                     )
@@ -331,7 +344,7 @@ def main() -> None:
         if receive == "auto":
             receive = "per_tensor" if per_tensor_for("auto", named) else "flat"
         result["judged_receive"] = receive
-        judged_row = result["by_bucket_mb"][judged]
+        judged_row = result["by_bucket_mb"].get(judged, {})
         result["push_vs_raw"] = judged_row.get(f"{nccl_key(receive)}_generating_vs_raw_flat")
         for r in a.nccl_receive:
             result[f"push_vs_raw_{r}"] = judged_row.get(f"{nccl_key(r)}_generating_vs_raw_flat")

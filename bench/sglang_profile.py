@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,19 +24,21 @@ def profiled(url: str, call, out_dir: str, *, root: str = ROOT, top: int = 25) -
     """call() with the server at `url` profiled; the summary of the trace it wrote (see summarise)."""
     import requests
 
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    body = {"output_dir": out_dir, "activities": ["CPU"], "with_stack": True, "record_shapes": False}
-    body["profile_id"] = "weights-load"
+    out = Path(out_dir).resolve()  # the server resolves a relative folder against its own directory
+    out.mkdir(parents=True, exist_ok=True)
+    profile_id = f"weights-load-{time.time_ns()}"  # this call's trace only, whatever the folder holds
+    body = {"output_dir": str(out), "activities": ["CPU"], "with_stack": True, "record_shapes": False}
+    body["profile_id"] = profile_id
     requests.post(url + "/start_profile", json=body, timeout=60).raise_for_status()
     try:
         call()
     finally:
         # the server writes its trace before it answers
         requests.post(url + "/stop_profile", timeout=600).raise_for_status()
-    traces = sorted(Path(out_dir).glob("weights-load*.trace.json.gz"))
+    traces = sorted(out.glob(f"{profile_id}-TP-0*.trace.json.gz"))  # TP rank 0's
     if not traces:
-        return {"error": f"the server wrote no trace into {out_dir}"}
-    return summarise(traces[-1], root=root, top=top)
+        return {"error": f"the server wrote no trace {profile_id}-TP-0*.trace.json.gz into {out}"}
+    return summarise(traces[0], root=root, top=top)
 
 
 def short(name: str) -> str:

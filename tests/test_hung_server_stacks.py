@@ -30,7 +30,9 @@ def fake_py_spy(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     spy = bin_dir / "py-spy"
-    spy.write_text('#!/bin/sh\necho "Thread MainThread (idle) of pid $3"\n')
+    spy.write_text(
+        '#!/bin/sh\nfor a; do pid=$a; done\necho "Thread MainThread (idle) of pid $pid"\n'
+    )  # last arg
     spy.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
@@ -66,9 +68,23 @@ def test_without_py_spy_the_log_says_so_and_the_relaunch_goes_on(tmp_path, monke
     try:
         eng.start()
         hung = eng.pid
+        paused.touch()
+        assert eng.check_health() and not eng.check_health()
+        paused.unlink()
         eng.restart()
         assert eng.pid != hung and eng.check_health()
         assert "no py-spy on PATH" in eng.log_path.read_text()
+    finally:
+        eng.close()
+
+
+def test_a_live_server_relaunched_for_another_reason_is_not_dumped(tmp_path, fake_py_spy):
+    """restart() also serves a failed push's recovery, on a server that answers: not hung, no dump."""
+    eng = _engine(tmp_path, tmp_path / "paused")
+    try:
+        eng.start()
+        eng.restart()
+        assert eng.check_health() and "py-spy dump" not in eng.log_path.read_text()
     finally:
         eng.close()
 

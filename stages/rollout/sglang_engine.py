@@ -264,7 +264,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
             t0 = time.perf_counter()
             self.restarting = True  # the pool sends new requests elsewhere meanwhile
             try:
-                if self._proc is not None and self._proc.poll() is None:  # alive, so hung: say where
+                if self._health_misses >= 2 and self._proc is not None:  # hung (check_health): say where
                     dump_stacks(self._proc.pid, self.log_path)
                 self._stop()
                 path, version = self._resync_source()

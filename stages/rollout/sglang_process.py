@@ -57,30 +57,46 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 def dump_stacks(pgid: int, log_path: Path, timeout_s: float = 30.0) -> int:
-    """Append every process of the server's group's Python stacks (py-spy dump) to its log, before a hung
-    server is ended: its own log says nothing of where a scheduler stopped (SGLang's crash diagnostics
-    find no scheduler left once the group is ended). Where py-spy is not installed this writes one line
-    saying so. Returns how many processes were dumped."""
+    """Append the Python stacks of every process of a hung server's group (py-spy dump) to its log,
+    before the server is ended: its own log says nothing of where a scheduler stopped, and SGLang's
+    crash diagnostics find no scheduler left once the group is ended. All dumps share one `timeout_s`;
+    `--nonblocking` reads the stacks without stopping the process (a process stuck in the GPU driver may
+    not stop). Where py-spy is not installed, or cannot attach, the log says so. Returns how many
+    processes were dumped; never raises (the relaunch that follows matters more than the diagnosis)."""
+    try:
+        return _dump_stacks(pgid, log_path, timeout_s)
+    except OSError as e:
+        log.warning("could not dump the stacks of hung server group %d into %s: %s", pgid, log_path, e)
+        return 0
+
+
+def _dump_stacks(pgid: int, log_path: Path, timeout_s: float) -> int:
     spy = shutil.which("py-spy")
     with open(log_path, "a") as logf:
         if spy is None:
             logf.write("\n=== hung server: no py-spy on PATH, so its stacks are not dumped\n")
             return 0
-        dumped = 0
+        dumped, deadline = 0, time.monotonic() + timeout_s
         for pid in _group_pids(pgid):
             logf.write(f"\n=== hung server: py-spy dump of pid {pid} ({_cmdline(pid)[:200]})\n")
             logf.flush()
+            proc = subprocess.Popen(
+                [spy, "dump", "--nonblocking", "--pid", str(pid)], stdout=logf, stderr=subprocess.STDOUT
+            )
             try:
-                subprocess.run(
-                    [spy, "dump", "--pid", str(pid)],
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    timeout=timeout_s,
-                    check=False,
-                )
-                dumped += 1
+                rc = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logf.write(f"(py-spy gave no dump within {timeout_s:.0f}s)\n")
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+                logf.write(f"(no dump within the {timeout_s:.0f}s all dumps share)\n")
+                break
+            if rc == 0:
+                dumped += 1
+            else:  # most often: not allowed to attach (ptrace); the error is above
+                logf.write(
+                    f"(py-spy exited with {rc}: it needs ptrace rights over the server, e.g. CAP_SYS_PTRACE)\n"
+                )
     return dumped
 
 

@@ -49,6 +49,9 @@ class CudaIpcSGLangSender(_SGLangSender):
             body, flat = proto.ipc_bucket_body(mine, self.tp_of[url], there)  # alive until answered
             self._post(url, proto.LOAD_TENSOR, proto.with_version(body, version), self.timeout_s)
             del flat, mine
+        # blocks of earlier buckets that a server let go of only after this process freed them: torch keeps
+        # those until ipc_collect (a 7B push's 15.2 GB buffer stayed through generation so; host_copy.py)
+        torch.cuda.ipc_collect()
         if copied:  # the copies' blocks back to that GPU: its other trainer rank and server need them
             torch.cuda.empty_cache()
         return time.monotonic() - t0  # IPC: the handles travel, the engine maps and copies the bytes
