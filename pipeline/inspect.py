@@ -30,6 +30,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument(
             "--version", type=int, default=None, help="trainer version for staleness (default: latest known)"
         )
+        s.add_argument(
+            "--timeout-s", type=float, default=10.0, help="how long a live buffer has to answer (default 10)"
+        )
         if name == "samples":
             s.add_argument(
                 "--tokenizer",
@@ -46,8 +49,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load(target: str):
-    """(pyarrow Table with a `state` column, info dict) for a directory or a live address."""
+def load(target: str, timeout_s: float = 10.0):
+    """(pyarrow Table with a `state` column, info dict) for a directory or a live address (which has
+    `timeout_s` to answer each request)."""
     import pyarrow as pa
 
     from buffer.record import ARROW_SCHEMA
@@ -55,7 +59,7 @@ def load(target: str):
     if "://" in target:
         from buffer.client import BufferClient
 
-        c = BufferClient(target, timeout_s=10)
+        c = BufferClient(target, timeout_s=timeout_s)
         try:
             stats = c.stats()
             batch = c.peek(max(1, stats["rows"]))
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from buffer.wire import ProtocolError
 
     try:
-        table, info = load(args.target)
+        table, info = load(args.target, args.timeout_s)
     except (BufferUnavailable, ProtocolError, FileNotFoundError, NotADirectoryError) as e:
         # one line, no traceback: an unreachable buffer or a wrong folder is the user's to fix
         print(f"buffer-inspect: {args.target}: {e}", file=sys.stderr)

@@ -191,7 +191,7 @@ def test_plot_adds_the_trainer_panels_when_the_run_metrics_are_beside_the_buffer
 
 def test_an_unreachable_buffer_is_one_line_not_a_traceback():
     r = subprocess.run(
-        [str(REPO / "bin" / "buffer-inspect"), "summary", "tcp://127.0.0.1:1"],
+        [str(REPO / "bin" / "buffer-inspect"), "summary", "tcp://127.0.0.1:1", "--timeout-s", "1"],
         capture_output=True,
         text=True,
         timeout=60,

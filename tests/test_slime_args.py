@@ -64,6 +64,7 @@ def test_what_cannot_be_converted_is_named(argv, match):
         to_overrides(argv.split())
 
 
+@pytest.mark.slow  # 10 s: a whole run; the conversion itself is checked above, the default's run by test_learning
 def test_the_converted_default_runs(tmp_path):
     from pipeline.orchestration.launcher import run_pipeline
 
