@@ -37,65 +37,59 @@ def fake_py_spy(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_a_hung_server_is_relaunched_with_its_stacks_in_its_log(tmp_path, fake_py_spy):
+@pytest.fixture
+def server(tmp_path):
+    """A started stand-in server's engine, and the flag file that makes the server hang."""
     paused = tmp_path / "paused"
     eng = _engine(tmp_path, paused)
     try:
         eng.start()
-        hung = eng.pid
-        paused.touch()
-        assert eng.check_health() and not eng.check_health()  # two missed checks: hung
-        paused.unlink()  # the relaunched one answers
-        eng.restart()
-        assert eng.pid != hung and eng.check_health()
-        log = eng.log_path.read_text()
-        assert f"py-spy dump of pid {hung}" in log
-        assert f"of pid {hung}\n" in log, "the dump's own output is not in the log"
-        # the dump comes before the relaunch's launch line
-        assert (
-            log.index(f"py-spy dump of pid {hung}") < [m.start() for m in re.finditer("launching:", log)][-1]
-        )
+        yield eng, paused
     finally:
         if paused.exists():
             paused.unlink()
         eng.close()
 
 
-def test_without_py_spy_the_log_says_so_and_the_relaunch_goes_on(tmp_path, monkeypatch):
+def _hang(eng, paused):
+    paused.touch()
+    assert eng.check_health() and not eng.check_health()  # two missed checks: hung
+    paused.unlink()  # the relaunched one answers
+
+
+def test_a_hung_server_is_relaunched_with_its_stacks_in_its_log(server, fake_py_spy):
+    eng, paused = server
+    hung = eng.pid
+    _hang(eng, paused)
+    eng.restart()
+    assert eng.pid != hung and eng.check_health()
+    log = eng.log_path.read_text()
+    assert f"py-spy dump of pid {hung}" in log
+    assert f"of pid {hung}\n" in log, "the dump's own output is not in the log"
+    # the dump comes before the relaunch's launch line
+    assert log.index(f"py-spy dump of pid {hung}") < [m.start() for m in re.finditer("launching:", log)][-1]
+
+
+def test_without_py_spy_the_log_says_so_and_the_relaunch_goes_on(server, monkeypatch):
+    eng, paused = server
     monkeypatch.setattr("shutil.which", lambda name, *a, **k: None)
-    paused = tmp_path / "paused"
-    eng = _engine(tmp_path, paused)
-    try:
-        eng.start()
-        hung = eng.pid
-        paused.touch()
-        assert eng.check_health() and not eng.check_health()
-        paused.unlink()
-        eng.restart()
-        assert eng.pid != hung and eng.check_health()
-        assert "no py-spy on PATH" in eng.log_path.read_text()
-    finally:
-        eng.close()
+    hung = eng.pid
+    _hang(eng, paused)
+    eng.restart()
+    assert eng.pid != hung and eng.check_health()
+    assert "no py-spy on PATH" in eng.log_path.read_text()
 
 
-def test_a_live_server_relaunched_for_another_reason_is_not_dumped(tmp_path, fake_py_spy):
+def test_a_live_server_relaunched_for_another_reason_is_not_dumped(server, fake_py_spy):
     """restart() also serves a failed push's recovery, on a server that answers: not hung, no dump."""
-    eng = _engine(tmp_path, tmp_path / "paused")
-    try:
-        eng.start()
-        eng.restart()
-        assert eng.check_health() and "py-spy dump" not in eng.log_path.read_text()
-    finally:
-        eng.close()
+    eng, _ = server
+    eng.restart()
+    assert eng.check_health() and "py-spy dump" not in eng.log_path.read_text()
 
 
-def test_a_dead_server_is_relaunched_without_a_dump(tmp_path, fake_py_spy):
-    eng = _engine(tmp_path, tmp_path / "paused")
-    try:
-        eng.start()
-        eng._proc.kill()
-        eng._proc.wait(timeout=10)
-        eng.restart()
-        assert "py-spy dump" not in eng.log_path.read_text()
-    finally:
-        eng.close()
+def test_a_dead_server_is_relaunched_without_a_dump(server, fake_py_spy):
+    eng, _ = server
+    eng._proc.kill()
+    eng._proc.wait(timeout=10)
+    eng.restart()
+    assert "py-spy dump" not in eng.log_path.read_text()
