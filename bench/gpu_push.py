@@ -84,11 +84,15 @@ def _timed_out(signum, frame):
     raise TimeoutError("SIGTERM (the phase's time limit): measuring stopped here")
 
 
-def warm_up(url: str) -> None:
-    """One short generation, waited for: the first one compiles kernels."""
+def warm_up(url: str, n: int = 64) -> None:
+    """Short generations, one alone and then `n` in one batch (the load's size), waited for: the first
+    of each batch size compiles kernels (an MoE's Triton kernels take minutes)."""
     import requests
 
-    body = {"input_ids": list(range(100, 148)), "sampling_params": {"max_new_tokens": 16}}
+    one = {"input_ids": list(range(100, 148)), "sampling_params": {"max_new_tokens": 16}}
+    requests.post(url + "/generate", json=one, timeout=900).raise_for_status()
+    batch = [list(range(100 + i, 148 + i)) for i in range(n)]
+    body = {"input_ids": batch, "sampling_params": {"max_new_tokens": 16}}
     requests.post(url + "/generate", json=body, timeout=900).raise_for_status()
 
 
