@@ -279,7 +279,7 @@ def main() -> None:
             warm_up(e.url)
         for i, mb in enumerate(dict.fromkeys(a.bucket_mb)):  # a group name per sender: servers keep theirs
             row = result["by_bucket_mb"][str(mb)] = {}  # filled as it goes: a failure keeps what came before
-            for receive in a.nccl_receive:  # weights.nccl_receive
+            for j, receive in enumerate(a.nccl_receive):  # weights.nccl_receive
                 nccl = NcclSGLangSender(
                     [engines[1].url],
                     timeout_s=120,
@@ -287,7 +287,7 @@ def main() -> None:
                     group_name=f"bench-{mb}-{receive}",
                     receive=receive,
                 )
-                version0 = 1 + 100 * i + 50 * len([k for k in row if k.startswith("nccl")])
+                version0 = 1 + 100 * i + 50 * j
                 key = nccl_key(receive)
                 row[key] = {}
                 if a.profile:  # before the timed pushes, after one that sets up the NCCL group
@@ -322,9 +322,8 @@ def main() -> None:
             for mode in ("idle", "generating"):
                 for key in [nccl_key(r) for r in a.nccl_receive if nccl_key(r) in row]:
                     got = row[key].get(mode)
-                    if (
-                        not got or "load_error" in got
-                    ):  # cut off, or pushes without the load they are judged under
+                    # cut off, or pushes made without the load they are judged under
+                    if not got or "load_error" in got:
                         continue
                     total = got["seconds_ms"] / 1e3
                     row[f"{key}_{mode}_vs_raw_flat"] = round(total / raw["raw_broadcast_flat_s"], 2)
