@@ -5,14 +5,14 @@
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
-# Its next order (fifth session), on four GPUs (`run`):
-#   GPUs 0-1: the MoE push into SGLang timed and profiled (#34) -> the GPU stage-restart tests (#39) ->
-#             a stage killed every ~60 s (#39)
+# Its next order (seventh session), on four GPUs (`run`):
+#   GPUs 0-1: the GPU stage-restart tests (#39) -> the MoE push into SGLang timed and profiled (#34)
 #   GPU 2: LoRA pushes at 135M, then 7B, an idle push profiled (#37)
 #   GPU 3: the 1.5B trainer, megatron then fsdp (compiled and not) (#42)
-#   then GPUs 2-3: the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
-# on two GPUs (`run2`): the MoE push on both; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
-# then both: the restart tests and the fault run, then the 7B trainers.
+#   then GPUs 2-3: the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42) -> a stage killed
+#   every ~60 s (#39)
+# on two GPUs (`run2`): the restart tests; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
+# then both: the 7B trainers, the MoE push, the fault run.
 # Its fourth session (2026-11-28, 13:27, 4x H200) ran the cache check and the sync agent bench (#40), the
 # 7B with LoRA colocated on one GPU and the 7B colocated offload for 9 steps (#38), LoRA pushes at 135M
 # (git history has those phases).
@@ -82,7 +82,10 @@ trainers_7b() {  # GPUs $1 (two)
 restarts() {  # GPUs $1 (two), #39
   # -o timeout: pyproject's 600 s per test (where pytest-timeout is installed) is less than a case may take
   run gpu-restarts 1080 "$1" python -m pytest -q -m gpu -s -o timeout=1060 tests/test_gpu_stage_restarts.py
-  # the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s, beside an unfaulted run
+}
+
+fault_run() {  # GPUs $1 (two), #39: the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s,
+  # beside an unfaulted run
   run fault_run 1200 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 120 \
     --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
     rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false
@@ -97,25 +100,26 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)  # four GPUs
-  (moe_push 0,1; restarts 0,1) >$S/lane0.log 2>&1 &
+  (restarts 0,1; moe_push 0,1) >$S/lane0.log 2>&1 &
   (lora_push_135m 2; lora_push_7b 2) >$S/lane1.log 2>&1 &
   lane1=$!
   trainers_15b 3 >$S/lane2.log 2>&1 &
   lane2=$!
   wait $lane1 $lane2
-  trainers_7b 2,3
+  (trainers_7b 2,3; fault_run 2,3) >$S/lane3.log 2>&1
   wait
   cat $S/lane*.log
   echo "all done $(date -u +%T)"
   ;;
 run2)  # two GPUs
-  moe_push 0,1
+  restarts 0,1
   (lora_push_135m 0; lora_push_7b 0) >$S/lane0.log 2>&1 &
   trainers_15b 1 >$S/lane1.log 2>&1 &
   wait
   cat $S/lane0.log $S/lane1.log
-  restarts 0,1
   trainers_7b 0,1
+  moe_push 0,1
+  fault_run 0,1
   echo "all done $(date -u +%T)"
   ;;
 watch)
