@@ -1264,6 +1264,14 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_hung_server_stacks.py", "tests/test_sglang_heal.py"),
     ),
+    Mutation(
+        "sync_save_writes_device_tensors",
+        "a synchronous save hands megatron's writer the GPU tensors themselves, which it refuses: no GPU checkpoint",
+        "stages/trainer/async_checkpoint.py",
+        "    if all(t.is_cpu for _, t in tensor_items):\n",
+        "    if True:\n",
+        ("tests/test_async_checkpoint.py",),
+    ),
 ]
 
 

@@ -274,3 +274,31 @@ def test_two_ranks_save_asynchronously_and_resume_exactly(model_path, tmp_path):
     got = torch.load(tmp_path / "a" / "weights_v4.pt")
     for n in want:
         assert torch.allclose(got[n], want[n], atol=1e-5), n
+
+
+def test_a_synchronous_save_hands_megatrons_writer_host_copies_of_device_tensors():
+    """A synchronous save on GPUs plans the trainer's live GPU tensors, and megatron's writer writes host
+    tensors only (it asserts `is_cpu`): every GPU checkpoint failed that way before the copy (found by
+    the GPU restart tests, 2026-11-28). On CPU the copy is checked with a stand-in for a GPU tensor."""
+    from stages.trainer.async_checkpoint import on_host
+
+    class OnDevice:  # enough of a CUDA tensor for the copy: not on the host, `.to("cpu")` copies it
+        is_cpu = False
+
+        def __init__(self, t):
+            self.t, self.moved_to = t, []
+
+        def to(self, device):
+            self.moved_to.append(device)
+            return self.t.clone()
+
+    host, device = torch.ones(3), OnDevice(torch.arange(4.0))
+    path, name, (bytes_items, tensors) = on_host(
+        ("f/0.distcp", "0", ([("obj", b"x")], [("a", host), ("b", device)]))
+    )
+    assert (path, name, bytes_items) == ("f/0.distcp", "0", [("obj", b"x")])
+    assert tensors[0] == ("a", host) and tensors[0][1] is host  # host tensors are written as they are
+    assert device.moved_to == ["cpu"] and tensors[1][0] == "b"
+    assert tensors[1][1].is_cpu and torch.equal(tensors[1][1], torch.arange(4.0))
+    untouched = ("f", "0", ([], [("a", host)]))
+    assert on_host(untouched) is untouched

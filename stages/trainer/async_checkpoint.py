@@ -178,7 +178,7 @@ def write_shards(job: SaveJob, rank: int, cache: dict | None = None) -> list[Par
             if cache is not None:
                 cache[snap.name] = (layout, planner, local_plan, buckets)
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-        results = [r for i, b in enumerate(buckets) for r in write_bucket(transforms, i, b)]
+        results = [r for i, b in enumerate(buckets) for r in write_bucket(transforms, i, on_host(b))]
         plans.append(PartPlan(snap.name, folder, planner, writer, local_plan, results))
     return plans
 
@@ -224,6 +224,17 @@ def _refilled(buckets: list, folder: str, sharded: dict) -> list:
             fresh.append((item, buf))
         out.append((os.path.join(folder, name), name, (fresh, tensor_items)))
     return out
+
+
+def on_host(bucket: tuple) -> tuple:
+    """A bucket whose tensors megatron's writer can write: it writes host tensors only (it asserts
+    `is_cpu`), which a background save's snapshot already is, while a synchronous save on GPUs plans the
+    live GPU tensors themselves. Copied one bucket at a time, just before it is written (a bucket is
+    one file: a rank's shards of one part), so that the host holds one part's worth, not every part's."""
+    path, name, (bytes_items, tensor_items) = bucket
+    if all(t.is_cpu for _, t in tensor_items):
+        return bucket
+    return path, name, (bytes_items, [(item, t if t.is_cpu else t.to("cpu")) for item, t in tensor_items])
 
 
 def write_bucket(transforms: list, index: int, bucket: tuple) -> list:
