@@ -1272,6 +1272,14 @@ MUTATIONS = [
         "    if True:\n",
         ("tests/test_async_checkpoint.py",),
     ),
+    Mutation(
+        "adapter_cast_whole_tensors",
+        "each adapter is cast for its folder in one op, which starts a thread per core (3 s a push on a busy GPU host)",
+        "stages/rollout/sglang_lora.py",
+        "SERIAL_PIECE = 32767\n",
+        "SERIAL_PIECE = 1 << 24\n",
+        ("tests/test_sglang_lora.py",),
+    ),
 ]
 
 

@@ -278,3 +278,37 @@ def test_adapter_folders_go_to_shared_memory_only_where_it_has_room(monkeypatch,
     with pytest.raises(OSError, match=r"adapter push \(0 MB\) could not be written .*No space left.*TMPDIR"):
         sl.write_adapter_folder(dict(ADAPTERS), {"r": 4}, torch.bfloat16)
     assert os.listdir(tmp_path / "shm") == [] and os.listdir(tmp_path / "tmp") == []
+
+
+def test_an_adapter_is_cast_for_its_folder_bit_for_bit_in_pieces_that_run_in_the_calling_thread():
+    """The folder's bf16 tensors are exactly `.to(bfloat16)` of the trainer's fp32 adapters, made by ops
+    on fewer elements than ATen's parallel grain (32768): a whole-tensor cast starts a thread per core and
+    on a busy many-core GPU host took 7 ms each (3 s a push at 135M, bench/RESULTS.md)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from stages.rollout.sglang_lora import host_cast
+
+    class Sizes(TorchFunctionMode):  # the element count of every op host_cast runs
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if torch.is_tensor(out) and getattr(func, "__name__", "") in ("copy_", "to"):
+                self.numels.append(out.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(0, 4), (64, 576), (1536, 64), (3, 32767), (2, 32768 + 5)]:
+        t = torch.randn(shape, generator=g) * 0.02
+        with Sizes() as sizes:
+            out = host_cast(t, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and out.shape == t.shape and out.is_contiguous()
+        assert torch.equal(out.view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), shape
+        assert max(sizes.numels, default=0) < 32768, (shape, max(sizes.numels))
+    strided = torch.randn(64, 600, generator=g)[:, ::2]
+    assert torch.equal(host_cast(strided, torch.float32), strided)
+    same = torch.randn(8, generator=g, dtype=torch.bfloat16)
+    assert host_cast(same, torch.bfloat16).data_ptr() == same.data_ptr()  # nothing to cast: no copy

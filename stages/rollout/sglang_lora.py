@@ -98,6 +98,32 @@ def adapter_folder_root(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
+# ATen runs an elementwise op on fewer elements than its GRAIN_SIZE (32768) in the calling thread; a larger
+# one starts an OpenMP team of a thread per core and waits for the slowest of them.
+SERIAL_PIECE = 32767
+
+
+def host_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as a contiguous host tensor of `dtype`. A host tensor is cast in pieces that ATen runs in this
+    thread: cast whole, each adapter (37k-100k elements) started a team of 64 threads, which on a busy
+    host waits for cores other jobs hold (a 4x H200 host running three other benches, 2026-11-28: 7 ms a
+    cast, 3.0 s for the 420 of a 135M model's rank-64 adapters, where the 2-core CI box takes 9 ms for
+    all of them; in pieces ~25 ms there, loaded or not). A device tensor is cast on its device, then
+    copied to the host."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.to(dtype).to("cpu").contiguous()
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    out = torch.empty(t.shape, dtype=dtype)
+    src, dst = t.reshape(-1), out.view(-1)
+    for start in range(0, src.numel(), SERIAL_PIECE):
+        dst[start : start + SERIAL_PIECE].copy_(src[start : start + SERIAL_PIECE])
+    return out
+
+
 def write_adapter_folder(
     tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype, root: str | None = None
 ) -> str:
@@ -106,7 +132,7 @@ def write_adapter_folder(
     A write that fails leaves nothing behind and says how large the push was and where it went."""
     from safetensors.torch import save_file
 
-    host = {n: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items()}
+    host = {n: host_cast(t, dtype) for n, t in tensors.items()}
     nbytes = sum(t.numel() * t.element_size() for t in host.values())
     folder = tempfile.mkdtemp(prefix="slipstream-adapter-", dir=root or adapter_folder_root(nbytes))
     try:
