@@ -127,6 +127,10 @@ def wait_for_steps(proc, run_dir: Path, log_path: Path, n: int, timeout_s: float
     """Until the run has trained `n` steps; fails with the log's tail if it ends or takes too long."""
     deadline = time.monotonic() + timeout_s
     while len(steps(run_dir)) < n:
-        assert proc.poll() is None, "the run ended before training: " + log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {n} training steps within {timeout_s:.0f} s"
+        done = len(steps(run_dir))
+        assert proc.poll() is None, (
+            f"the run ended (rc {proc.returncode}) after {done} of the {n} steps waited for:\n"
+            + log_path.read_text()[-3000:]
+        )
+        assert time.monotonic() < deadline, f"{done} of {n} training steps within {timeout_s:.0f} s"
         time.sleep(2)
