@@ -4,7 +4,8 @@
 # Phases run in priority order; whatever the session's time cuts off is simply not run.
 #   bash bench/gpu_open_issues.sh start            start (returns at once)
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
-#   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz
+#   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz (watch does it too)
+# Keep the device calls back to back: a machine left idle 30 s between calls is released, with all of it.
 # Its next order (seventh session), on four GPUs (`run`):
 #   GPUs 0-1: the GPU stage-restart tests (#39) -> the MoE push into SGLang timed and profiled (#34)
 #   GPU 2: LoRA pushes at 135M, then 7B, an idle push profiled (#37)
@@ -128,6 +129,9 @@ watch)
   cat $S/lane*.log $S/phases.log 2>/dev/null
   for f in $S/*.out; do echo "== $f"; tail -n 3 "$f" | cut -c1-300; done
   for f in $R/*.jsonl; do echo "== $f"; cut -c1-700 "$f"; done 2>/dev/null
+  # what is measured so far comes back with every watch: a machine released between two calls (30 s
+  # idle) takes /tmp/s2 with it, as it did on 2026-11-28 at 15:32
+  [ -n "${OUT:-}" ] && bash "$0" collect >/dev/null
   ;;
 collect)
   tar czf "$OUT/session.tgz" -C $S --exclude='*.safetensors' --exclude='checkpoints' --exclude='hf' \
