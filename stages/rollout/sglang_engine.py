@@ -323,15 +323,21 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
 
     def _follow_version(self, proc: subprocess.Popen) -> None:
         """Thread: poll the server's weight_version while `proc` runs. Kept out of `version` itself,
-        which the generator reads inside its event loop: a slow server must not stall every stream."""
+        which the generator reads inside its event loop: a slow server must not stall every stream.
+        A lower version is taken once two polls in a row report it: a restarted trainer resumes from an
+        older checkpoint and pushes its versions again (admission re-bases on a version that went back),
+        while one lower answer may be a poll that read the server just before this client's own push."""
+        before = None  # what the previous poll read
         while self._proc is proc and proc.poll() is None:
             v = self._server_version()
             with self._state_lock:  # a relaunch may have begun since the server was asked
-                if v is not None and v > self._version and self._proc is proc:
+                moved = v is not None and (v > self._version or (v < self._version and v == before))
+                if moved and self._proc is proc:
                     # pushed by the trainer itself (weights.transport nccl / cuda_ipc): the key moves
                     # only now, so config.py keeps the radix cache to pushes through this client
                     self._version = v
                     self.cache_namespace = cache_namespace(v, self.restarts)
+            before = v
             time.sleep(VERSION_POLL_S)
 
     def _get_json(self, path: str, timeout: float) -> dict | None:
