@@ -970,7 +970,7 @@ MUTATIONS = [
         "prefix_cache_key_not_moved_at_update",
         "with the radix cache on, requests sent during and after a push keep the old weights' cache key",
         "stages/rollout/sglang_updates.py",
-        "leaves an empty namespace: misses only)\n            self.cache_namespace = cache_namespace(version, self.restarts)\n",
+        "leaves an empty namespace: misses only)\n            self.cache_namespace = self._cache_key_for(version)\n",
         "leaves an empty namespace: misses only)\n",
         (
             "tests/test_prefix_cache.py::test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_sent_for",
@@ -1279,6 +1279,22 @@ MUTATIONS = [
         "SERIAL_PIECE = 32767\n",
         "SERIAL_PIECE = 1 << 24\n",
         ("tests/test_sglang_lora.py",),
+    ),
+    Mutation(
+        "engine_version_never_goes_back",
+        "a restarted trainer's older versions are never followed: admission counts from the dead trainer's version",
+        "stages/rollout/sglang_version.py",
+        "(v > self._version or (v < self._version and v == before))",
+        "(v > self._version)",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "cache_epoch_kept_when_version_goes_back",
+        "a resumed trainer's pushes reuse the first pass's cache keys: KV of other weights is matched",
+        "stages/rollout/sglang_version.py",
+        "            self.versions_went_back += 1\n",
+        "            pass\n",
+        ("tests/test_prefix_cache.py",),
     ),
 ]
 

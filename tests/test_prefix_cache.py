@@ -33,6 +33,51 @@ def test_with_the_radix_cache_requests_are_keyed_by_the_weight_version_they_are_
     assert stub_engine.cache_namespace == "v5.r1"
 
 
+def test_a_version_that_goes_back_opens_a_new_cache_epoch(stub_engine):  # noqa: F811
+    """A trainer resumed from an older checkpoint pushes its version numbers again, with weights that
+    differ from the first pass's: KV cached under the first pass's numbers must not be matched."""
+    stub_engine._post = lambda path, body=None, **kw: {}
+    with stub_engine.updating(4):
+        pass
+    assert stub_engine.cache_namespace == "v4.r0"
+    with stub_engine.updating(2):  # the resumed trainer's first push
+        pass
+    assert stub_engine.version == 2 and stub_engine.cache_namespace == "v2.r1"
+    with stub_engine.updating(4):
+        pass
+    assert stub_engine.cache_namespace == "v4.r1"  # not the first pass's v4.r0
+
+
+def test_the_engine_follows_the_servers_version_down_once_two_polls_report_it(stub_engine, monkeypatch):  # noqa: F811
+    """Pushed by the trainer itself (NCCL), the version is what the server reports. A restarted trainer
+    resumes from an older checkpoint: the version goes back (admission re-bases on that), but only once
+    two polls in a row say so (one lower answer may be a poll that read the server just before a push
+    through this client)."""
+    import stages.rollout.sglang_version as sv
+
+    monkeypatch.setattr(sv, "VERSION_POLL_S", 0.0)
+
+    class Server:  # runs as long as it has version reports to give
+        done = False
+
+        def poll(self):
+            return 0 if self.done else None
+
+    server, reports, seen = Server(), [5, 5, 3, 5, 3, 3], []
+
+    def server_version():
+        seen.append(stub_engine.version)
+        if not reports:
+            server.done = True
+            return None
+        return reports.pop(0)
+
+    stub_engine._server_version, stub_engine._proc = server_version, server
+    stub_engine._follow_version(server)
+    assert seen == [0, 5, 5, 5, 5, 5, 3]
+    assert stub_engine.cache_namespace == "v3.r1"
+
+
 def test_the_engine_counts_the_prompt_tokens_it_prefilled_and_not_those_the_cache_served(stub_engine):  # noqa: F811
     _StreamingStub.tokens = list(b"ab")
     _StreamingStub.extra_meta = {"prompt_tokens": 10, "cached_tokens": 7}

@@ -45,17 +45,17 @@ from stages.rollout.sglang_process import (
     sse_events,
 )
 from stages.rollout.sglang_updates import SGLangWeightUpdates
+from stages.rollout.sglang_version import SGLangVersion
 from stages.rollout.sglang_wire import as_version, cache_namespace, finish_reason, generate_body
 from stages.rollout.stop_strings import StopStrings
 
 log = logging.getLogger(__name__)
 
 
-VERSION_POLL_S = 0.5
 UNREACHABLE_BACKOFF_S = 2.0  # no new request for this long after one could not connect
 
 
-class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
+class SGLangEngine(SGLangWeightUpdates, SGLangVersion, SGLangMemory, Engine):
     """One SGLang HTTP server on `cfg.tp_size` GPUs starting at `gpu_id`, and the client that drives it.
 
     Generation is async (call from asyncio); control calls (weight updates, pause, health, restart)
@@ -94,7 +94,9 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
-        # radix_cache: new requests' prefix-cache namespace (SGLang's extra_key), moved on by each update
+        # radix_cache: new requests' prefix-cache namespace (SGLang's extra_key), moved on by each update;
+        # its epoch counts the relaunches and the times the version went back (_cache_key_for)
+        self.versions_went_back = 0
         self.cache_namespace = cache_namespace(version, 0)
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
         self._base = (self.model_path, version)
@@ -273,7 +275,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
                 with self._state_lock:
                     self.restarts += 1
                     self._version = version
-                    self.cache_namespace = cache_namespace(version, self.restarts)
+                    self.cache_namespace = cache_namespace(version, self.restarts + self.versions_went_back)
                 self.served.forget()  # relaunched with no adapter: the base serves until the catch-up push
                 self.start(path, version)
                 self.release_again()  # relaunched mid-hand-over (offload): the trainer keeps its memory
@@ -314,44 +316,6 @@ class SGLangEngine(SGLangWeightUpdates, SGLangMemory, Engine):
         return out
 
     # -- generation ------------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        """The server's weight version. A transport in another process (the trainer's NCCL / CUDA IPC
-        sender) updates the server directly, so follow the server's own `weight_version` (a thread asks
-        every VERSION_POLL_S; reading this never blocks)."""
-        return self._version
-
-    def _follow_version(self, proc: subprocess.Popen) -> None:
-        """Thread: poll the server's weight_version while `proc` runs. Kept out of `version` itself,
-        which the generator reads inside its event loop: a slow server must not stall every stream.
-        A lower version is taken once two polls in a row report it: a restarted trainer resumes from an
-        older checkpoint and pushes its versions again (admission re-bases on a version that went back),
-        while one lower answer may be a poll that read the server just before this client's own push."""
-        before = None  # what the previous poll read
-        while self._proc is proc and proc.poll() is None:
-            v = self._server_version()
-            with self._state_lock:  # a relaunch may have begun since the server was asked
-                moved = v is not None and (v > self._version or (v < self._version and v == before))
-                if moved and self._proc is proc:
-                    # pushed by the trainer itself (weights.transport nccl / cuda_ipc): the key moves
-                    # only now, so config.py keeps the radix cache to pushes through this client
-                    self._version = v
-                    self.cache_namespace = cache_namespace(v, self.restarts)
-            before = v
-            time.sleep(VERSION_POLL_S)
-
-    def _get_json(self, path: str, timeout: float) -> dict | None:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError):
-            return None
-
-    def _server_version(self) -> int | None:
-        info = self._get_json(proto.MODEL_INFO, self.cfg.health_timeout_s)
-        stamp = (info or {}).get("weight_version")
-        return as_version(stamp, -1) if stamp is not None else None
-
     async def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         import aiohttp
 

@@ -16,15 +16,14 @@ import torch
 import stages.weights.sglang_protocol as proto
 from stages.rollout.sglang_lora import adapter_config, adapter_name, split_adapter_push, write_adapter_folder
 from stages.rollout.sglang_process import EngineError
-from stages.rollout.sglang_wire import cache_namespace
 
 log = logging.getLogger("stages.rollout.sglang_engine")  # the engine's own log, as before the split
 
 
 class SGLangWeightUpdates:
     """Mixed into SGLangEngine: expects its cfg, name, gpu_id, dtype, log_dir, _post, _update_lock, _version,
-    cache_namespace (the radix cache's namespace of new requests), restarts, lora and served (LoRA
-    serving: sglang_lora.LoraServing or None, and its ServedAdapters),
+    cache_namespace (the radix cache's namespace of new requests) and _cache_key_for, restarts, lora and
+    served (LoRA serving: sglang_lora.LoraServing or None, and its ServedAdapters),
     the held-copy fields (_base, _disk, _held, _held_version, _held_pending), last_update and _stats."""
 
     # -- weight updates --------------------------------------------------------------------------
@@ -51,7 +50,7 @@ class SGLangWeightUpdates:
             t0 = time.perf_counter()
             # before the pause: what is sent from now on is served by the new weights, and must match
             # no prefix cached under the old ones (a failed load leaves an empty namespace: misses only)
-            self.cache_namespace = cache_namespace(version, self.restarts)
+            self.cache_namespace = self._cache_key_for(version)
             self.pause_generation()
             t["pause_s"] = time.perf_counter() - t0
             try:
@@ -132,7 +131,7 @@ class SGLangWeightUpdates:
                 self._load(t, self._post, proto.LOAD_LORA, proto.lora_load_body(name, folder))
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            self.cache_namespace = cache_namespace(version, self.restarts)
+            self.cache_namespace = self._cache_key_for(version)
             self.served.switch(version, name)
             self._post(proto.SET_VERSION, proto.version_body(version))  # the label /model_info reports
             self._version = version

@@ -49,12 +49,13 @@ def sampling_body(p: SamplingParams) -> dict:
     return sp
 
 
-def cache_namespace(version: int, restarts: int) -> str:
-    """The prefix-cache key (SGLang's extra_key) of requests sent for weights `version` of a server
-    relaunched `restarts` times: SGLang matches cached prefixes only within one key, so no request reuses
-    KV that other weights computed (a relaunched server runs an older version until caught up, and the
-    catch-up push must not meet what was cached under that older one)."""
-    return f"v{version}.r{restarts}"
+def cache_namespace(version: int, epoch: int) -> str:
+    """The prefix-cache key (SGLang's extra_key) of requests sent for weights `version` in a server's
+    `epoch` (its relaunches plus the times its version went back): SGLang matches cached prefixes only
+    within one key, so no request reuses KV that other weights computed (a relaunched server runs an
+    older version until caught up, and the catch-up push must not meet what was cached under that older
+    one; a resumed trainer pushes version numbers again with other weights)."""
+    return f"v{version}.r{epoch}"
 
 
 def as_version(stamp, default: int) -> int:
