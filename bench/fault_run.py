@@ -60,11 +60,16 @@ def one_run(
         while not stop.wait(kill_every_s * rng.uniform(0.7, 1.3)):
             stage = rng.choice(stages)
             actor = {"buffer": pipe.buffer, "trainer": pipe.trainer}.get(stage) or rng.choice(pipe.generators)
-            try:
-                pid = ray.get(actor.pid.remote(), timeout=30)
+            try:  # "server": one of a generator's SGLang servers (its engine watch relaunches it)
+                pids = ray.get(
+                    actor.engine_pids.remote() if stage == "server" else actor.pid.remote(), timeout=30
+                )
             except Exception:  # noqa: BLE001 - it is being replaced right now: try at the next tick
                 continue
-            os.kill(pid, signal.SIGKILL)
+            pids = pids if isinstance(pids, list) else [pids]
+            if not pids:  # a server being relaunched right now
+                continue
+            os.kill(rng.choice(pids), signal.SIGKILL)
             kills.append(stage)
 
     status, error, accepted = "completed", "", None
@@ -127,7 +132,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--kill-every-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="generator,buffer,trainer", help="comma list of stages to kill")
+    ap.add_argument(
+        "--stages",
+        default="generator,buffer,trainer",
+        help="comma list of stages to kill (and `server`: an SGLang server of a generator, on GPUs)",
+    )
     ap.add_argument(
         "--config",
         default=None,

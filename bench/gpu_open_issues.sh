@@ -9,7 +9,7 @@
 # Its next order (eighth session), on four GPUs (`run`):
 #   GPUs 0-1: the GPU stage-restart tests (#39) -> the 7B full fine-tune at TP=2 and the fsdp backend over
 #             2 ranks (#42) -> LoRA pushes at 7B, an idle push profiled (#37, GPU 0)
-#   GPUs 2-3: a stage killed every ~60 s, 60 steps beside an unfaulted run (#39) -> LoRA pushes at 135M
+#   GPUs 2-3: a stage killed every ~60 s, 80 steps beside an unfaulted run (#39) -> LoRA pushes at 135M
 #             (#37, GPU 2) -> the MoE push into SGLang timed and profiled (#34)
 # on two GPUs (`run2`): the restart tests; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
 # then both: the 7B trainers, the MoE push, the fault run.
@@ -87,10 +87,15 @@ restarts() {  # GPUs $1 (two), #39
 }
 
 fault_run() {  # GPUs $1 (two), #39: the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s,
-  # beside an unfaulted run
-  run fault_run 1200 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 60 \
+  # beside an unfaulted run. For this bench: no time limit (the config's 600 s would end the faulted run
+  # short of its steps), checkpoints every 10 steps (a trainer resumes from one), room for ~3 deaths of one
+  # stage in 10 minutes beyond the default 3 (kills come every ~60 s; a GPU heal takes 1-3 minutes), and
+  # a trainer fetch that outlasts a generator's heal (SGLang's start up to 300 s)
+  run fault_run 1200 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 80 \
+    --stages generator,buffer,trainer,server \
     --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
-    rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false trainer.checkpoint_every=10
+    rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false \
+    trainer.checkpoint_every=10 run.time_limit_s=0 run.max_restarts=6 trainer.fetch_timeout_s=900
 }
 
 case "${1:-}" in

@@ -80,6 +80,7 @@ def test_a_killed_stage_of_an_sglang_run_heals_and_the_run_goes_on(tmp_path, sta
                 "restarts": max((r.get("run/restarts", 0) for r in rows), default=0),
                 "back_after_s": round(after[0]["time"] - killed_at, 1) if after else None,
                 "servers_replaced": servers_before != servers_after,
+                "engine_restarts": max((r.get("generator/engine_restarts", 0) for r in rows), default=0),
             }
         ),
         flush=True,
@@ -89,5 +90,7 @@ def test_a_killed_stage_of_an_sglang_run_heals_and_the_run_goes_on(tmp_path, sta
     assert after[-1].get("run/restarts", 0) >= 1
     if stage == "generator":  # the dead generator's server was ended and a new one took its port
         assert servers_after and not servers_before & servers_after
-    else:  # the server lived on through the trainer's restart
-        assert servers_before == servers_after
+    else:  # the server lived on through the trainer's restart, unless the kill caught it mid-push: paused
+        # or inside an NCCL receive no new trainer will finish, it is relaunched by the engine watch
+        relaunched = max((r.get("generator/engine_restarts", 0) for r in after), default=0)
+        assert servers_before == servers_after or relaunched >= 1, (servers_before, servers_after)

@@ -222,6 +222,12 @@ class GeneratorActor(_Located):
         """This incarnation's generator id (the weight receiver's engine name, the uid prefix)."""
         return self.id
 
+    def engine_pids(self) -> list[int]:
+        """Process ids of this generator's SGLang servers (empty for the torch engine): what
+        bench/fault_run.py kills as the `server` stage."""
+        engines = getattr(self.engine, "engines", [self.engine])
+        return [pid for e in engines if (pid := getattr(e, "pid", None)) is not None]
+
     def engine_urls(self) -> list[str]:
         """HTTP addresses of this generator's SGLang servers (empty for the torch engine)."""
         return list(getattr(self.engine, "urls", []))

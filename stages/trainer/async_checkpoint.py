@@ -260,7 +260,10 @@ def prepare_folder(job: SaveJob, group: Any) -> None:
         for snap in job.parts:
             os.makedirs(job.folder(snap.name))
     if dist.get_world_size() > 1:
-        dist.barrier(group=group)
+        # over NCCL, on this rank's GPU: without device_ids NCCL guesses one from the rank, which is
+        # another rank's GPU where every actor sees every GPU and the ranks are not on GPUs 0..n-1
+        nccl = dist.get_backend(group) == "nccl"
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()] if nccl else None)
 
 
 def sent(plans: list[PartPlan]) -> dict[str, tuple]:
