@@ -7,10 +7,10 @@
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz (watch does it too)
 # Keep the device calls back to back: a machine left idle 30 s between calls is released, with all of it.
 # Its next order (eighth session), on four GPUs (`run`):
-#   GPUs 0-1: the GPU stage-restart tests (#39) -> the 7B full fine-tune at TP=2 and the fsdp backend over
-#             2 ranks (#42) -> LoRA pushes at 7B, an idle push profiled (#37, GPU 0)
-#   GPUs 2-3: a stage killed every ~60 s, 80 steps beside an unfaulted run (#39) -> LoRA pushes at 135M
-#             (#37, GPU 2) -> the MoE push into SGLang timed and profiled (#34)
+#   GPUs 0-1: the GPU test that kills the trainer (#39) -> the 7B full fine-tune at TP=2 and the fsdp
+#             backend over 2 ranks (#42) -> LoRA pushes at 7B, an idle push profiled (#37, GPU 0)
+#   GPUs 2-3: the GPU test that kills the generator (#39) -> a stage killed every ~60 s, 80 steps beside an
+#             unfaulted run (#39) -> LoRA pushes at 135M (#37, GPU 2) -> the MoE push profiled (#34)
 # on two GPUs (`run2`): the restart tests; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
 # then both: the 7B trainers, the MoE push, the fault run.
 # Its seventh session (2026-11-28, 15:21, 4x H200) ran the 1.5B trainers (#42), LoRA pushes at 135M and
@@ -81,9 +81,10 @@ trainers_7b() {  # GPUs $1 (two)
     "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
 }
 
-restarts() {  # GPUs $1 (two), #39
+restarts() {  # GPUs $1 (two), #39: the test that kills stage $2 (trainer or generator)
   # -o timeout: pyproject's 600 s per test (where pytest-timeout is installed) is less than a case may take
-  run gpu-restarts 1080 "$1" python -m pytest -q -m gpu -s -o timeout=1060 tests/test_gpu_stage_restarts.py
+  run gpu-restart-$2 900 "$1" python -m pytest -q -m gpu -s -o timeout=880 \
+    "tests/test_gpu_stage_restarts.py::test_a_killed_stage_of_an_sglang_run_heals_and_the_run_goes_on[$2]"
 }
 
 fault_run() {  # GPUs $1 (two), #39: the 2-GPU disaggregated config with a random stage SIGKILLed every ~60 s,
@@ -107,14 +108,15 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)  # four GPUs
-  (restarts 0,1; trainers_7b 0,1; lora_push_7b 0) >$S/lane0.log 2>&1 &
-  (fault_run 2,3; lora_push_135m 2; moe_push 2,3) >$S/lane1.log 2>&1
+  (restarts 0,1 trainer; trainers_7b 0,1; lora_push_7b 0) >$S/lane0.log 2>&1 &
+  (restarts 2,3 generator; fault_run 2,3; lora_push_135m 2; moe_push 2,3) >$S/lane1.log 2>&1
   wait
   cat $S/lane*.log
   echo "all done $(date -u +%T)"
   ;;
 run2)  # two GPUs
-  restarts 0,1
+  restarts 0,1 trainer
+  restarts 0,1 generator
   (lora_push_135m 0; lora_push_7b 0) >$S/lane0.log 2>&1 &
   trainers_15b 1 >$S/lane1.log 2>&1 &
   wait
