@@ -44,6 +44,7 @@ run() {  # NAME LIMIT_S GPUS CMD...: one phase with a time limit, its output in 
   local rc=$?
   for g in ${gpus//,/ }; do reap "$g"; done
   echo "$name end $(date -u +%T) rc=$rc"
+  return $rc
 }
 
 lora_push_135m() {  # GPU $1: adapter pushes now go as a PEFT folder the server reads on its CPU
@@ -77,8 +78,12 @@ trainers_7b() {  # GPUs $1 (two)
   run trainer-7b-megatron-tp2 360 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
     "${t[@]}" --tp 2 --micro-batch-tokens 7b=8192 --results $S/megatron-7b.jsonl
   cat $S/megatron-7b.jsonl >>$R/trainer_gpu.jsonl 2>/dev/null
-  run trainer-7b-fsdp 420 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
-    "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
+  # compiled first (at 1.5B only the compiled backend reached megatron); uncompiled if that fails
+  run trainer-7b-fsdp-compiled 480 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+    "${t[@]}" --backend fsdp --fsdp-compile --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl \
+    --results $R/trainer_gpu.jsonl ||
+    run trainer-7b-fsdp 420 "$1" python -m torch.distributed.run --nproc-per-node 2 bench/trainer_gpu.py \
+      "${t[@]}" --backend fsdp --micro-batch-tokens 7b=8192 --baseline $S/megatron-7b.jsonl --results $R/trainer_gpu.jsonl
 }
 
 restarts() {  # GPUs $1 (two), #39: the test that kills stage $2 (trainer or generator)

@@ -358,10 +358,13 @@ def run_trainer(shape, path, a, mbt, recompute, old_mode, experts="auto", lora_r
         if s >= a.warmup:
             tokens += m["tokens/total"]
             secs += dt
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device="cuda")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest GPU's
     out = {
         "tokens_per_s": tokens / secs,
         "step_s": secs / a.steps,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_mem_gb": peak.item(),
         "params": param_count(shape),
         "active_params": param_count(shape, active=True),
     }
@@ -642,7 +645,9 @@ def main() -> None:
                 row["vs_hf_from_train_forward"] = round(
                     row["tokens_per_s_from_train_forward"] / row["hf_tokens_per_s"], 3
                 )
-        if a.baseline and row.get("tokens_per_s"):
+        if a.baseline and not os.path.exists(a.baseline):  # its run failed: this row still counts
+            row["vs_megatron_missing"] = f"no baseline file {a.baseline}"
+        elif a.baseline and row.get("tokens_per_s"):
             base = [
                 r for r in map(json.loads, open(a.baseline).read().splitlines()) if r.get("shape") == shape
             ]
