@@ -228,7 +228,11 @@ def main() -> None:
         # -- server A, LoRA serving: adapter pushes, and the adapter-served logprobs against merged HF
         eng = SGLangEngine(path, cfg, dtype="bfloat16", lora=LoraServing(args.rank, TARGETS))
         try:
-            phases = [eng.update_weights(list(adapters[v].items()), v + 1) for v in range(args.pushes)]
+            phases = []
+            for v in range(args.pushes):  # each push, then its unloads (after it, as a step apart)
+                phases.append(eng.update_weights(list(adapters[v].items()), v + 1))
+                eng.finish_unloads()
+                phases[-1]["unload_after_s"] = eng.last_unload_s
             idle = [p["total_s"] for p in phases]
             row["adapter_push_ms_idle"] = ms(idle)
             # where an idle push's time goes (2026-11-28 on an H200: 3.7 s idle against 90 ms generating)

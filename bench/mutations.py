@@ -1296,6 +1296,14 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_prefix_cache.py",),
     ),
+    Mutation(
+        "adapter_push_waits_for_unloads",
+        "an adapter push unloads the old adapters before it returns (10-13 ms more a push on an H200 server)",
+        "stages/rollout/sglang_updates.py",
+        "        self._unloads.start()\n",
+        "        self._unloads.run()\n",
+        ("tests/test_sglang_lora.py",),
+    ),
 ]
 
 

@@ -106,9 +106,11 @@ def test_an_adapter_is_unloaded_only_once_no_request_uses_it(served):
     in_flight = served.served.acquire()  # a request sent under v1, still streaming
     assert in_flight == (1, "slipstream-v1.r0")
     served.update_weights(list(ADAPTERS.items()), 2)
+    served.finish_unloads()
     assert not _paths(served, "/unload_lora_adapter")  # v1 still serves that request
     served.served.release(in_flight[1])
     served.update_weights(list(ADAPTERS.items()), 3)
+    served.finish_unloads()
     assert [b["lora_name"] for b in _paths(served, "/unload_lora_adapter")] == [
         "slipstream-v1.r0",
         "slipstream-v2.r0",
@@ -177,6 +179,34 @@ def test_the_standalone_rollout_stage_launches_its_servers_for_adapter_pushes_to
     assert load(None, ["trainer.lora.rank=8"]).run.lora_serving is None
 
 
+def test_an_adapter_push_returns_once_new_requests_use_it_and_unloads_the_old_one_after(served):
+    """The unload of the adapter no request uses any more is not part of a push: a push returns once new
+    requests go to its adapter (an adapter push within 50 ms, issue #37), and the unload follows."""
+    import threading
+    import time
+
+    served.update_weights(list(ADAPTERS.items()), 1)
+    served.finish_unloads()
+    posted, release = served._post, threading.Event()
+
+    def slow_unload(path, body=None, **kw):
+        if path == "/unload_lora_adapter":
+            release.wait(10)
+        return posted(path, body, **kw)
+
+    served._post = slow_unload
+    t0 = time.monotonic()
+    served.update_weights(list(ADAPTERS.items()), 2)
+    took = time.monotonic() - t0
+    body, r = _generate(served)
+    assert took < 5 and r.versions == [2] * 4 and body["lora_path"] == "slipstream-v2.r0"
+    assert not _paths(served, "/unload_lora_adapter")  # still under way
+    release.set()
+    served.finish_unloads()
+    assert [b["lora_name"] for b in _paths(served, "/unload_lora_adapter")] == ["slipstream-v1.r0"]
+    assert served.served.loaded == ["slipstream-v2.r0"]
+
+
 def _unloads_failing(served, message: str):
     """`served`'s recorder of control calls, with every unload refused by an EngineError of `message`."""
     from stages.rollout.sglang_process import EngineError
@@ -193,11 +223,14 @@ def _unloads_failing(served, message: str):
 
 def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_retried(served):
     served.update_weights(list(ADAPTERS.items()), 1)
+    served.finish_unloads()
     posted, served._post = served._post, _unloads_failing(served, "timed out")
     served.update_weights(list(ADAPTERS.items()), 2)  # v1's unload fails: the push of v2 stands
+    served.finish_unloads()
     assert served.version == 2 and served.served.loaded == ["slipstream-v1.r0", "slipstream-v2.r0"]
     served._post = posted
     served.update_weights(list(ADAPTERS.items()), 3)
+    served.finish_unloads()
     assert [b["lora_name"] for b in _paths(served, "/unload_lora_adapter")] == [
         "slipstream-v1.r0",
         "slipstream-v2.r0",
@@ -206,10 +239,12 @@ def test_an_adapter_that_cannot_be_unloaded_yet_leaves_the_push_applied_and_is_r
 
 def test_an_unload_that_had_worked_before_its_answer_was_lost_is_not_retried_for_ever(served):
     served.update_weights(list(ADAPTERS.items()), 1)
+    served.finish_unloads()
     served._post = _unloads_failing(
         served, "POST /unload_lora_adapter -> HTTP 400: LoRA with name x does not exist"
     )
     served.update_weights(list(ADAPTERS.items()), 2)
+    served.finish_unloads()
     assert served.served.loaded == ["slipstream-v2.r0"]
 
 

@@ -107,6 +107,8 @@ class SGLangEngine(SGLangWeightUpdates, SGLangVersion, SGLangMemory, Engine):
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self._update_lock = threading.RLock()
+        self._unloads: threading.Thread | None = None  # an adapter push's unloads, after it (sglang_updates)
+        self.last_unload_s = 0.0
         self.outstanding = 0  # requests sent and not yet answered
         self.restarting = False  # True while restart() relaunches the server
         # when a request last could not reach the server; cleared once it answers /health
@@ -220,6 +222,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangVersion, SGLangMemory, Engine):
             self._proc = None
 
     def close(self) -> None:
+        self.finish_unloads(10.0)  # not a server ended under an unload's request (a warning for nothing)
         self._stop()
 
     def check_health(self) -> bool:
