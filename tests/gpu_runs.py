@@ -126,8 +126,7 @@ def running_pipeline(cmd: list[str], repo: Path, tmp_path: Path, run_dir: Path):
 def wait_for_steps(proc, run_dir: Path, log_path: Path, n: int, timeout_s: float = 420.0) -> None:
     """Until the run has trained `n` steps; fails with the log's tail if it ends or takes too long."""
     deadline = time.monotonic() + timeout_s
-    while len(steps(run_dir)) < n:
-        done = len(steps(run_dir))
+    while (done := len(steps(run_dir))) < n:
         assert proc.poll() is None, (
             f"the run ended (rc {proc.returncode}) after {done} of the {n} steps waited for:\n"
             + log_path.read_text()[-3000:]

@@ -95,7 +95,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangVersion, SGLangMemory, Engine):
         self.log_path = self.log_dir / f"{name}.log"
         self._version = version
         # radix_cache: new requests' prefix-cache namespace (SGLang's extra_key), moved on by each update;
-        # its epoch counts the relaunches and the times the version went back (_cache_key_for)
+        # its epoch counts the relaunches and the times the version went back (cache_epoch)
         self.versions_went_back = 0
         self.cache_namespace = cache_namespace(version, 0)
         # what restart() relaunches from: (folder, version); a push from tensors is kept as a host copy
@@ -278,7 +278,7 @@ class SGLangEngine(SGLangWeightUpdates, SGLangVersion, SGLangMemory, Engine):
                 with self._state_lock:
                     self.restarts += 1
                     self._version = version
-                    self.cache_namespace = cache_namespace(version, self.restarts + self.versions_went_back)
+                    self.cache_namespace = cache_namespace(version, self.cache_epoch)
                 self.served.forget()  # relaunched with no adapter: the base serves until the catch-up push
                 self.start(path, version)
                 self.release_again()  # relaunched mid-hand-over (offload): the trainer keeps its memory

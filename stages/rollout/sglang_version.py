@@ -57,7 +57,12 @@ class SGLangVersion:
         pass's once it trains on other batches, and must not meet KV cached under the same numbers."""
         if version < self._version:
             self.versions_went_back += 1
-        return cache_namespace(version, self.restarts + self.versions_went_back)
+        return cache_namespace(version, self.cache_epoch)
+
+    @property
+    def cache_epoch(self) -> int:
+        """The prefix cache's epoch: the server's relaunches plus the times its version went back."""
+        return self.restarts + self.versions_went_back
 
     def _get_json(self, path: str, timeout: float) -> dict | None:
         try:
