@@ -7,10 +7,9 @@
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz (watch does it too)
 # Keep the device calls back to back: a machine left idle 30 s between calls is released, with all of it.
 # Its next order (eighth session), on four GPUs (`run`):
-#   GPUs 0-1: the GPU test that kills the trainer (#39) -> the 7B full fine-tune at TP=2 and the fsdp
-#             backend over 2 ranks (#42) -> LoRA pushes at 7B, an idle push profiled (#37, GPU 0)
-#   GPUs 2-3: the GPU test that kills the generator (#39) -> a stage killed every ~60 s, 80 steps beside an
-#             unfaulted run (#39) -> LoRA pushes at 135M (#37, GPU 2) -> the MoE push profiled (#34)
+#   GPUs 0-1: LoRA pushes at 135M (#37, GPU 0) -> the GPU tests that kill the trainer, then the generator
+#             (#39) -> the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
+#   GPUs 2-3: a stage killed every ~60 s, 60 steps beside an unfaulted run (#39) -> the MoE push (#34)
 # on two GPUs (`run2`): the restart tests; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
 # then both: the 7B trainers, the MoE push, the fault run.
 # Its seventh session (2026-11-28, 15:21, 4x H200) ran the 1.5B trainers (#42), LoRA pushes at 135M and
@@ -97,7 +96,7 @@ fault_run() {  # GPUs $1 (two), #39: the 2-GPU disaggregated config with a rando
   # short of its steps), checkpoints every 10 steps (a trainer resumes from one), room for ~3 deaths of one
   # stage in 10 minutes beyond the default 3 (kills come every ~60 s; a GPU heal takes 1-3 minutes), and
   # a trainer fetch that outlasts a generator's heal (SGLang's start up to 300 s)
-  run fault_run 1200 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 80 \
+  run fault_run 1350 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 60 \
     --stages generator,buffer,trainer,server \
     --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
     rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false \
@@ -112,9 +111,9 @@ start)
   setsid nohup bash "$0" "$([ "$gpus" -ge 4 ] && echo run || echo run2)" </dev/null >$S/phases.log 2>&1 &
   echo "started; progress: $S/phases.log"
   ;;
-run)  # four GPUs
-  (restarts 0,1 trainer; trainers_7b 0,1; lora_push_7b 0) >$S/lane0.log 2>&1 &
-  (restarts 2,3 generator; fault_run 2,3; lora_push_135m 2; moe_push 2,3) >$S/lane1.log 2>&1
+run)  # four GPUs: #39's checks first (restarts come before the HF-native backend in the plan)
+  (lora_push_135m 0; restarts 0,1 trainer; restarts 0,1 generator; trainers_7b 0,1) >$S/lane0.log 2>&1 &
+  (fault_run 2,3; moe_push 2,3) >$S/lane1.log 2>&1
   wait
   cat $S/lane*.log
   echo "all done $(date -u +%T)"
