@@ -6,12 +6,16 @@
 #   bash bench/gpu_open_issues.sh watch SECONDS    wait up to SECONDS (or until done), show the progress
 #   bash bench/gpu_open_issues.sh collect          results + logs into $OUT/session.tgz (watch does it too)
 # Keep the device calls back to back: a machine left idle 30 s between calls is released, with all of it.
-# Its next order (eighth session), on four GPUs (`run`):
-#   GPUs 0-1: LoRA pushes at 135M (#37, GPU 0) -> the GPU tests that kill the trainer, then the generator
-#             (#39) -> the 7B full fine-tune at TP=2 and the fsdp backend over 2 ranks (#42)
-#   GPUs 2-3: a stage killed every ~60 s, 60 steps beside an unfaulted run (#39) -> the MoE push (#34)
-# on two GPUs (`run2`): the restart tests; then GPU 0 the LoRA pushes beside GPU 1 the 1.5B trainers;
-# then both: the 7B trainers, the MoE push, the fault run.
+# Its next order (ninth session), on four GPUs (`run`):
+#   GPUs 0-1: the 7B trainers again, megatron TP=2 then fsdp compiled over 2 ranks (#42: the compiled
+#             backend failed at 7B on 2026-11-28 18:17, fixed since) -> LoRA pushes at 135M (#37: the
+#             device-side cast and the direct safetensors writer) -> LoRA pushes at 7B (GPU 0)
+#   GPUs 2-3: a stage killed every ~60 s for 200 steps beside an unfaulted run (#39: the 60-step run of
+#             2026-11-28 saw one kill in its 175 s) -> the MoE push (#34)
+# bench/peers/ (#43) wants two GPUs for ~25 minutes of its own: a session of its own, or GPUs 0-1 of this
+# one in place of the lane above.
+# Its eighth session (2026-11-28, 18:00, 4x H200) ran LoRA pushes at 135M, both restart tests (pass), the
+# fault run at 60 steps (one kill), the MoE push profile and the 7B trainers (bench/RESULTS.md).
 # Its seventh session (2026-11-28, 15:21, 4x H200) ran the 1.5B trainers (#42), LoRA pushes at 135M and
 # the restart tests (which found every synchronous GPU checkpoint failing), then lost its machine.
 # Its fourth session (2026-11-28, 13:27, 4x H200) ran the cache check and the sync agent bench (#40), the
@@ -96,7 +100,7 @@ fault_run() {  # GPUs $1 (two), #39: the 2-GPU disaggregated config with a rando
   # short of its steps), checkpoints every 10 steps (a trainer resumes from one), room for ~3 deaths of one
   # stage in 10 minutes beyond the default 3 (kills come every ~60 s; a GPU heal takes 1-3 minutes), and
   # a trainer fetch that outlasts a generator's heal (SGLang's start up to 300 s)
-  run fault_run 1350 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 60 \
+  run fault_run 1500 "$1" python bench/fault_run.py --config configs/gpu-2x-disaggregated.yaml --steps 200 \
     --stages generator,buffer,trainer,server \
     --kill-every-s 60 --results $R/fault_run.jsonl rollout.data.source=bench/data/basic_arithmetic.jsonl \
     rollout.reward.fn=math model.cache_dir=/tmp/models-fault trainer.save_at_end=false \
@@ -111,8 +115,8 @@ start)
   setsid nohup bash "$0" "$([ "$gpus" -ge 4 ] && echo run || echo run2)" </dev/null >$S/phases.log 2>&1 &
   echo "started; progress: $S/phases.log"
   ;;
-run)  # four GPUs: #39's checks first (restarts come before the HF-native backend in the plan)
-  (lora_push_135m 0; restarts 0,1 trainer; restarts 0,1 generator; trainers_7b 0,1) >$S/lane0.log 2>&1 &
+run)  # four GPUs
+  (trainers_7b 0,1; lora_push_135m 0; lora_push_7b 0) >$S/lane0.log 2>&1 &
   (fault_run 2,3; moe_push 2,3) >$S/lane1.log 2>&1
   wait
   cat $S/lane*.log
