@@ -216,6 +216,8 @@ def main() -> None:
         small = params < 3e9  # fp32 reference, and the merged HF model kept for server B's check
         cfg = SGLangConfig(mem_fraction_static=0.4 if small else 0.3, keep_weights_copy=False)
         adapters = [random_adapters(path, args.rank, seed) for seed in range(args.pushes + 1)]
+        # as a bf16 trainer sends them: lora_peft.adapter_push_state scales and casts on its GPU
+        sent = [{n: t.to(torch.bfloat16) for n, t in a.items()} for a in adapters]
         row["adapter_mb"] = round(sum(t.numel() * 2 for t in adapters[0].values()) / 2**20, 1)  # as bf16
         row["model_mb"] = round(sum(t.numel() * t.element_size() for t in base.values()) / 2**20, 1)
         row["mem_fraction_static"] = cfg.mem_fraction_static
@@ -230,7 +232,7 @@ def main() -> None:
         try:
             phases = []
             for v in range(args.pushes):  # each push, then its unloads (after it, as a step apart)
-                phases.append(eng.update_weights(list(adapters[v].items()), v + 1))
+                phases.append(eng.update_weights(list(sent[v].items()), v + 1))
                 eng.finish_unloads()
                 phases[-1]["unload_after_s"] = eng.last_unload_s
             idle = [p["total_s"] for p in phases]
@@ -241,10 +243,10 @@ def main() -> None:
             # where an idle push's write goes (3.9 s on a busy 4x H200 host, 40 ms on the CI box): the
             # last adapter once more, profiled
             try:
-                row["idle_push_profile"] = profiled_push(eng, adapters[args.pushes - 1], args.pushes + 1)
+                row["idle_push_profile"] = profiled_push(eng, sent[args.pushes - 1], args.pushes + 1)
             except Exception as e:  # noqa: BLE001 - a diagnosis; the pushes below still count
                 row["idle_push_profile"] = f"{type(e).__name__}: {e}"
-            busy = push_while_generating(eng, adapters[: args.pushes], args.pushes + 2)
+            busy = push_while_generating(eng, sent[: args.pushes], args.pushes + 2)
             row["adapter_push_ms_generating"] = ms(busy)
             row["goal_adapter_push_le_50ms"] = ms(busy) <= 50.0
             res = asyncio.run(eng.generate(reqs))

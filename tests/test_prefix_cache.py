@@ -78,6 +78,41 @@ def test_the_engine_follows_the_servers_version_down_once_two_polls_report_it(st
     assert stub_engine.cache_namespace == "v3.r1"
 
 
+def test_a_poll_that_read_the_server_before_this_clients_own_push_does_not_send_the_version_back(
+    stub_engine,  # noqa: F811
+    monkeypatch,
+):
+    """An adapter push (or a CUDA IPC push through the engine) labels the server and moves the engine's
+    version itself. A poll whose answer predates the label, with the previous poll's equal reading,
+    would read as the version going back twice in a row: it is set aside, not taken."""
+    import stages.rollout.sglang_version as sv
+
+    monkeypatch.setattr(sv, "VERSION_POLL_S", 0.0)
+
+    class Server:
+        done = False
+
+        def poll(self):
+            return 0 if self.done else None
+
+    server, reports = Server(), [4, 4, 5, 5]
+
+    def server_version():
+        if not reports:
+            server.done = True
+            return None
+        v = reports.pop(0)
+        if len(reports) == 2:  # the second poll's answer left the server just before the push's label
+            stub_engine._version = 5
+        return v
+
+    stub_engine._version = 4
+    stub_engine._server_version, stub_engine._proc = server_version, server
+    stub_engine._follow_version(server)
+    assert stub_engine.version == 5
+    assert stub_engine.versions_went_back == 0
+
+
 def test_the_engine_counts_the_prompt_tokens_it_prefilled_and_not_those_the_cache_served(stub_engine):  # noqa: F811
     _StreamingStub.tokens = list(b"ab")
     _StreamingStub.extra_meta = {"prompt_tokens": 10, "cached_tokens": 7}

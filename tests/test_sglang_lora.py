@@ -309,7 +309,7 @@ def test_adapter_folders_go_to_shared_memory_only_where_it_has_room(monkeypatch,
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_file", full)
+    monkeypatch.setattr(sl.safetensors_write, "save", full)
     with pytest.raises(OSError, match=r"adapter push \(0 MB\) could not be written .*No space left.*TMPDIR"):
         sl.write_adapter_folder(dict(ADAPTERS), {"r": 4}, torch.bfloat16)
     assert os.listdir(tmp_path / "shm") == [] and os.listdir(tmp_path / "tmp") == []

@@ -16,7 +16,8 @@ here and back to the host there, a blocking copy per tensor on each side (392 te
 4.6-5.0 s a push on an idle H200 server (bench/RESULTS.md, GPU session of 2026-11-28, 11:05); from a
 folder the load makes no CUDA call. The adapter tensors arrive as the trainer sends them (lora_peft.adapter_push_state):
 `<HF module>.lora_A.weight` / `.lora_B.weight` with alpha/r folded into B, so the adapter is announced with
-lora_alpha = r (SGLang's scaling alpha/r is then 1).
+lora_alpha = r (SGLang's scaling alpha/r is then 1), in the dtype of the trainer's weights (bf16 when it
+trains in bf16: cast on its GPU, so that here they are written as they come).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stages.rollout import safetensors_write
 from stages.rollout.engine import LORA_A, is_adapter
 
 if TYPE_CHECKING:  # annotations only: RolloutRun (run.py) imports LoraServing without torch
@@ -129,14 +131,15 @@ def write_adapter_folder(
 ) -> str:
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in `dtype`) of `tensors`
     under `root` (default: adapter_folder_root); the caller removes it once the server has loaded it.
-    A write that fails leaves nothing behind and says how large the push was and where it went."""
-    from safetensors.torch import save_file
-
+    A write that fails leaves nothing behind and says how large the push was and where it went.
+    Tensors that come in `dtype` (the trainer casts them on its GPU: export.PolicyExport.weights_dtype)
+    are written from their own memory (safetensors_write: no copy but the kernel's, where safetensors'
+    save_file made two, 20 ms of a 135M rank-64 push on an H200 host)."""
     host = {n: host_cast(t, dtype) for n, t in tensors.items()}
     nbytes = sum(t.numel() * t.element_size() for t in host.values())
     folder = tempfile.mkdtemp(prefix="slipstream-adapter-", dir=root or adapter_folder_root(nbytes))
     try:
-        save_file(host, os.path.join(folder, "adapter_model.safetensors"))
+        safetensors_write.save(host, os.path.join(folder, "adapter_model.safetensors"))
         with open(os.path.join(folder, "adapter_config.json"), "w") as f:
             json.dump(config, f)
     except OSError as e:

@@ -39,8 +39,14 @@ class SGLangVersion:
         while one lower answer may be a poll that read the server just before this client's own push."""
         before = None  # what the previous poll read
         while self._proc is proc and proc.poll() is None:
+            asked_at = self._version
             v = self._server_version()
             with self._state_lock:  # a relaunch may have begun since the server was asked
+                if self._version != asked_at:
+                    # this client's own push (sglang_updates.py) moved the version while the server was
+                    # asked: the answer may predate the push's label, and taken with the previous poll's
+                    # equal reading it would send the version straight back
+                    v = before = None
                 moved = v is not None and (v > self._version or (v < self._version and v == before))
                 if moved and self._proc is proc:
                     # pushed by the trainer itself (weights.transport nccl / cuda_ipc): the key moves
