@@ -16,7 +16,9 @@ while the head uses it and its gradient flows back through FSDP's hooks.
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -197,6 +199,85 @@ def load_lm(path: str, attn: str, fallback: bool = False) -> nn.Module:
     return lm
 
 
+# torch._dynamo's graphs per code object while a compiled decoder layer runs (its default is 8). All layers
+# run their class's code, so one limit counts the graphs of every layer: a no-grad pass (the old
+# logprobs) and a training one, for each decoder-layer class of the model, and, where the body breaks the
+# graph (the CPU's per-segment attention), a second entry of transformers' forward wrapper (FSDP's
+# subclass wraps it again, with another closure): 4 at most on a tiny Qwen2 on the CPU
+# (tests/test_fsdp_compile.py). Lengths add none (dynamic=True, no duck sizing). 16 leaves room for
+# families with more layer classes or per-layer settings (sliding and full attention layers); a storm
+# past it stops the step (compile_layer).
+LAYER_RECOMPILE_LIMIT = 16
+
+
+class LayerRecompileLimit(RuntimeError):
+    """A compiled decoder layer needed more graphs than LAYER_RECOMPILE_LIMIT (trainer.fsdp_compile)."""
+
+
+def compile_layer(layer: nn.Module) -> None:
+    """trainer.fsdp_compile for one decoder layer, before fully_shard: `nn.Module.compile` of its call, with
+
+    - dynamic=True. A packed micro-batch's row length, cu_seqlens and max_segment_len change from one
+      micro-batch to the next; compiled static, each change recompiles (once a size, then dynamo makes
+      it dynamic), on top of the graphs of each mode, and 7B over 2 ranks ran out of graphs in its first
+      step (bench/RESULTS.md, GPU session of 2026-11-28, 18:00).
+    - activation checkpointing (trainer.recompute) inside the compiled call, around the layer's forward:
+      dynamo traces the checkpoint into the layer's graph and the recompute is part of the compiled
+      backward (torchtitan's order). transformers placed it by release: older ones around the module
+      call, so FSDP's pre-forward hook ran inside it and the compiled forward saw its inputs as views
+      (FSDP's backward-hook function returns them so) while the recompute, where the hook does nothing,
+      saw plain tensors: another guard ("'NoneType' object has no attribute 'size'", on the view's
+      base), another graph for every recompute. A body that breaks the graph (the CPU's per-segment
+      attention) makes dynamo run the checkpoint eagerly, body included: slower, the same values.
+    - dynamo's recompile limit raised to LAYER_RECOMPILE_LIMIT and fatal while the layer runs. Past the
+      limit dynamo would run new variants eagerly, silently; under a checkpoint around the compiled call
+      that left a forward compiled and its recompute eager (CheckpointError in the backward: float32
+      norms where the forward saved bf16). Here it raises LayerRecompileLimit, which names the setting."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch.fx.experimental import _config as shape_config
+
+    if getattr(layer, "gradient_checkpointing", False):
+        layer.gradient_checkpointing = False  # transformers' own off: _checkpointed_forward's instead
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+    layer.compile(dynamic=True)
+    compiled = layer._compiled_call_impl
+
+    def call(*args, **kwargs):
+        # dynamo reads these when it compiles a frame, inside this call; set and restored by hand (the
+        # config's patch() costs ~0.1 ms, a layer call ~10 us this way)
+        dyn = torch._dynamo.config
+        saved = dyn.recompile_limit, dyn.fail_on_recompile_limit_hit, shape_config.use_duck_shape
+        # duck sizing off: two sizes equal at the first call (a row of 128 tokens, a head of 128) would
+        # share one symbol, and the first call where they differ would recompile both passes' graphs
+        dyn.recompile_limit, dyn.fail_on_recompile_limit_hit, shape_config.use_duck_shape = (
+            LAYER_RECOMPILE_LIMIT,
+            True,
+            False,
+        )
+        try:
+            return compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit as e:
+            raise LayerRecompileLimit(
+                f"trainer.fsdp_compile: torch.compile made more than {LAYER_RECOMPILE_LIMIT} graphs of "
+                f"{type(layer).__name__}'s code (TORCH_LOGS=recompiles lists why). Rather than run it "
+                "eagerly from here on, the step stops: set trainer.fsdp_compile=false, or find the input "
+                "or attribute that changes from call to call"
+            ) from e
+        finally:
+            dyn.recompile_limit, dyn.fail_on_recompile_limit_hit, shape_config.use_duck_shape = saved
+
+    layer._compiled_call_impl = call  # what nn.Module.__call__ runs for a compiled module
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    """A checkpointed decoder layer's forward (compile_layer): its class's, under the checkpoint function
+    transformers set (trainer.recompute's use_reentrant=False) in a training pass."""
+    forward = type(self).forward
+    if self.training and torch.is_grad_enabled():
+        return self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)
+    return forward(self, *args, **kwargs)
+
+
 def shard(
     model: HeadedLM, mesh, *, bf16: bool, offload: bool, reshard: bool = True, compile_layers: bool = False
 ) -> HeadedLM:
@@ -220,8 +301,8 @@ def shard(
             "backend shards one unit per layer and cannot find them"
         )
     for layer in layers:
-        if compile_layers:  # each block on its own (one graph reused by every layer), then sharded
-            layer.compile()
+        if compile_layers:  # each block on its own (the graphs shared by every layer), then sharded
+            compile_layer(layer)
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     fully_shard(model, **kw)
     return model
