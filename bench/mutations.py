@@ -1171,7 +1171,7 @@ MUTATIONS = [
         "fsdp_compile_ignored",
         "trainer.fsdp_compile=true compiles nothing",
         "stages/trainer/fsdp_model.py",
-        "            layer.compile()\n",
+        "            compile_layer(layer)\n",
         "            pass\n",
         ("tests/test_fsdp_backend.py::test_compiled_layers_give_the_same_logprobs",),
     ),
@@ -1328,6 +1328,15 @@ MUTATIONS = [
         "                if self._version != asked_at:\n",
         "                if False:\n",
         ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "fsdp_compile_recompiles_per_variant",
+        "trainer.fsdp_compile compiles each layer as before the fix (static shapes, transformers' checkpoint, "
+        "dynamo's limit of 8 and its silent eager fallback): new lengths recompile until the limit",
+        "stages/trainer/fsdp_model.py",
+        "            compile_layer(layer)\n",
+        "            layer.compile()\n",
+        ("tests/test_fsdp_compile.py",),
     ),
 ]
 

@@ -200,14 +200,15 @@ def load_lm(path: str, attn: str, fallback: bool = False) -> nn.Module:
 
 
 # torch._dynamo's graphs per code object while a compiled decoder layer runs (its default is 8). All layers
-# run their class's code, so one limit counts the graphs of every layer: a no-grad pass (the old
-# logprobs) and a training one, for each decoder-layer class of the model, and, where the body breaks the
-# graph (the CPU's per-segment attention), a second entry of transformers' forward wrapper (FSDP's
-# subclass wraps it again, with another closure): 4 at most on a tiny Qwen2 on the CPU
-# (tests/test_fsdp_compile.py). Lengths add none (dynamic=True, no duck sizing). 16 leaves room for
-# families with more layer classes or per-layer settings (sliding and full attention layers); a storm
-# past it stops the step (compile_layer).
-LAYER_RECOMPILE_LIMIT = 16
+# run their class's code, so the limit counts the graphs of every layer. A tiny Qwen2 on the CPU needs 3
+# (tests/test_fsdp_compile.py): the training pass and the no-grad pass twice, as transformers'
+# gradient_checkpointing_enable makes the embeddings' output require grad even there (the first layer's
+# input differs from the others'); 6 with sdpa, whose rows of one sequence come without a mask. Families
+# with several layer classes or per-layer settings (sliding and full attention) multiply these, and the
+# CPU's per-segment varlen attention (varlen.per_segment_sdpa, a graph break) compiles its loop once per
+# segment count. Lengths add none (dynamic=True, no duck sizing). 32 covers those; a storm past it (a
+# graph per layer of a 28-layer model, say) stops the step (compile_layer).
+LAYER_RECOMPILE_LIMIT = 32
 
 
 class LayerRecompileLimit(RuntimeError):
