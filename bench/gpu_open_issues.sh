@@ -9,9 +9,10 @@
 # Its next order (ninth session), on four GPUs (`run`):
 #   GPUs 0-1: the 7B trainers again, megatron TP=2 then fsdp compiled over 2 ranks (#42: the compiled
 #             backend failed at 7B on 2026-11-28 18:17, fixed since) -> LoRA pushes at 135M (#37: the
-#             device-side cast and the direct safetensors writer) -> LoRA pushes at 7B (GPU 0)
+#             device-side cast and the direct safetensors writer) -> LoRA pushes at 7B (GPU 0), beside
+#             the 1.5B trainers on GPU 1 (does fsdp_compile's dynamic shapes keep its 28.3k tokens/s?)
 #   GPUs 2-3: a stage killed every ~60 s for 200 steps beside an unfaulted run (#39: the 60-step run of
-#             2026-11-28 saw one kill in its 175 s) -> the MoE push (#34)
+#             2026-11-28 saw one kill in its 175 s)
 # bench/peers/ (#43) wants two GPUs for ~25 minutes of its own: a session of its own, or GPUs 0-1 of this
 # one in place of the lane above.
 # Its eighth session (2026-11-28, 18:00, 4x H200) ran LoRA pushes at 135M, both restart tests (pass), the
@@ -116,8 +117,8 @@ start)
   echo "started; progress: $S/phases.log"
   ;;
 run)  # four GPUs
-  (trainers_7b 0,1; lora_push_135m 0; lora_push_7b 0) >$S/lane0.log 2>&1 &
-  (fault_run 2,3; moe_push 2,3) >$S/lane1.log 2>&1
+  (trainers_7b 0,1; (lora_push_135m 0; lora_push_7b 0) & trainers_15b 1; wait) >$S/lane0.log 2>&1 &
+  fault_run 2,3 >$S/lane1.log 2>&1
   wait
   cat $S/lane*.log
   echo "all done $(date -u +%T)"
