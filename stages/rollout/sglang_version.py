@@ -45,8 +45,9 @@ class SGLangVersion:
                 if self._version != asked_at:
                     # this client's own push (sglang_updates.py) moved the version while the server was
                     # asked: the answer may predate the push's label, and taken with the previous poll's
-                    # equal reading it would send the version straight back
-                    v = before = None
+                    # equal reading it would send the version straight back (set aside: not the
+                    # next poll's `before` either)
+                    v = None
                 moved = v is not None and (v > self._version or (v < self._version and v == before))
                 if moved and self._proc is proc:
                     # pushed by the trainer itself (weights.transport nccl / cuda_ipc): the key moves

@@ -253,10 +253,7 @@ class PolicyExport:
         under megatron's Float16Module (trainer.precision=bf16), else fp32. The adapters of an adapter
         push go in it too, cast on the trainer's GPU: an SGLang server serving bf16 then writes them
         as they come, where a cast on its host cost 29 ms of an 86 ms push (135M, rank 64, H200)."""
-        c = self.policy.config
-        if getattr(c, "bf16", False):
-            return torch.bfloat16
-        return torch.float16 if getattr(c, "fp16", False) else torch.float32
+        return torch.bfloat16 if getattr(self.policy.config, "bf16", False) else torch.float32
 
     @property
     def _adapted_only(self) -> bool:
